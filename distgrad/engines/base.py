@@ -1,0 +1,94 @@
+"""The interface between an engine (DeepSpeed, DDP, FSDP) and the statistics core."""
+
+from __future__ import annotations
+
+import abc
+import re
+from typing import Sequence
+
+import torch
+
+#: prefixes that wrappers add to parameter names; removed so users see their own names
+_WRAPPER_COMPONENTS = re.compile(
+    r"(^|\.)(_fsdp_wrapped_module|_orig_mod|_checkpoint_wrapped_module|_forward_module)\.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name as in the user's ``model.named_parameters()``: wrapper components
+    (``_fsdp_wrapped_module.``, ``_orig_mod.``, ``_checkpoint_wrapped_module.``) removed
+    wherever they occur, and leading ``module.`` (DDP / DeepSpeed) prefixes removed."""
+    prev = None
+    while prev != name:
+        prev = name
+        name = _WRAPPER_COMPONENTS.sub(r"\1", name)
+        if name.startswith("module."):
+            name = name[len("module."):]
+    return name
+
+
+class GradSource(abc.ABC):
+    """Finds, on this rank, the local piece of each parameter's *reduced* gradient.
+
+    Attributes set by subclasses:
+        engine_name: bounded label value, e.g. ``"deepspeed"``, ``"ddp"``, ``"fsdp1"``.
+        zero_stage: ZeRO stage (0-3) for DeepSpeed, None otherwise.
+        names: P trainable parameter names, in registration (forward) order, each once
+            (tied weights counted once), wrapper prefixes removed.
+        numels: P full (unsharded) element counts.
+        replicated: True when every rank holds the same full reduced gradient (DDP, ZeRO-0):
+            the core then splits each gradient into W slices and each rank reads only its own
+            slice, so nothing is counted twice and the work is divided by W.
+        grad_dtype: dtype the gradients are held in (for headroom to its largest finite value).
+    """
+
+    engine_name: str = "unknown"
+    zero_stage: int | None = None
+    names: list[str]
+    numels: list[int]
+    replicated: bool = False
+    grad_dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype = torch.float32
+
+    @abc.abstractmethod
+    def local_pieces(self) -> Sequence[torch.Tensor | None]:
+        """Length-P list of 1-D views of this rank's reduced gradient piece (None if none).
+
+        Only called at a gradient-accumulation boundary after the reduction has completed.
+        For replicated sources the full flattened gradient is returned.
+        """
+
+    def grad_scale(self) -> float:
+        """Factor the gradients currently carry (fp16 loss scale) or 1.0."""
+        return 1.0
+
+    def device(self) -> torch.device:
+        """Device on which to pack statistics (that of the gradients)."""
+        return torch.device("cpu")
+
+    # fp16 / overflow state; engines without a scaler keep these defaults
+    def has_loss_scaler(self) -> bool:
+        return False
+
+    def loss_scale(self) -> float | None:
+        return None
+
+    def min_loss_scale(self) -> float | None:
+        return None
+
+    def overflow(self) -> bool | None:
+        return None
+
+    def samples(self) -> int | None:
+        """Training samples consumed so far, when the engine counts them."""
+        return None
+
+
+def slice_for_rank(flat: torch.Tensor | None, rank: int, world: int) -> torch.Tensor | None:
+    """Rank ``rank``'s contiguous 1/W slice of a replicated flat gradient:
+    elements ``[rank*c, min(n, (rank+1)*c))`` with ``c = ceil(n/W)``; may be empty."""
+    if flat is None:
+        return None
+    n = flat.numel()
+    c = -(-n // world)
+    start = min(n, rank * c)
+    return flat.narrow(0, start, max(0, min(n, start + c) - start))

@@ -1,0 +1,168 @@
+"""DeepSpeed adapter: where a ``DeepSpeedEngine`` keeps the reduced local gradient on each ZeRO
+stage, its loss scale and overflow state (measured against deepspeed 0.19; see
+``shared/notes/engines.md``).
+
+- Stage 0: ``param.grad`` is the full gradient averaged over ranks, identical on every rank.
+- Stage 1/2: ``param.grad`` is None; ``param._hp_mapping.get_lp_grad_fragment(
+  param._index_in_param_group)`` is the reduced fragment owned by this rank, at
+  ``_hp_mapping.lp_fragment_address`` (start, numel) of the flattened parameter; with
+  ``BF16_Optimizer`` the returned tensor is the full-size gradient and is narrowed to that
+  address. ``_hp_mapping`` is None when this rank owns no element of the parameter.
+- Stage 3: ``deepspeed.utils.safe_get_local_grad(param)`` is the rank's fp32 partition of
+  ``ceil(numel / W)`` elements; the last ranks' partitions are zero-padded, so only
+  ``max(0, min(P, numel - rank * P))`` elements are real.
+
+The boundary hook wraps ``engine._take_model_step`` on the instance: DeepSpeed calls it once per
+optimizer step, on the gradient-accumulation boundary, after the all-reduce (stage 0/1) or
+reduce-scatter (stage 2/3) has completed (also in unmanaged accumulation mode, where
+``step()`` finalises the reduction first) and before clipping and the optimizer update.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from distgrad.engines.base import GradSource, clean_name
+
+
+def is_deepspeed_engine(obj: object) -> bool:
+    try:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+    except Exception:  # noqa: BLE001 - deepspeed import can fail in many ways
+        return False
+    return isinstance(obj, DeepSpeedEngine)
+
+
+class DeepSpeedSource(GradSource):
+    """Reads the post-reduction local gradient pieces of a ``deepspeed.DeepSpeedEngine``.
+
+    Raises:
+        TypeError: ``engine`` is not a DeepSpeedEngine or is a pipeline engine.
+        ValueError: the engine has no optimizer (inference engine) or uses a configuration
+            whose reduced gradients distgrad cannot locate (named in the message).
+    """
+
+    engine_name = "deepspeed"
+
+    def __init__(self, engine) -> None:
+        if not is_deepspeed_engine(engine):
+            raise TypeError(f"expected a deepspeed.DeepSpeedEngine, got {type(engine).__name__}")
+        if type(engine).__name__ == "PipelineEngine":
+            raise TypeError("DeepSpeed PipelineEngine is not supported yet: instrument a "
+                            "DeepSpeedEngine (deepspeed.initialize without a PipelineModule)")
+        if engine.optimizer is None:
+            raise ValueError("the DeepSpeed engine has no optimizer: distgrad watches training "
+                             "gradients; pass an optimizer (or an 'optimizer' config section) "
+                             "to deepspeed.initialize")
+        if not hasattr(engine, "_take_model_step"):
+            raise ValueError("this DeepSpeed version has no DeepSpeedEngine._take_model_step; "
+                             "distgrad supports deepspeed 0.16-0.19")
+        self.engine = engine
+        self.zero_stage = int(engine.zero_optimization_stage())
+        self.replicated = self.zero_stage == 0
+        self._params: list[torch.nn.Parameter] = []
+        self.names, self.numels = [], []
+        for name, p in engine.module.named_parameters():  # dedups tied weights
+            if not p.requires_grad:
+                continue
+            self._params.append(p)
+            self.names.append(clean_name(name))
+            self.numels.append(int(p.ds_numel) if hasattr(p, "ds_numel") else p.numel())
+        if engine.fp16_enabled():
+            self.grad_dtype = self.compute_dtype = torch.float16
+        elif engine.bfloat16_enabled():
+            self.grad_dtype = self.compute_dtype = torch.bfloat16
+        else:
+            self.grad_dtype = self.compute_dtype = torch.float32
+        self.rank = engine.global_rank if self.zero_stage == 3 else None
+        if self.zero_stage == 3:
+            import torch.distributed as dist
+
+            grp = getattr(engine.optimizer, "dp_process_group", None)
+            self.rank = dist.get_rank(grp)
+            self.world = dist.get_world_size(grp)
+
+    # ------------------------------------------------------------------------------------
+    def device(self) -> torch.device:
+        return torch.device(self.engine.device)
+
+    def local_pieces(self) -> Sequence[torch.Tensor | None]:
+        if self.zero_stage == 0:
+            return [p.grad.reshape(-1) if p.grad is not None else None for p in self._params]
+        if self.zero_stage in (1, 2):
+            return [self._fragment_12(p) for p in self._params]
+        return [self._partition_3(p) for p in self._params]
+
+    @staticmethod
+    def _fragment_12(p: torch.nn.Parameter) -> torch.Tensor | None:
+        mapping = getattr(p, "_hp_mapping", None)
+        if mapping is None:
+            return None
+        frag = mapping.get_lp_grad_fragment(p._index_in_param_group)
+        if frag is None:
+            return None
+        flat = frag.reshape(-1)
+        addr = mapping.lp_fragment_address
+        if flat.numel() != addr.numel:
+            flat = flat.narrow(0, addr.start, addr.numel)
+        return flat
+
+    def _partition_3(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        from deepspeed.utils import safe_get_local_grad
+
+        g = safe_get_local_grad(p)
+        if g is None:
+            return None
+        g = g.reshape(-1)
+        part = g.numel()
+        keep = max(0, min(part, int(p.ds_numel) - self.rank * part))
+        return g.narrow(0, 0, keep)
+
+    # ------------------------------------------------------------------------------------
+    def has_loss_scaler(self) -> bool:
+        return bool(self.engine.fp16_enabled())
+
+    def loss_scale(self) -> float | None:
+        if not self.has_loss_scaler():
+            return None
+        opt = self.engine.optimizer
+        for attr in ("cur_scale", "loss_scale"):
+            v = getattr(opt, attr, None)
+            if v is not None:
+                return float(v)
+        cfg = getattr(opt, "loss_scale_config", None)
+        if cfg is not None and getattr(cfg, "cur_scale", None) is not None:
+            return float(cfg.cur_scale)
+        return None
+
+    def min_loss_scale(self) -> float | None:
+        if not self.has_loss_scaler():
+            return None
+        opt = self.engine.optimizer
+        for holder in (opt, getattr(opt, "loss_scaler", None), getattr(opt, "loss_scale_config", None)):
+            v = getattr(holder, "min_loss_scale", None) if holder is not None else None
+            if v is not None:
+                return float(v)
+        try:
+            return float(self.engine.config["fp16"].get("min_loss_scale", 1))  # type: ignore[index]
+        except Exception:  # noqa: BLE001
+            return 1.0
+
+    def grad_scale(self) -> float:
+        """ZeRO 1-3 under fp16 keep the loss-scaled gradient until ``step()`` unscales it.
+        Stage 0 fp16 was measured unscaled at this point on deepspeed 0.19 CPU (see notes);
+        the reference tests pin both behaviours."""
+        if not self.has_loss_scaler() or self.zero_stage == 0:
+            return 1.0
+        s = self.loss_scale()
+        return float(s) if s else 1.0
+
+    def overflow(self) -> bool | None:
+        if not self.has_loss_scaler():
+            return None
+        return bool(getattr(self.engine.optimizer, "overflow", False))
+
+    def samples(self) -> int | None:
+        return int(getattr(self.engine, "global_samples", 0))

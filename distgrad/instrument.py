@@ -1,0 +1,345 @@
+"""The instrument: decides when to sample, runs the statistics core and the cross-rank
+reduction on the optimizer-step boundary, builds the :class:`StepRecord`, and hands it to the
+diagnostics and, on global rank 0, to the sinks.
+
+Collective discipline: every rank makes the same collectives in the same order. Whether a step
+is sampled is decided from the engine's optimizer-step counter (identical on all ranks); a rank
+whose local computation fails still joins the collectives with identity values and an error
+flag; the only data-dependent collective (per-rank provenance on a non-finite step) is decided
+from the *reduced* non-finite count, which every rank holds identically.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from distgrad import __version__
+from distgrad.config import DistgradConfig
+from distgrad.engines.base import GradSource, slice_for_rank
+from distgrad.record import StepRecord
+from distgrad.sinks.base import Sink
+from distgrad.stats import (RANK_COLS, SUM_COLS, Layout, error_blocks, global_norm, pack_local,
+                            reduce_blocks, replica_outliers, unpack)
+
+log = logging.getLogger("distgrad")
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def _dist_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class Instrument:
+    """Watches one training run. Built by :func:`distgrad.instrument`; not constructed directly.
+
+    Attributes:
+        config: the validated :class:`DistgradConfig`.
+        rank, world_size: this process's rank and the number of ranks combined.
+        port: the Prometheus port actually bound on rank 0 (useful with ``port=0``), else None.
+        last_record: the :class:`StepRecord` of the last sampled step (every rank has it).
+        counters: totals since ``instrument()`` (see ``StepRecord.counters``).
+    """
+
+    def __init__(self, source: GradSource, config: DistgradConfig, group: Any = None) -> None:
+        self.source = source
+        self.config = config
+        self.group = group
+        self.rank = dist.get_rank(group) if _dist_ready() else 0
+        self.world_size = dist.get_world_size(group) if _dist_ready() else 1
+        self.global_rank = dist.get_rank() if _dist_ready() else 0
+        self.layout = Layout(len(source.names), self.world_size)
+        self.counters: dict[str, int] = {k: 0 for k in (
+            "nonfinite_steps", "sampled_steps", "internal_errors", "replica_mismatch",
+            "overflow_steps", "skipped_steps", "samples")}
+        self.last_record: StepRecord | None = None
+        self.sinks: list[Sink] = []
+        self.prometheus = None
+        self.port: int | None = None
+        self._loss_sum: torch.Tensor | None = None
+        self._loss_count = 0
+        self._consecutive_overflow = 0
+        self._replica_mismatch_rank = -1
+        self._last_nonfinite_params: list[dict[str, Any]] = []
+        self._restore: list[Callable[[], None]] = []
+        self._hooks: list[Callable[[StepRecord], None]] = []
+        self._closed = False
+
+    # ----------------------------------------------------------------------------------
+    # set-up
+    def _start_sinks(self) -> None:
+        """Create rank 0's sinks, then agree across ranks that set-up succeeded (one small
+        all-reduce at ``instrument()`` time), so that a port in use on rank 0 raises on every
+        rank instead of leaving the others to hang in the first sampled step."""
+        err: BaseException | None = None
+        if self.global_rank == 0 and self.config.prometheus:
+            from distgrad.sinks.prometheus import PrometheusSink
+
+            static = {"engine": self.source.engine_name,
+                      "zero_stage": "" if self.source.zero_stage is None else str(self.source.zero_stage),
+                      "dtype": _DTYPE_NAMES.get(self.source.compute_dtype, str(self.source.compute_dtype)),
+                      "version": __version__}
+            try:
+                self.prometheus = PrometheusSink(self.config.host, self.config.port, static, self.world_size)
+                self.port = self.prometheus.port
+                self.sinks.append(self.prometheus)
+            except OSError as e:
+                err = e
+        if self.global_rank == 0 and err is None:
+            err = self._start_file_sinks()
+        if _dist_ready() and self.world_size > 1:
+            flag = torch.tensor([1.0 if err else 0.0, float(self.layout.n_params), -float(self.layout.n_params)],
+                                dtype=torch.float64, device=self.source.device())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            f = flag.cpu().tolist()
+            if err is None and f[0] > 0:
+                err = RuntimeError("distgrad set-up failed on global rank 0 (see its error above)")
+            if err is None and f[1] != -f[2]:
+                err = RuntimeError(
+                    f"ranks disagree on the number of trainable parameters ({int(-f[2])}..{int(f[1])}): "
+                    "every rank must instrument the same model with the same requires_grad settings")
+        if err is not None:
+            self.close()
+            raise err
+
+    def _start_file_sinks(self) -> BaseException | None:
+        try:
+            if self.config.jsonl_path:
+                from distgrad.sinks.jsonl import JsonlSink
+
+                self.sinks.append(JsonlSink(self.config.jsonl_path))
+            if self.config.tensorboard_dir:
+                from distgrad.sinks.tensorboard import TensorBoardSink
+
+                self.sinks.append(TensorBoardSink(self.config.tensorboard_dir))
+        except Exception as e:  # noqa: BLE001 - reported at instrument() time
+            return e
+        return None
+
+    # ----------------------------------------------------------------------------------
+    # user-facing
+    def observe_loss(self, loss: "torch.Tensor | float") -> None:
+        """Record one micro-batch's training loss on this rank (no host sync, no collective).
+
+        The losses observed since the last optimizer-step boundary are summed on the device and
+        averaged over micro-batches and ranks inside the sampled step's SUM collective; the
+        result is ``StepRecord.loss`` / ``distgrad_loss``. DeepSpeed engines call this
+        automatically from ``engine.backward(loss)``.
+
+        Args:
+            loss: 0-d tensor (any float dtype, any device) or a Python float.
+        """
+        try:
+            t = loss.detach().reshape(()).to(torch.float64) if isinstance(loss, torch.Tensor) \
+                else torch.tensor(float(loss), dtype=torch.float64)
+            self._loss_sum = t if self._loss_sum is None else self._loss_sum + t.to(self._loss_sum.device)
+            self._loss_count += 1
+        except Exception:  # noqa: BLE001 - never break training
+            self._internal_error("observe_loss")
+
+    def add_hook(self, fn: Callable[[StepRecord], None]) -> None:
+        """Call ``fn(record)`` on every rank after each sampled step (exceptions are counted)."""
+        self._hooks.append(fn)
+
+    def close(self) -> None:
+        """Stop the exporter, close the sinks and restore the engine's wrapped methods."""
+        if self._closed:
+            return
+        self._closed = True
+        for restore in reversed(self._restore):
+            try:
+                restore()
+            except Exception:  # noqa: BLE001
+                pass
+        for s in self.sinks:
+            try:
+                s.close()
+            except Exception:  # noqa: BLE001
+                log.exception("distgrad: closing sink %s failed", s.name)
+
+    def __enter__(self) -> "Instrument":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------------
+    # the boundary
+    def is_sampled(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (0-based, engine counter) is sampled."""
+        return self.config.enabled and step % self.config.interval == 0
+
+    def collect(self, step: int) -> np.ndarray | None:
+        """Local statistics + the two collectives + one host copy, for a sampled step.
+
+        Must be called on every rank at the same boundary. Returns the reduced host array, or
+        None when the reduction itself failed (counted)."""
+        device = self.source.device()
+        try:
+            pieces = list(self.source.local_pieces())
+            fingerprint = None
+            if self.source.replicated:
+                if self.config.replica_check and self.world_size > 1:
+                    present = [p for p in pieces if p is not None and p.numel()]
+                    fingerprint = (torch.stack([torch.dot(p.float(), p.float()).double() for p in present]).sum()
+                                   if present else torch.zeros((), dtype=torch.float64, device=device))
+                pieces = [slice_for_rank(p, self.rank, self.world_size) for p in pieces]
+            sum_block, max_block = pack_local(pieces, self.layout, self.rank, device, fingerprint,
+                                              self._loss_sum, self._loss_count)
+        except Exception:  # noqa: BLE001 - join the collectives anyway, with the error flag set
+            self._internal_error("local statistics")
+            sum_block, max_block = error_blocks(self.layout, self.rank, device)
+        self._local_nonfinite = sum_block[: self.layout.rank_offset].view(-1, len(SUM_COLS))[:, 3:5].clone()
+        try:
+            return reduce_blocks(sum_block, max_block, self.group)
+        except Exception:  # noqa: BLE001
+            self._internal_error("cross-rank reduction")
+            return None
+
+    def _provenance(self, names: list[str]) -> list[dict[str, Any]]:
+        """Per-rank non-finite counts per parameter: one all-gather, made only on steps whose
+        *reduced* statistics are non-finite (so every rank makes it)."""
+        local = self._local_nonfinite.reshape(-1)
+        if _dist_ready() and self.world_size > 1:
+            out = torch.empty(self.world_size * local.numel(), dtype=local.dtype, device=local.device)
+            dist.all_gather_into_tensor(out, local.contiguous(), group=self.group)
+        else:
+            out = local
+        per = out.cpu().numpy().reshape(self.world_size, len(names), 2)
+        rows = []
+        for r in range(self.world_size):
+            for i in np.nonzero(per[r].sum(axis=1))[0]:
+                rows.append({"param": names[i], "rank": r, "nan": int(per[r, i, 0]),
+                             "inf": int(per[r, i, 1]), "count": int(per[r, i].sum())})
+        return rows
+
+    def finish(self, step: int, micro_step: int, host: np.ndarray | None, grad_scale: float,
+               loss_scale: float | None, overflow: bool | None, step_applied: bool,
+               samples: int | None) -> StepRecord | None:
+        """Turn the reduced array into a record after the optimizer step, update counters and
+        diagnostics, publish. Never raises."""
+        try:
+            self.account(overflow, step_applied, samples)
+            if host is None:
+                self._publish_counters()
+                return None
+            red = unpack(host, self.layout, self.source.names, grad_scale)
+            if red.rank_error.sum():
+                # this rank counted its own failure already; learn of the others' from the flags
+                self.counters["internal_errors"] += int(red.rank_error.sum() - red.rank_error[self.rank])
+                self._publish_counters()
+                return None
+            rec = self._build(step, micro_step, red, grad_scale, loss_scale, overflow, step_applied)
+            self.last_record = rec
+            for hook in self._hooks:
+                try:
+                    hook(rec)
+                except Exception:  # noqa: BLE001
+                    self._internal_error("hook")
+            rec.counters = dict(self.counters)
+            self._publish(rec)
+            return rec
+        except Exception:  # noqa: BLE001
+            self._internal_error("finishing the step")
+            return None
+        finally:
+            self._loss_sum, self._loss_count = None, 0
+
+    def account(self, overflow: bool | None, step_applied: bool, samples: int | None) -> None:
+        """Per-boundary bookkeeping that needs no collective (every optimizer step, sampled or
+        not): overflow and skipped-step counters, the overflow streak, the sample count."""
+        if overflow:
+            self.counters["overflow_steps"] += 1
+            self._consecutive_overflow += 1
+        elif overflow is not None:
+            self._consecutive_overflow = 0
+        if not step_applied:
+            self.counters["skipped_steps"] += 1
+        if samples is not None:
+            self.counters["samples"] = samples
+
+    def skip(self, overflow: bool | None, step_applied: bool, samples: int | None) -> None:
+        """Boundary of a step that is not sampled: account it, drop the observed losses."""
+        try:
+            self.account(overflow, step_applied, samples)
+            self._publish_counters()
+        except Exception:  # noqa: BLE001
+            self._internal_error("accounting an unsampled step")
+        finally:
+            self._loss_sum, self._loss_count = None, 0
+
+    def _build(self, step, micro_step, red, grad_scale, loss_scale, overflow, step_applied) -> StepRecord:
+        stats = red.params
+        gnorm = global_norm(stats)
+        nonfinite = bool(stats.nonfinite.sum() > 0) or not math.isfinite(gnorm)
+        self.counters["sampled_steps"] += 1
+        extra: dict[str, Any] = {
+            "grad_dtype": _DTYPE_NAMES.get(self.source.grad_dtype, str(self.source.grad_dtype)),
+            "grad_scale": grad_scale,
+        }
+        dtype_max = float(torch.finfo(self.source.grad_dtype).max)
+        with np.errstate(invalid="ignore"):
+            extra["headroom"] = (stats.abs_max * grad_scale / dtype_max).tolist()
+        mismatched: list[int] = []
+        if self.source.replicated and self.config.replica_check and self.world_size > 1:
+            mismatched = replica_outliers(red.fingerprints, self.config.replica_check_rtol)
+            if mismatched:
+                self.counters["replica_mismatch"] += 1
+                self._replica_mismatch_rank = mismatched[0]
+                log.warning("distgrad: step %d: replicated gradients differ across ranks; rank(s) %s "
+                            "disagree (fingerprints %s)", step, mismatched, red.fingerprints.tolist())
+            extra["replica_mismatch_rank"] = self._replica_mismatch_rank
+        nonfinite_ranks = [int(r) for r in np.nonzero(red.rank_nonfinite)[0]]
+        if self.source.replicated:
+            nonfinite_ranks = sorted(set(nonfinite_ranks) | {
+                int(r) for r in range(self.world_size) if not np.isfinite(red.fingerprints[r])
+                and self.config.replica_check and self.world_size > 1})
+        if nonfinite:
+            self.counters["nonfinite_steps"] += 1
+            self._last_nonfinite_params = self._provenance(stats.names)
+            if self.global_rank == 0:
+                bad = [(n, int(stats.nan[i]), int(stats.inf[i])) for i, n in enumerate(stats.names)
+                       if stats.nan[i] + stats.inf[i] > 0]
+                log.warning("distgrad: step %d: non-finite gradient in %d parameter(s): %s; ranks %s",
+                            step, len(bad), bad[:5], nonfinite_ranks)
+        extra["nonfinite_params"] = self._last_nonfinite_params
+        if loss_scale is not None:
+            extra["consecutive_overflow_steps"] = self._consecutive_overflow
+            mn = self.source.min_loss_scale()
+            extra["loss_scale_at_minimum"] = int(mn is not None and loss_scale <= mn)
+        loss = red.loss_sum / red.loss_count if red.loss_count else None
+        return StepRecord(
+            step=int(step), micro_step=int(micro_step), timestamp=time.time(), world_size=self.world_size,
+            params=stats, grad_norm=gnorm, loss=loss, loss_scale=loss_scale, overflow=overflow,
+            step_applied=bool(step_applied), replica_mismatch_ranks=mismatched,
+            nonfinite_ranks=nonfinite_ranks, extra=extra)
+
+    # ----------------------------------------------------------------------------------
+    def _publish(self, rec: StepRecord) -> None:
+        if self.global_rank != 0:
+            return
+        for s in self.sinks:
+            try:
+                s.write(rec)
+            except Exception:  # noqa: BLE001
+                self._internal_error(f"sink {s.name}")
+                if self.prometheus is not None:
+                    self.prometheus.collector.inc_labeled("distgrad_sink_errors", {"sink": s.name})
+
+    def _publish_counters(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.set_counters(self.counters)
+
+    def _internal_error(self, where: str) -> None:
+        self.counters["internal_errors"] += 1
+        log.error("distgrad: internal error in %s (training continues; counted in "
+                  "distgrad_internal_errors_total):\n%s", where, traceback.format_exc())
+        self._publish_counters()

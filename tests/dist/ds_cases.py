@@ -1,0 +1,157 @@
+"""Multi-rank driver for the DeepSpeed reference tests (run by tests/test_deepspeed_reference.py
+under ``torchrun --nproc_per_node 2``; every case in one launch because start-up is slow).
+
+For each case (ZeRO stage x dtype x gradient accumulation) it trains a small model for two
+optimizer steps with distgrad attached and records, on rank 0:
+  * distgrad's record of each step (what /metrics would serve);
+  * reference A: the full reduced gradient gathered with ``deepspeed.utils.safe_get_full_grad``
+    (test-only: a collective per parameter) right before distgrad's boundary hook, with its
+    statistics computed in float64 on one process: checks the sharded statistics;
+  * reference B (step 0 only): gradients of a float64 copy of the model on one process, averaged
+    over every rank's micro-batches: checks that what is read is the post-reduction gradient
+    the optimizer applies (averaged over ranks and micro-batches, not a per-rank partial).
+Writes JSON to the path given by --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+
+import torch
+import torch.nn as nn
+
+import deepspeed
+import deepspeed.comm
+from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import safe_get_full_grad
+
+import distgrad
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import TinyModel, batch_for, full_stats  # noqa: E402
+
+
+def ds_config(stage: int, dtype: str, gas: int) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": 3,
+        "gradient_accumulation_steps": gas,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000,
+                       "min_loss_scale": 1}
+    return cfg
+
+
+def run_case(stage: int, dtype: str, gas: int, steps: int, rank: int, world: int) -> dict:
+    torch.manual_seed(1234)
+    model = TinyModel()
+    ref_model = copy.deepcopy(model).double()
+    if dtype == "bf16":  # the engine trains on bf16-rounded weights; so does the reference
+        ref_model.load_state_dict({k: v.bfloat16().double() for k, v in model.state_dict().items()})
+    if dtype == "fp16":
+        ref_model.load_state_dict({k: v.half().double() for k, v in model.state_dict().items()})
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                      if p.requires_grad],
+                                      config=ds_config(stage, dtype, gas))
+    inst = distgrad.instrument(engine, prometheus=False)
+    refs: list[dict] = []
+    inner = engine._take_model_step
+
+    def capture(*a, **kw):
+        full = {}
+        for n, p in engine.module.named_parameters():
+            if p.requires_grad:
+                g = safe_get_full_grad(p)
+                full[n] = g.detach().double().cpu().reshape(-1) if g is not None else None
+        # safe_get_full_grad returns the loss-scaled fp16 gradient under ZeRO 1-3 (the optimizer
+        # unscales inside step()); reference B (float64 model) checks the unscaled values
+        # independently of this division
+        scale = float(engine.optimizer.cur_scale) if dtype == "fp16" and stage > 0 else 1.0
+        refs.append({k: (v / scale if v is not None else None) for k, v in full.items()})
+        return inner(*a, **kw)
+
+    engine._take_model_step = capture
+    records, losses = [], []
+    for step in range(steps):
+        for micro in range(gas):
+            x, y = batch_for(step, micro, rank)
+            dt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+            loss = engine(x.to(dt), y)
+            engine.backward(loss)
+            engine.step()
+        records.append(inst.last_record.to_dict() if inst.last_record else None)
+    # reference B: float64 single process, step 0, all ranks' micro-batches
+    ref_model.zero_grad()
+    n, loss_sum = 0, 0.0
+    for r in range(world):
+        for micro in range(gas):
+            x, y = batch_for(0, micro, r)
+            loss = ref_model(x.double(), y)
+            loss.backward()
+            loss_sum += loss.item()
+            n += 1
+    ref_b = {name: (p.grad / n).reshape(-1) for name, p in ref_model.named_parameters() if p.requires_grad}
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    out = {
+        "records": records,
+        "ref_full": [full_stats(r) for r in refs],
+        "ref_fp64_step0": full_stats(ref_b),
+        "frozen": frozen,
+        "ref_loss_step0": loss_sum / n,
+        "counters": dict(inst.counters),
+        "skipped_steps_engine": int(engine.skipped_steps),
+    }
+    inst.close()
+    engine.destroy() if hasattr(engine, "destroy") else None
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cases", default="all")
+    args = ap.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
+    # fp16 on CPU: DeepSpeed refuses it by default (CPU_Accelerator.is_fp16_supported() is
+    # False); the arithmetic works, so the test enables it (see shared notes)
+    type(get_accelerator()).is_fp16_supported = lambda self: True
+    cases = []
+    for stage in (0, 1, 2, 3):
+        for dtype in ("fp32", "bf16", "fp16"):
+            for gas in (1, 2):
+                if dtype == "fp16" and gas == 2:
+                    continue
+                cases.append((stage, dtype, gas))
+    if args.cases != "all":
+        want = set(args.cases.split(","))
+        cases = [c for c in cases if f"z{c[0]}-{c[1]}-gas{c[2]}" in want]
+    results = {}
+    for stage, dtype, gas in cases:
+        key = f"z{stage}-{dtype}-gas{gas}"
+        try:
+            results[key] = run_case(stage, dtype, gas, steps=2, rank=rank, world=world)
+        except Exception as e:  # noqa: BLE001 - reported per case by the pytest side
+            import traceback
+
+            results[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        if rank == 0:
+            print(f"[ds_cases] {key}: {'error' if 'error' in results[key] else 'ok'}", flush=True)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"world_size": world, "cases": results}, f)
+    deepspeed.comm.barrier()
+
+
+if __name__ == "__main__":
+    main()
