@@ -116,6 +116,122 @@ def run_case(stage: int, dtype: str, gas: int, steps: int, rank: int, world: int
     return out
 
 
+class SyncCounter(torch.overrides.TorchFunctionMode):
+    """Counts tensor methods that force a device-to-host synchronisation on an accelerator."""
+
+    SYNCING = {"cpu", "item", "tolist", "__bool__", "__float__", "__int__", "__index__"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.SYNCING:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def special_cases(rank: int, world: int) -> dict:
+    """Fault tolerance, set-up errors, and per-step collective / host-sync counts."""
+    import socket
+
+    import torch.distributed as tdist
+
+    out: dict = {}
+    # 1. a local failure on rank 1 at step 1: both ranks go on, the error is counted on rank 0
+    torch.manual_seed(0)
+    model = TinyModel()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=ds_config(2, "fp32", 1))
+    inst = distgrad.instrument(engine, prometheus=False)
+    orig = inst.source.local_pieces
+    state = {"step": 0}
+
+    def flaky():
+        if rank == 1 and state["step"] == 1:
+            raise RuntimeError("injected failure inside distgrad on rank 1")
+        return orig()
+    inst.source.local_pieces = flaky
+    steps_seen = []
+    for step in range(3):
+        state["step"] = step
+        x, y = batch_for(step, 0, rank)
+        engine.backward(engine(x, y))
+        engine.step()
+        steps_seen.append(inst.last_record.step if inst.last_record else None)
+    out["fault"] = {"steps_seen": steps_seen, "internal_errors": inst.counters["internal_errors"],
+                    "global_steps": int(engine.global_steps)}
+    inst.close()
+
+    # 2. collectives and host syncs per step, interval 2, including a non-finite step
+    torch.manual_seed(0)
+    model = TinyModel()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=ds_config(3, "fp32", 1))
+    inst = distgrad.instrument(engine, prometheus=False, interval=2)
+    counts = {"all_reduce": 0, "all_gather_into_tensor": 0, "other": 0}
+    active = {"on": False}
+    originals = {}
+    for fn in ("all_reduce", "all_gather_into_tensor", "all_gather", "broadcast", "reduce_scatter_tensor",
+               "barrier", "reduce", "gather", "scatter", "all_to_all_single"):
+        originals[fn] = getattr(tdist, fn)
+
+        def wrapper(*a, __fn=fn, **kw):
+            if active["on"]:
+                key = __fn if __fn in counts else "other"
+                counts[key] += 1
+            return originals[__fn](*a, **kw)
+        setattr(tdist, fn, wrapper)
+    per_step = []
+    sync = SyncCounter()
+    for name in ("collect", "finish", "skip"):
+        meth = getattr(inst, name)
+
+        def timed(*a, __m=meth, **kw):
+            active["on"] = True
+            try:
+                with sync:
+                    return __m(*a, **kw)
+            finally:
+                active["on"] = False
+        setattr(inst, name, timed)
+    for step in range(4):
+        for k in counts:
+            counts[k] = 0
+        sync.calls.clear()
+        x, y = batch_for(step, 0, rank)
+        if step == 2:  # a NaN in the input -> non-finite gradients everywhere (extra provenance gather)
+            x = x.clone()
+            x[0, 0] = float("nan")
+        engine.backward(engine(x, y))
+        engine.step()
+        per_step.append({"step": step, **counts, "syncs": list(sync.calls)})
+    for fn, f in originals.items():
+        setattr(tdist, fn, f)
+    out["counts"] = per_step
+    out["counts_nonfinite_steps"] = inst.counters["nonfinite_steps"]
+    inst.close()
+
+    # 3. a port taken on rank 0 raises at instrument() time on every rank, with the fix
+    holder = socket.socket()
+    port = 0
+    if rank == 0:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+    t = torch.tensor([port])
+    tdist.broadcast(t, 0)
+    msg = None
+    try:
+        distgrad.instrument(engine, port=int(t.item()))
+    except Exception as e:  # noqa: BLE001
+        msg = f"{type(e).__name__}: {e}"
+    holder.close()
+    out["port_taken"] = msg
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -147,9 +263,12 @@ def main() -> None:
             results[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         if rank == 0:
             print(f"[ds_cases] {key}: {'error' if 'error' in results[key] else 'ok'}", flush=True)
+    special = None
+    if args.cases == "all":
+        special = special_cases(rank, world)
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"world_size": world, "cases": results}, f)
+            json.dump({"world_size": world, "cases": results, "special": special}, f)
     deepspeed.comm.barrier()
 
 

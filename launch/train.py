@@ -1,0 +1,288 @@
+"""distgrad's example training job: a small GPT-style byte-level decoder trained with DeepSpeed
+(ZeRO stage from a config in configs/) on real text, with distgrad attached in one line and its
+metrics served from rank 0 while it trains.
+
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 launch/train.py --ds-config configs/ds_zero2_fp32.json
+
+Data: the source files of the Python standard library found on this machine (``sysconfig``),
+or any text file passed with ``--data``; bytes are tokens (vocabulary 256). Each rank draws its
+own random windows, seeded by (seed, rank, step), so runs are reproducible.
+
+Model: the decoder of Radford et al. 2019 (GPT-2), written with torch.nn in the style of Karpathy's
+nanoGPT: token + learned position embeddings, pre-LayerNorm blocks of causal self-attention and
+a 4x GELU MLP, final LayerNorm, untied linear head. Default size ~3.3M parameters.
+
+Fault injection (for testing alerts and the flight recorder): ``--inject nan|inf|spike|zero``
+at ``--inject-step`` changes the gradient of ``--inject-param`` on ``--inject-rank`` during
+backward, before DeepSpeed reduces it, as a real numerical fault would. The same GPU/NCCL run
+works unchanged: nothing here assumes a CPU beyond the launcher's defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------------------------
+# model
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, n_head: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, n_head)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = MLP(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Byte-level GPT. forward(idx [B, T] int64, targets [B, T] int64) -> mean cross-entropy
+    (0-d float32 tensor, nats per byte)."""
+
+    def __init__(self, n_layer: int = 4, d: int = 256, n_head: int = 4, block: int = 128,
+                 vocab: int = 256) -> None:
+        super().__init__()
+        self.block = block
+        self.tok_emb = nn.Embedding(vocab, d)
+        self.pos_emb = nn.Embedding(block, d)
+        self.blocks = nn.ModuleList([Block(d, n_head) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+# ----------------------------------------------------------------------------------------------
+# data
+def load_corpus(path: str | None, max_bytes: int) -> torch.Tensor:
+    """Bytes of ``path``, or of the standard library's .py files, as a uint8 tensor [N]."""
+    if path:
+        data = Path(path).read_bytes()[:max_bytes]
+    else:
+        chunks, total = [], 0
+        for f in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+            if "site-packages" in f.parts or "test" in f.parts:
+                continue
+            try:
+                b = f.read_bytes()
+            except OSError:
+                continue
+            chunks.append(b)
+            total += len(b)
+            if total >= max_bytes:
+                break
+        data = b"\n".join(chunks)[:max_bytes]
+    if len(data) < 4096:
+        raise SystemExit(f"training text too small ({len(data)} bytes): pass a larger file with --data")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def get_batch(data: torch.Tensor, batch: int, block: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ix = torch.randint(len(data) - block - 1, (batch,), generator=g)
+    x = torch.stack([data[i:i + block] for i in ix.tolist()]).long()
+    y = torch.stack([data[i + 1:i + 1 + block] for i in ix.tolist()]).long()
+    return x.to(device), y.to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# fault injection
+class Injector:
+    """Changes gradients during backward, before the engine reduces them (tensor hooks).
+
+    kinds: ``nan``/``inf`` set element 0 of ``param``'s gradient on ``rank`` at ``step``;
+    ``spike`` multiplies every gradient by 100 on every rank at ``step``; ``zero`` zeroes
+    ``param``'s gradient on every rank from ``step`` on (a frozen / dead layer)."""
+
+    def __init__(self, model: nn.Module, kind: str | None, step: int, param: str, rank: int,
+                 my_rank: int) -> None:
+        self.kind, self.step, self.rank, self.my_rank = kind, step, rank, my_rank
+        self.params = dict(model.named_parameters())
+        if kind and kind != "spike" and param not in self.params:
+            raise SystemExit(f"--inject-param {param!r} is not a parameter; e.g. {list(self.params)[:4]}")
+        self.param = param
+        self.handles: list = []
+
+    def arm(self, step: int) -> None:
+        self.disarm()
+        k = self.kind
+        if not k:
+            return
+        if k in ("nan", "inf") and step == self.step and self.my_rank == self.rank:
+            val = float("nan") if k == "nan" else float("inf")
+
+            def poison(g: torch.Tensor) -> torch.Tensor:
+                g = g.clone()
+                g.view(-1)[0] = val
+                return g
+            self.handles.append(self.params[self.param].register_hook(poison))
+        elif k == "spike" and step == self.step:
+            self.handles += [p.register_hook(lambda g: g * 100.0) for p in self.params.values() if p.requires_grad]
+        elif k == "zero" and step >= self.step:
+            self.handles.append(self.params[self.param].register_hook(lambda g: torch.zeros_like(g)))
+
+    def disarm(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+# ----------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ds-config", default=str(ROOT / "configs" / "ds_zero2_fp32.json"),
+                    help="DeepSpeed config JSON (configs/ds_zero{1,2,3}_{fp32,bf16}.json)")
+    ap.add_argument("--distgrad-config", default=str(ROOT / "configs" / "distgrad.yaml"),
+                    help="distgrad YAML config")
+    ap.add_argument("--data", default=None, help="text file to train on (default: Python stdlib sources)")
+    ap.add_argument("--max-bytes", type=int, default=8 << 20)
+    ap.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--block", type=int, default=128)
+    ap.add_argument("--port", type=int, default=None, help="metrics port (overrides the distgrad config)")
+    ap.add_argument("--interval", type=int, default=None, help="sample every N optimizer steps")
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hold", type=float, default=0.0,
+                    help="keep serving metrics this many seconds after training ends")
+    ap.add_argument("--inject", choices=["nan", "inf", "spike", "zero"], default=None)
+    ap.add_argument("--inject-step", type=int, default=20)
+    ap.add_argument("--inject-param", default="blocks.1.mlp.fc.weight")
+    ap.add_argument("--inject-rank", type=int, default=1)
+    ap.add_argument("--no-distgrad", action="store_true", help="train without distgrad (baseline)")
+    ap.add_argument("--summary-json", default=None, help="write timing summary here (rank 0)")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    import distgrad
+
+    t_start = time.time()
+    acc = get_accelerator()
+    deepspeed.init_distributed(dist_backend=acc.communication_backend_name()
+                               if acc.device_name() != "cpu" else "gloo")
+    rank = torch.distributed.get_rank()
+    with open(args.ds_config) as f:
+        ds_cfg = json.load(f)
+    torch.manual_seed(args.seed)
+    model = GPT(args.layers, args.width, args.heads, args.block)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+    overrides = {k: v for k, v in (("port", args.port), ("interval", args.interval)) if v is not None}
+    dg = None if args.no_distgrad else distgrad.instrument(engine, args.distgrad_config, **overrides)
+    n_params = sum(p.numel() for p in model.parameters())
+    data = load_corpus(args.data, args.max_bytes)
+    dtype = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    if rank == 0:
+        where = f"http://{dg.config.host}:{dg.port}/metrics" if dg and dg.port else "off"
+        print(f"[train] {n_params / 1e6:.2f}M params, ZeRO-{engine.zero_optimization_stage()} {dtype}, "
+              f"world {engine.world_size}, {len(data) / 1e6:.1f} MB text, metrics: {where}", flush=True)
+    injector = Injector(model, args.inject, args.inject_step, args.inject_param, args.inject_rank, rank)
+    gas = engine.gradient_accumulation_steps()
+    mb = engine.train_micro_batch_size_per_gpu()
+    tokens_per_step = mb * gas * args.block * engine.world_size
+    step_times: list[float] = []
+    t_first = None
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        for micro in range(gas):
+            x, y = get_batch(data, mb, args.block, hash((args.seed, rank, step, micro)) & 0x7FFFFFFF,
+                             engine.device)
+            if micro == gas - 1:
+                injector.arm(step)
+            loss = engine(x, y)
+            engine.backward(loss)
+            injector.disarm()
+            engine.step()
+        step_times.append(time.perf_counter() - t0)
+        if t_first is None:
+            t_first = time.time() - t_start
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            rec = dg.last_record if dg else None
+            gn = f"{rec.grad_norm:.4f}" if rec else "n/a"
+            ls = f"{rec.loss:.4f}" if rec and rec.loss is not None else f"{loss.item():.4f}"
+            recent = step_times[-args.log_every:]
+            print(f"[train] step {step:5d}  loss {ls}  grad_norm {gn}  "
+                  f"{tokens_per_step * len(recent) / sum(recent):,.0f} tok/s  "
+                  f"{len(recent) / sum(recent):.2f} steps/s", flush=True)
+    if rank == 0:
+        med = sorted(step_times)[len(step_times) // 2]
+        summary = {"start_to_first_step_s": t_first, "median_step_s": med, "steps": args.steps,
+                   "steps_per_s": 1.0 / med, "tokens_per_s": tokens_per_step / med, "params": n_params}
+        print(f"[train] done: first step after {t_first:.1f}s, median step {med * 1e3:.0f} ms "
+              f"({1 / med:.2f} steps/s)", flush=True)
+        if args.summary_json:
+            Path(args.summary_json).write_text(json.dumps(summary))
+    if args.hold > 0:
+        if rank == 0:
+            print(f"[train] holding metrics for {args.hold:.0f}s", flush=True)
+        time.sleep(args.hold)
+    torch.distributed.barrier()
+    if dg:
+        dg.close()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

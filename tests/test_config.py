@@ -1,0 +1,47 @@
+"""Configuration: defaults, YAML / DeepSpeed-JSON loading, and errors that name the key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from distgrad.config import ConfigError, DistgradConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_shipped_default_yaml_equals_the_dataclass_defaults():
+    assert DistgradConfig.load(ROOT / "configs" / "distgrad.yaml") == DistgradConfig()
+
+
+@pytest.mark.parametrize("bad,key", [
+    ({"intervall": 2}, "intervall"),
+    ({"interval": 0}, "interval"),
+    ({"interval": "5"}, "interval"),
+    ({"port": 70000}, "port"),
+    ({"spike_ema_alpha": 1.5}, "spike_ema_alpha"),
+    ({"max_grad_norm": -1}, "max_grad_norm"),
+    ({"prometheus": "yes"}, "prometheus"),
+    ({"replica_check_rtol": float("nan")}, "replica_check_rtol"),
+])
+def test_bad_values_name_the_key(bad, key):
+    with pytest.raises(ConfigError, match=key):
+        DistgradConfig.from_dict(bad)
+
+
+def test_deepspeed_json_section(tmp_path):
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"train_batch_size": 8, "distgrad": {"interval": 5, "port": 0}}))
+    cfg = DistgradConfig.load(p)
+    assert (cfg.interval, cfg.port) == (5, 0)
+
+
+def test_yaml_errors(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("interval: [1, 2\n")
+    with pytest.raises(ConfigError, match="cannot be parsed"):
+        DistgradConfig.load(p)
+    with pytest.raises(ConfigError, match="does not exist"):
+        DistgradConfig.load(tmp_path / "missing.yaml")

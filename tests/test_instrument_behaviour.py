@@ -1,0 +1,45 @@
+"""Behaviour of the instrument around training, on 2 gloo ranks (results from the same
+DeepSpeed launch as the reference tests) and on one process."""
+
+from __future__ import annotations
+
+import pytest
+
+import distgrad
+
+
+@pytest.mark.multirank
+def test_local_failure_on_one_rank_is_counted_and_training_goes_on(ds_results):
+    f = ds_results["special"]["fault"]
+    assert f["global_steps"] == 3  # all three optimizer steps ran: no crash, no deadlock
+    # step 1's statistics were discarded on every rank (rank 1 flagged its failure in the SUM);
+    # steps 0 and 2 were published
+    assert f["steps_seen"] == [0, 0, 2]
+    assert f["internal_errors"] == 1  # rank 0 learned of rank 1's failure from the error flag
+
+
+@pytest.mark.multirank
+def test_two_collectives_and_one_host_sync_per_sampled_step(ds_results):
+    per_step = ds_results["special"]["counts"]
+    assert [s["step"] for s in per_step] == [0, 1, 2, 3]
+    for s in per_step:
+        if s["step"] % 2 == 1:  # interval 2: not sampled -> nothing at all
+            assert (s["all_reduce"], s["all_gather_into_tensor"], s["other"], s["syncs"]) == (0, 0, 0, []), s
+        elif s["step"] == 0:  # healthy sampled step
+            assert (s["all_reduce"], s["all_gather_into_tensor"], s["other"]) == (2, 0, 0), s
+            assert s["syncs"] == ["cpu"], s
+        else:  # step 2 is non-finite: one extra all-gather for per-rank provenance, one more copy
+            assert (s["all_reduce"], s["all_gather_into_tensor"], s["other"]) == (2, 1, 0), s
+            assert s["syncs"] == ["cpu", "cpu"], s
+    assert ds_results["special"]["counts_nonfinite_steps"] == 1
+
+
+@pytest.mark.multirank
+def test_port_in_use_raises_on_every_rank_at_instrument_time(ds_results):
+    msg = ds_results["special"]["port_taken"]
+    assert msg is not None and msg.startswith("OSError") and "port=0" in msg
+
+
+def test_unsupported_engine_is_named_with_the_fix():
+    with pytest.raises(TypeError, match=r"got a builtins\.object.*supported"):
+        distgrad.instrument(object())
