@@ -1,0 +1,343 @@
+"""distgrad.grouping: exact re-aggregation against statistics computed directly (torch float64) on
+the concatenated gradients of each group, the series budget, parameter selection.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from distgrad.grouping import (
+    DEFAULT_SERIES_BUDGET,
+    DEFAULT_TOP_K,
+    GLOBAL_SERIES,
+    aggregate,
+    group_keys,
+    select_series,
+    series_capacity,
+    series_count,
+)
+from distgrad.record import STAT_FIELDS, ParamStats
+
+FIXTURES = Path(__file__).parent / "fixtures" / "param_names"
+RTOL = 1e-12
+
+
+# ---------------------------------------------------------------- reference (torch, float64)
+
+
+def torch_stats(g: torch.Tensor) -> dict[str, float]:
+    """Statistics of one tensor computed directly by torch in float64."""
+    g = g.reshape(-1).to(torch.float64)
+    return {
+        "numel": float(g.numel()),
+        "sum": g.sum().item(),
+        "sumsq": (g * g).sum().item(),
+        "nan": torch.isnan(g).sum().item(),
+        "inf": torch.isinf(g).sum().item(),
+        "zeros": (g == 0).sum().item(),
+        "min": torch.amin(g).item(),
+        "max": torch.amax(g).item(),
+    }
+
+
+def per_param_stats(names: list[str], grads: list[torch.Tensor]) -> ParamStats:
+    rows = [torch_stats(g) for g in grads]
+    return ParamStats(names=list(names), **{f: np.array([r[f] for r in rows]) for f in STAT_FIELDS})
+
+
+def reference_groups(keys: list[str], grads: list[torch.Tensor]) -> ParamStats:
+    """Group statistics computed on the concatenation of each group's gradients."""
+    order: list[str] = []
+    members: dict[str, list[torch.Tensor]] = {}
+    for k, g in zip(keys, grads):
+        if k not in members:
+            order.append(k)
+            members[k] = []
+        members[k].append(g.reshape(-1))
+    rows = [torch_stats(torch.cat(members[k])) for k in order]
+    return ParamStats(names=order, **{f: np.array([r[f] for r in rows]) for f in STAT_FIELDS})
+
+
+def assert_stats_equal(got: ParamStats, want: ParamStats) -> None:
+    assert got.names == want.names
+    for f in STAT_FIELDS:
+        np.testing.assert_allclose(getattr(got, f), getattr(want, f), rtol=RTOL, atol=0, equal_nan=True, err_msg=f)
+
+
+def random_grads(shapes: list[tuple[int, ...]], seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i, s in enumerate(shapes):
+        scale = 10.0 ** float(torch.randint(-6, 2, (1,), generator=gen))
+        # non-zero mean keeps group sums away from cancellation, so 1e-12 relative is meaningful
+        g = (torch.randn(s, generator=gen, dtype=torch.float64) + 0.5) * scale
+        if i % 3 == 0:  # exact zeros (ReLU-dead units, masked rows)
+            g.view(-1)[:: 4] = 0.0
+        out.append(g)
+    return out
+
+
+# ---------------------------------------------------------------- small fake model
+
+
+def example_model(n_blocks: int = 3, d: int = 6, vocab: int = 11, ctx: int = 5):
+    names, shapes = ["tok_emb.weight", "pos_emb.weight"], [(vocab, d), (ctx, d)]
+    for i in range(n_blocks):
+        for m, s in [
+            ("ln1.weight", (d,)), ("ln1.bias", (d,)),
+            ("attn.qkv.weight", (3 * d, d)), ("attn.qkv.bias", (3 * d,)),
+            ("attn.proj.weight", (d, d)), ("attn.proj.bias", (d,)),
+            ("ln2.weight", (d,)), ("ln2.bias", (d,)),
+            ("mlp.fc.weight", (4 * d, d)), ("mlp.fc.bias", (4 * d,)),
+            ("mlp.proj.weight", (d, 4 * d)), ("mlp.proj.bias", (d,)),
+        ]:
+            names.append(f"blocks.{i}.{m}")
+            shapes.append(s)
+    names += ["ln_f.weight", "ln_f.bias", "head.weight"]
+    shapes += [(d,), (d,), (vocab, d)]
+    return names, shapes
+
+
+@pytest.fixture
+def fake_model():
+    names, shapes = example_model()
+    grads = random_grads(shapes, seed=1)
+    i = names.index
+    grads[i("blocks.1.attn.qkv.weight")].view(-1)[7] = float("nan")
+    grads[i("blocks.1.mlp.fc.weight")].view(-1)[3] = float("inf")  # layer 1: NaN and +inf
+    grads[i("blocks.2.mlp.proj.weight")].view(-1)[0] = float("inf")
+    grads[i("blocks.2.attn.proj.weight")].view(-1)[1] = float("-inf")  # layer 2: +inf and -inf -> sum NaN
+    grads[i("ln_f.bias")].zero_()  # all-zero parameter
+    grads[i("head.weight")].view(-1)[5] = float("-inf")
+    return names, grads
+
+
+@pytest.mark.parametrize("granularity", ["param", "module", "layer", "module_kind"])
+def test_aggregate_matches_concatenated_reference(fake_model, granularity):
+    names, grads = fake_model
+    stats = per_param_stats(names, grads)
+    keys = group_keys(names, granularity)
+    got = aggregate(stats, keys)
+    assert_stats_equal(got, reference_groups(keys, grads))
+
+
+def test_aggregate_nan_inf_semantics(fake_model):
+    names, grads = fake_model
+    got = aggregate(per_param_stats(names, grads), group_keys(names, "layer"))
+    row = {n: i for i, n in enumerate(got.names)}
+    assert got.names == ["embed", "0", "1", "2", "norm", "head"]
+    l1, l2 = row["1"], row["2"]
+    assert np.isnan(got.min[l1]) and np.isnan(got.max[l1]) and np.isnan(got.sum[l1])  # NaN element
+    assert got.nan[l1] == 1 and got.inf[l1] == 1
+    assert np.isnan(got.sum[l2]) and got.sumsq[l2] == np.inf  # +inf and -inf
+    assert got.min[l2] == -np.inf and got.max[l2] == np.inf and got.nan[l2] == 0 and got.inf[l2] == 2
+    assert got.min[row["head"]] == -np.inf and got.sum[row["head"]] == -np.inf
+    assert np.isfinite(got.norm[row["0"]]) and got.nonfinite[row["0"]] == 0
+    # group norm = root-sum-square of member norms
+    stats = per_param_stats(names, grads)
+    members = [i for i, n in enumerate(names) if n.startswith("blocks.0.")]
+    np.testing.assert_allclose(got.norm[row["0"]], np.sqrt(np.sum(stats.norm[members] ** 2)), rtol=RTOL)
+
+
+def test_aggregate_first_appearance_order_and_identity():
+    names, shapes = example_model(n_blocks=2)
+    grads = random_grads(shapes, seed=3)
+    stats = per_param_stats(names, grads)
+    same = aggregate(stats, names)
+    assert same.names == names
+    for f in STAT_FIELDS:
+        np.testing.assert_array_equal(getattr(same, f), getattr(stats, f))
+    keys = ["b", "a", "b", "c"] + ["a"] * (len(names) - 4)
+    assert aggregate(stats, keys).names == ["b", "a", "c"]
+
+
+def test_aggregate_empty_members_and_errors():
+    stats = ParamStats(
+        names=["e", "x", "e2"],
+        numel=[0, 3, 0], sum=[0, 3, 0], sumsq=[0, 5, 0], nan=[0, 0, 0], inf=[0, 0, 0], zeros=[0, 1, 0],
+        min=[np.nan, -1.0, np.inf], max=[np.nan, 2.0, -np.inf],
+    )
+    got = aggregate(stats, ["g", "g", "h"])
+    assert got.names == ["g", "h"]
+    assert (got.min[0], got.max[0]) == (-1.0, 2.0)  # the empty member is ignored
+    assert np.isnan(got.min[1]) and np.isnan(got.max[1]) and got.numel[1] == 0
+    with pytest.raises(ValueError):
+        aggregate(stats, ["g"])
+    with pytest.raises(ValueError):
+        group_keys(stats.names, "block")
+
+
+# ---------------------------------------------------------------- LoRA
+
+
+def _fixture_names(arch: str) -> list[str]:
+    text = (FIXTURES / f"{arch}.txt").read_text().splitlines()
+    return [ln for ln in text if ln.strip() and not ln.startswith("#")]
+
+
+def _lora_shape(name: str, d: int = 8, r: int = 2, vocab: int = 16, ffn: int = 12) -> tuple[int, ...]:
+    if "lora_embedding_A" in name:
+        return (r, vocab)
+    if "lora_embedding_B" in name:
+        return (d, r)
+    if "embed_tokens" in name or "lm_head" in name:
+        return (vocab, d)
+    out_dim = ffn if ("gate_proj" in name or "up_proj" in name) else d
+    in_dim = ffn if "down_proj" in name else d
+    if ".lora_A." in name:
+        return (r, in_dim)
+    if ".lora_B." in name:
+        return (out_dim, r)
+    if "lora_magnitude_vector" in name:
+        return (out_dim,)
+    if "norm" in name:
+        return (d,)
+    return (out_dim, in_dim)
+
+
+@pytest.mark.parametrize(
+    "arch,expected",
+    [
+        ("peft_lora_llama",
+         ["embed", "embed/lora_embedding_A", "embed/lora_embedding_B", "0", "0/lora_A", "0/lora_B",
+          "1", "1/lora_A", "1/lora_B", "norm", "head"]),
+        ("peft_dora_llama",
+         ["embed", "0", "0/lora_A", "0/lora_B", "0/lora_magnitude", "1", "1/lora_A", "1/lora_B",
+          "1/lora_magnitude", "norm", "head"]),
+    ],
+)
+def test_lora_groups_side_by_side(arch, expected):
+    names = _fixture_names(arch)
+    grads = random_grads([_lora_shape(n) for n in names], seed=4)
+    lora_b = names.index("base_model.model.model.layers.1.self_attn.v_proj.lora_B.default.weight")
+    grads[lora_b].view(-1)[2] = float("nan")
+    keys = group_keys(names, "layer")
+    got = aggregate(per_param_stats(names, grads), keys)
+    assert got.names == expected
+    assert_stats_equal(got, reference_groups(keys, grads))
+    assert got.nan[got.names.index("1/lora_B")] == 1 and got.nan[got.names.index("1")] == 0
+    kinds = aggregate(per_param_stats(names, grads), group_keys(names, "module_kind"))
+    assert "attn_q/lora_A" in kinds.names and "attn_q" in kinds.names
+    mods = group_keys(names, "module")
+    assert "model.layers.0.self_attn.q_proj" in mods and "model.layers.0.self_attn.q_proj/lora_B" in mods
+
+
+# ---------------------------------------------------------------- 70B layout
+
+
+def llama70b_layout(hidden: int = 8, n_layers: int = 80):
+    """LLaMA-2/3-70B tensor names and shapes, widths scaled by hidden/8192.
+
+    70B: hidden 8192, 64 query heads, 8 KV heads (KV width hidden/8), MLP 28672 (3.5 x hidden),
+    vocab scaled to 4 x hidden. 80 x 9 + 3 = 723 tensors.
+    """
+    kv, ffn, vocab = hidden // 8, hidden * 7 // 2, 4 * hidden
+    names, shapes = ["model.embed_tokens.weight"], [(vocab, hidden)]
+    for i in range(n_layers):
+        for m, s in [
+            ("self_attn.q_proj", (hidden, hidden)),
+            ("self_attn.k_proj", (kv, hidden)),
+            ("self_attn.v_proj", (kv, hidden)),
+            ("self_attn.o_proj", (hidden, hidden)),
+            ("mlp.gate_proj", (ffn, hidden)),
+            ("mlp.up_proj", (ffn, hidden)),
+            ("mlp.down_proj", (hidden, ffn)),
+            ("input_layernorm", (hidden,)),
+            ("post_attention_layernorm", (hidden,)),
+        ]:
+            names.append(f"model.layers.{i}.{m}.weight")
+            shapes.append(s)
+    names += ["model.norm.weight", "lm_head.weight"]
+    shapes += [(hidden,), (vocab, hidden)]
+    return names, shapes
+
+
+@pytest.fixture(scope="module")
+def llama70b():
+    names, shapes = llama70b_layout()
+    assert len(names) == 723
+    grads = random_grads(shapes, seed=70)
+    return names, grads, per_param_stats(names, grads)
+
+
+def test_llama70b_series_within_default_budget(llama70b):
+    names, _, stats = llama70b
+    n_layers = len(set(group_keys(names, "layer")))
+    n_kinds = len(set(group_keys(names, "module_kind")))
+    assert (n_layers, n_kinds) == (83, 10)
+    sel = select_series(stats)  # defaults: budget 2000, top_k 100
+    assert len(sel) == DEFAULT_TOP_K
+    count = series_count(len(names), n_layers, n_kinds, sel)
+    assert count == 10 * 100 + 4 * 83 + 10 + GLOBAL_SERIES == 1406
+    assert count <= DEFAULT_SERIES_BUDGET
+    assert series_count(len(names), n_layers, n_kinds, sel, update_ratio=True) <= DEFAULT_SERIES_BUDGET
+    # the selection is the top-k by norm
+    norms = stats.norm
+    assert min(norms[sel]) >= max(np.delete(norms, sel))
+
+
+def test_llama70b_nonfinite_params_kept_and_budget_holds(llama70b):
+    names, _, stats = llama70b
+    bad = [5, 100, 700]  # small-norm tensors somewhere in the model
+    nan = stats.nan.copy()
+    nan[bad] = [1, 3, 2]
+    sumsq = stats.sumsq.copy()
+    sumsq[bad] = np.nan
+    s2 = ParamStats(**{**{f: getattr(stats, f) for f in STAT_FIELDS}, "nan": nan, "sumsq": sumsq, "names": names})
+    sel = select_series(s2)
+    assert set(bad) <= set(sel) and len(sel) == DEFAULT_TOP_K + 3
+    # every parameter non-finite: capped at the budget's capacity, most non-finite first
+    nan_all = np.arange(len(names), dtype=np.float64) % 7 + 1
+    s3 = ParamStats(**{**{f: getattr(stats, f) for f in STAT_FIELDS}, "nan": nan_all, "names": names})
+    for budget in (2000, 1000, 406, 407, 416):
+        sel = select_series(s3, budget=budget, top_k=10)
+        assert series_count(len(names), 83, 10, sel) <= budget
+        assert len(sel) == series_capacity(budget, 83, 10) == max(0, (budget - 406) // 10)
+        if sel:
+            assert min(nan_all[sel]) >= max(np.delete(nan_all, sel))
+    with pytest.raises(ValueError):
+        select_series(s3, budget=405)
+    with pytest.raises(ValueError):
+        select_series(s3, top_k=-1)
+
+
+def test_llama70b_layer_reaggregation_exact(llama70b):
+    names, grads, stats = llama70b
+    grads = [g.clone() for g in grads]
+    grads[names.index("model.layers.41.mlp.down_proj.weight")].view(-1)[9] = float("nan")
+    grads[names.index("model.layers.63.self_attn.k_proj.weight")].view(-1)[0] = float("inf")
+    stats = per_param_stats(names, grads)
+    keys = group_keys(names, "layer")
+    got = aggregate(stats, keys)
+    assert got.names == ["embed"] + [str(i) for i in range(80)] + ["norm", "head"]
+    assert_stats_equal(got, reference_groups(keys, grads))
+    # global norm from the layer groups equals the global norm over all elements
+    finite = np.isfinite(got.sumsq)
+    flat = torch.cat([g.reshape(-1) for g, k in zip(grads, keys) if k not in ("41", "63")])
+    np.testing.assert_allclose(np.sqrt(got.sumsq[finite].sum()), torch.linalg.vector_norm(flat).item(), rtol=RTOL)
+
+
+def test_series_count_arithmetic():
+    assert series_count(723, 83, 10, 0) == 406
+    assert series_count(723, 83, 10, [1, 2, 3]) == 436
+    assert series_count(723, 83, 10, 3, update_ratio=True) == 439
+    assert series_capacity(2000, 83, 10) == 159
+    assert series_count(723, 83, 10, 159) == 1996
+    with pytest.raises(ValueError):
+        series_count(3, 1, 1, 4)
+    with pytest.raises(ValueError):
+        series_count(3, -1, 1, 0)
+
+
+def test_select_series_small_model_tie_and_order():
+    names, shapes = example_model(n_blocks=2)
+    stats = per_param_stats(names, random_grads(shapes, seed=9))
+    sel = select_series(stats, top_k=len(names) + 5)
+    assert sel == list(range(len(names)))  # small model: everything fits
+    assert select_series(stats, top_k=0) == []
+    top3 = select_series(stats, top_k=3)
+    assert top3 == sorted(np.argsort(-stats.norm, kind="stable")[:3].tolist())
