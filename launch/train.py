@@ -183,6 +183,16 @@ class Injector:
 
 
 # ----------------------------------------------------------------------------------------------
+def skip_cpu_shm_op() -> None:
+    """On CPU, DeepSpeed's init_distributed JIT-compiles a shared-memory all-reduce extension
+    (``deepspeed_shm_comm``, 20-30 s here, redone whenever the launcher environment changes).
+    It serves DeepSpeed's inference all-reduce only; training collectives go through
+    torch.distributed (gloo). Mark it unavailable so a CPU run starts in seconds."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ds-config", default=str(ROOT / "configs" / "ds_zero2_fp32.json"),
@@ -221,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
 
     t_start = time.time()
     acc = get_accelerator()
+    if acc.device_name() == "cpu":
+        skip_cpu_shm_op()
     deepspeed.init_distributed(dist_backend=acc.communication_backend_name()
                                if acc.device_name() != "cpu" else "gloo")
     rank = torch.distributed.get_rank()

@@ -237,6 +237,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default="all")
     args = ap.parse_args()
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see launch/train.py skip_cpu_shm_op
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
     # fp16 on CPU: DeepSpeed refuses it by default (CPU_Accelerator.is_fp16_supported() is

@@ -1,0 +1,69 @@
+"""The main job: the example training run under the deepspeed launcher (2 CPU ranks, ZeRO-2)
+serves the metric catalogue from rank 0; scrapes taken mid-run parse and show finite, moving
+values; an injected NaN is counted and attributed to the right parameter."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import free_port
+from example_job import finite, scrape, start_example, step_at_least, stop, value, wait_for
+
+CATALOGUE = [
+    "distgrad_grad_norm", "distgrad_param_grad_norm", "distgrad_param_grad_mean", "distgrad_param_grad_std",
+    "distgrad_param_grad_min", "distgrad_param_grad_max", "distgrad_param_grad_abs_max",
+    "distgrad_param_grad_nonfinite", "distgrad_param_grad_zero_ratio", "distgrad_nonfinite_steps_total",
+    "distgrad_optimizer_step", "distgrad_last_sample_timestamp_seconds", "distgrad_world_size", "distgrad_info",
+    "distgrad_loss", "distgrad_internal_errors_total",
+]
+PARAMS = ["tok_emb.weight", "pos_emb.weight", "blocks.0.attn.qkv.weight", "blocks.3.mlp.proj.bias",
+          "ln_f.weight", "head.weight"]
+
+
+@pytest.mark.multirank
+def test_example_serves_finite_moving_metrics_mid_run(tmp_path):
+    port, log = free_port(), tmp_path / "train.log"
+    proc = start_example(port, "--steps", "40", "--log-every", "5", log=log)
+    try:
+        a = wait_for(step_at_least(port, 2), proc, 240, "step 2 on /metrics", log)
+        b = wait_for(step_at_least(port, value(a, "distgrad_optimizer_step") + 3), proc, 120, "3 more steps", log)
+        names = {k[0] for k in b}
+        missing = [n for n in CATALOGUE if n not in names]
+        assert not missing, missing
+        assert value(b, "distgrad_info", engine="deepspeed", zero_stage="2", dtype="fp32", version="0.1.0") == 1
+        assert value(b, "distgrad_world_size") == 2
+        assert value(b, "distgrad_nonfinite_steps_total") == 0
+        assert value(b, "distgrad_internal_errors_total") == 0
+        for m in (a, b):
+            assert finite(value(m, "distgrad_grad_norm")) and value(m, "distgrad_grad_norm") > 0
+            assert finite(value(m, "distgrad_loss")) and 0 < value(m, "distgrad_loss") < 10
+            for p in PARAMS:  # user's own names, no "module." prefix
+                for stat in ("norm", "mean", "std", "min", "max", "abs_max", "zero_ratio"):
+                    assert finite(value(m, f"distgrad_param_grad_{stat}", param=p)), (p, stat)
+                assert value(m, "distgrad_param_grad_nonfinite", param=p, kind="nan") == 0
+        # moving: a later optimizer step with different values and a later timestamp
+        assert value(b, "distgrad_optimizer_step") > value(a, "distgrad_optimizer_step")
+        assert value(b, "distgrad_grad_norm") != value(a, "distgrad_grad_norm")
+        assert value(b, "distgrad_loss") != value(a, "distgrad_loss")
+        assert value(b, "distgrad_last_sample_timestamp_seconds") > value(a, "distgrad_last_sample_timestamp_seconds")
+        proc.wait(300)
+        assert proc.returncode == 0, log.read_text()[-3000:]
+    finally:
+        stop(proc)
+
+
+@pytest.mark.multirank
+def test_example_injected_nan_is_counted_and_named(tmp_path):
+    port, log = free_port(), tmp_path / "train.log"
+    proc = start_example(port, "--steps", "8", "--inject", "nan", "--inject-step", "3",
+                         "--inject-param", "blocks.1.mlp.fc.weight", "--inject-rank", "1",
+                         "--hold", "60", "--log-every", "1", log=log)
+    try:
+        m = wait_for(step_at_least(port, 7), proc, 240, "the last step", log)
+        assert value(m, "distgrad_nonfinite_steps_total") == 1
+        rows = {k[1] for k in m if k[0] == "distgrad_nonfinite_params"}
+        assert rows and all(dict(r)["param"] == "blocks.1.mlp.fc.weight" for r in rows), rows
+        assert finite(value(m, "distgrad_grad_norm"))  # later healthy steps are reported as healthy
+    finally:
+        stop(proc)
+    assert "non-finite gradient" in log.read_text()
