@@ -13,14 +13,24 @@ log = logging.getLogger("distgrad")
 
 
 def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | os.PathLike | None" = None,
-               **overrides: Any) -> Instrument:
+               *, optimizer: Any = None, scaler: Any = None, **overrides: Any) -> Instrument:
     """Attach distgrad to a training engine and return the :class:`Instrument`.
 
     Args:
-        engine: a ``deepspeed.DeepSpeedEngine`` (ZeRO stage 0-3; fp32, bf16, fp16).
+        engine: a ``deepspeed.DeepSpeedEngine`` (ZeRO stage 0-3; fp32, bf16, fp16), or a PyTorch
+            model: ``DistributedDataParallel``, FSDP1 ``FullyShardedDataParallel``
+            (``use_orig_params`` True or False), a module sharded with ``fully_shard`` (FSDP2),
+            or a plain ``nn.Module`` on one process (see :mod:`distgrad.engines.torch_native`).
         config: a :class:`DistgradConfig`, a dict, a YAML file, a DeepSpeed JSON config whose
             ``"distgrad"`` section is used, or None. With None and a DeepSpeed engine whose
             config has a ``"distgrad"`` section, that section is used.
+        optimizer: PyTorch models only, required: the ``torch.optim.Optimizer`` that steps the
+            (wrapped) model's parameters. Its step pre-hook is the boundary at which the reduced,
+            accumulated gradients are read, once per optimizer step.
+        scaler: PyTorch models only, optional: the ``torch.amp.GradScaler`` (or FSDP1
+            ``ShardedGradScaler``) whose ``scaler.step(optimizer)`` the loop calls; gives the loss
+            scale and overflow (skipped) steps. Statistics are of the unscaled gradients.
+            Without it, steps the scaler skips never reach ``optimizer.step`` and go unseen.
         **overrides: individual config keys, applied on top (e.g. ``port=0``, ``interval=10``).
 
     Must be called on every rank (it makes one small collective to agree that set-up worked).
@@ -28,7 +38,10 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
     after the gradient reduction and before the optimizer consumes the gradients.
 
     Raises:
-        TypeError: ``engine`` is of an unsupported type (the message lists supported ones).
+        TypeError: ``engine`` is of an unsupported type (the message lists supported ones), a
+            PyTorch model without ``optimizer=``, or ``optimizer=``/``scaler=`` with DeepSpeed.
+        ValueError: an unsupported PyTorch configuration (hybrid sharding, a plain module under
+            torch.distributed with several ranks, an optimizer without the model's parameters).
         ConfigError: an unknown config key or a bad value (named).
         OSError: rank 0 cannot bind the Prometheus port (the message says how to fix it).
         RuntimeError: set-up failed on another rank, or ranks disagree on the model.
@@ -45,15 +58,48 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
         cfg = DistgradConfig.from_dict({**cfg.to_dict(), **overrides})
 
     if is_deepspeed_engine(engine):
+        if optimizer is not None or scaler is not None:
+            raise TypeError("optimizer= and scaler= are for PyTorch models: a DeepSpeed engine owns its "
+                            "optimizer and loss scaler; call distgrad.instrument(engine)")
         source = DeepSpeedSource(engine)
         inst = Instrument(source, cfg)
         inst._start_sinks()
+        clip = float(engine.gradient_clipping() or 0.0)
+        inst.attach_diagnostics(engine.module, clip if clip > 0 else None)
         _attach_deepspeed(inst, engine, source)
         return inst
-    raise TypeError(
-        f"distgrad.instrument() got a {type(engine).__module__}.{type(engine).__name__}; supported: "
-        "deepspeed.DeepSpeedEngine (from deepspeed.initialize). Pass the engine returned by "
-        "deepspeed.initialize, not the model or the optimizer.")
+    return _instrument_torch(engine, cfg, optimizer, scaler)
+
+
+def _instrument_torch(model: Any, cfg: DistgradConfig, optimizer: Any, scaler: Any) -> Instrument:
+    """DDP / FSDP1 / FSDP2 / plain module: boundary = the optimizer's step hooks (and
+    ``scaler.step`` with a GradScaler), see :class:`distgrad.engines.torch_native.OptimizerBoundary`."""
+    import torch
+
+    from distgrad.engines.torch_native import SUPPORTED, attach_torch, check_boundary_args, torch_source
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"distgrad.instrument() got a {type(model).__module__}.{type(model).__name__}; supported: "
+            f"deepspeed.DeepSpeedEngine (from deepspeed.initialize), {SUPPORTED}. Pass the engine "
+            "returned by deepspeed.initialize, or the wrapped PyTorch model with optimizer=, not the "
+            "optimizer or the loss.")
+    if optimizer is None:
+        raise TypeError(
+            f"distgrad.instrument() needs the optimizer for a PyTorch model ({type(model).__name__}): "
+            "call distgrad.instrument(model, optimizer=opt) (and scaler=scaler if you use "
+            "torch.amp.GradScaler); distgrad reads the reduced gradients in the optimizer's step "
+            "pre-hook, once per optimizer step")
+    check_boundary_args(model, optimizer, scaler)
+    source = torch_source(model)
+    inst = Instrument(source, cfg, group=source.group)
+    inst._start_sinks()
+    try:
+        attach_torch(inst, source, model, optimizer, scaler)
+    except BaseException:
+        inst.close()
+        raise
+    return inst
 
 
 def _attach_deepspeed(inst: Instrument, engine: Any, source: Any) -> None:
@@ -87,7 +133,9 @@ def _attach_deepspeed(inst: Instrument, engine: Any, source: Any) -> None:
 
     def _backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
         inst.observe_loss(loss)
-        return backward(loss, *args, **kwargs)
+        out = backward(loss, *args, **kwargs)
+        inst.after_micro_batch()
+        return out
 
     engine._take_model_step = _take_model_step
     engine.backward = _backward

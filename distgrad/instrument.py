@@ -68,10 +68,19 @@ class Instrument:
         self._loss_count = 0
         self._consecutive_overflow = 0
         self._replica_mismatch_rank = -1
-        self._last_nonfinite_params: list[dict[str, Any]] = []
         self._restore: list[Callable[[], None]] = []
         self._hooks: list[Callable[[StepRecord], None]] = []
         self._closed = False
+        self.diagnostics = None
+
+    def attach_diagnostics(self, model: Any = None, max_norm: float | None = None) -> None:
+        """Create the :class:`~distgrad.diagnostics.Diagnostics` (spikes, health, provenance,
+        flight recorder, tracer) for this run; ``max_norm`` is the engine's clip threshold."""
+        from distgrad.diagnostics import Diagnostics
+
+        info = {"engine": self.source.engine_name, "zero_stage": self.source.zero_stage,
+                "world_size": self.world_size, "config": self.config.to_dict(), "version": __version__}
+        self.diagnostics = Diagnostics(self.config, self.source.names, self.global_rank, max_norm, model, info)
 
     # ----------------------------------------------------------------------------------
     # set-up
@@ -88,7 +97,8 @@ class Instrument:
                       "dtype": _DTYPE_NAMES.get(self.source.compute_dtype, str(self.source.compute_dtype)),
                       "version": __version__}
             try:
-                self.prometheus = PrometheusSink(self.config.host, self.config.port, static, self.world_size)
+                self.prometheus = PrometheusSink(self.config.host, self.config.port, static, self.world_size,
+                                                 has_loss_scaler=self.source.has_loss_scaler())
                 self.port = self.prometheus.port
                 self.sinks.append(self.prometheus)
             except OSError as e:
@@ -239,6 +249,11 @@ class Instrument:
                 return None
             rec = self._build(step, micro_step, red, grad_scale, loss_scale, overflow, step_applied)
             self.last_record = rec
+            if self.diagnostics is not None:
+                try:
+                    self.diagnostics.on_record(rec)
+                except Exception:  # noqa: BLE001
+                    self._internal_error("diagnostics")
             for hook in self._hooks:
                 try:
                     hook(rec)
@@ -265,6 +280,14 @@ class Instrument:
             self.counters["skipped_steps"] += 1
         if samples is not None:
             self.counters["samples"] = samples
+
+    def after_micro_batch(self) -> None:
+        """Called after each forward/backward: writes the tracer report once it has finished."""
+        if self.diagnostics is not None and self.diagnostics.tracer is not None:
+            try:
+                self.diagnostics.write_tracer_report(self.global_rank)
+            except Exception:  # noqa: BLE001
+                self._internal_error("tracer report")
 
     def skip(self, overflow: bool | None, step_applied: bool, samples: int | None) -> None:
         """Boundary of a step that is not sampled: account it, drop the observed losses."""
@@ -304,13 +327,12 @@ class Instrument:
                 and self.config.replica_check and self.world_size > 1})
         if nonfinite:
             self.counters["nonfinite_steps"] += 1
-            self._last_nonfinite_params = self._provenance(stats.names)
+            extra["nonfinite_params"] = self._provenance(stats.names)
             if self.global_rank == 0:
                 bad = [(n, int(stats.nan[i]), int(stats.inf[i])) for i, n in enumerate(stats.names)
                        if stats.nan[i] + stats.inf[i] > 0]
                 log.warning("distgrad: step %d: non-finite gradient in %d parameter(s): %s; ranks %s",
                             step, len(bad), bad[:5], nonfinite_ranks)
-        extra["nonfinite_params"] = self._last_nonfinite_params
         if loss_scale is not None:
             extra["consecutive_overflow_steps"] = self._consecutive_overflow
             mn = self.source.min_loss_scale()

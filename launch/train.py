@@ -145,13 +145,15 @@ def get_batch(data: torch.Tensor, batch: int, block: int, seed: int, device) -> 
 class Injector:
     """Changes gradients during backward, before the engine reduces them (tensor hooks).
 
-    kinds: ``nan``/``inf`` set element 0 of ``param``'s gradient on ``rank`` at ``step``;
+    kinds: ``nan``/``inf`` set one element of ``param``'s gradient on ``rank`` at ``step``: the
+    first element that ``rank``'s shard holds after the reduction (``offset``, from distgrad's
+    adapter), so the fault lands in that rank's shard as if it had arisen there;
     ``spike`` multiplies every gradient by 100 on every rank at ``step``; ``zero`` zeroes
     ``param``'s gradient on every rank from ``step`` on (a frozen / dead layer)."""
 
     def __init__(self, model: nn.Module, kind: str | None, step: int, param: str, rank: int,
-                 my_rank: int) -> None:
-        self.kind, self.step, self.rank, self.my_rank = kind, step, rank, my_rank
+                 my_rank: int, offset: int = 0) -> None:
+        self.kind, self.step, self.rank, self.my_rank, self.offset = kind, step, rank, my_rank, offset
         self.params = dict(model.named_parameters())
         if kind and kind != "spike" and param not in self.params:
             raise SystemExit(f"--inject-param {param!r} is not a parameter; e.g. {list(self.params)[:4]}")
@@ -168,7 +170,7 @@ class Injector:
 
             def poison(g: torch.Tensor) -> torch.Tensor:
                 g = g.clone()
-                g.view(-1)[0] = val
+                g.view(-1)[self.offset] = val
                 return g
             self.handles.append(self.params[self.param].register_hook(poison))
         elif k == "spike" and step == self.step:
@@ -217,6 +219,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--inject-param", default="blocks.1.mlp.fc.weight")
     ap.add_argument("--inject-rank", type=int, default=1)
     ap.add_argument("--no-distgrad", action="store_true", help="train without distgrad (baseline)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a distgrad config key (YAML value), e.g. --set flight_recorder_dir=runs/fr")
     ap.add_argument("--summary-json", default=None, help="write timing summary here (rank 0)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     return ap.parse_args(argv)
@@ -242,6 +246,11 @@ def main(argv: list[str] | None = None) -> None:
     model = GPT(args.layers, args.width, args.heads, args.block)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
     overrides = {k: v for k, v in (("port", args.port), ("interval", args.interval)) if v is not None}
+    import yaml
+
+    for kv in args.set:
+        key, _, val = kv.partition("=")
+        overrides[key.strip()] = yaml.safe_load(val)
     dg = None if args.no_distgrad else distgrad.instrument(engine, args.distgrad_config, **overrides)
     n_params = sum(p.numel() for p in model.parameters())
     data = load_corpus(args.data, args.max_bytes)
@@ -250,7 +259,13 @@ def main(argv: list[str] | None = None) -> None:
         where = f"http://{dg.config.host}:{dg.port}/metrics" if dg and dg.port else "off"
         print(f"[train] {n_params / 1e6:.2f}M params, ZeRO-{engine.zero_optimization_stage()} {dtype}, "
               f"world {engine.world_size}, {len(data) / 1e6:.1f} MB text, metrics: {where}", flush=True)
-    injector = Injector(model, args.inject, args.inject_step, args.inject_param, args.inject_rank, rank)
+    offset = 0
+    if dg is not None and args.inject in ("nan", "inf") and args.inject_param in dg.source.names:
+        off = dg.source.local_offsets()[dg.source.names.index(args.inject_param)]
+        if off is None and rank == args.inject_rank:
+            raise SystemExit(f"rank {rank} holds no shard of {args.inject_param}: choose another --inject-param")
+        offset = off[0] if off else 0
+    injector = Injector(model, args.inject, args.inject_step, args.inject_param, args.inject_rank, rank, offset)
     gas = engine.gradient_accumulation_steps()
     mb = engine.train_micro_batch_size_per_gpu()
     tokens_per_step = mb * gas * args.block * engine.world_size

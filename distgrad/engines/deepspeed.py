@@ -95,6 +95,23 @@ class DeepSpeedSource(GradSource):
             return [self._fragment_12(p) for p in self._params]
         return [self._partition_3(p) for p in self._params]
 
+    def local_offsets(self) -> list[tuple[int, int] | None]:
+        """Per parameter, ``(start, numel)`` of this rank's piece within the flattened full
+        parameter (None if it holds none); replicated (stage 0): the whole parameter."""
+        out: list[tuple[int, int] | None] = []
+        for p, n in zip(self._params, self.numels):
+            if self.zero_stage == 0:
+                out.append((0, n))
+            elif self.zero_stage in (1, 2):
+                m = getattr(p, "_hp_mapping", None)
+                out.append(None if m is None else (int(m.lp_fragment_address.start),
+                                                   int(m.lp_fragment_address.numel)))
+            else:
+                part = int(p.ds_tensor.ds_numel) if hasattr(p, "ds_tensor") else -(-n // self.world)
+                keep = max(0, min(part, n - self.rank * part))
+                out.append((self.rank * part, keep) if keep else None)
+        return out
+
     @staticmethod
     def _fragment_12(p: torch.nn.Parameter) -> torch.Tensor | None:
         mapping = getattr(p, "_hp_mapping", None)

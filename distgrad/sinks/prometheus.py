@@ -24,6 +24,7 @@ from distgrad.sinks.base import Sink
 log = logging.getLogger("distgrad")
 
 #: counters exported from the start at 0 so that ``increase()`` sees the first event
+#: (``overflow_steps`` only for engines with an fp16 loss scaler)
 COUNTERS = {
     "nonfinite_steps": ("distgrad_nonfinite_steps", "Sampled optimizer steps with any NaN/Inf gradient element."),
     "sampled_steps": ("distgrad_sampled_steps", "Sampled optimizer steps."),
@@ -31,7 +32,7 @@ COUNTERS = {
     "replica_mismatch": ("distgrad_replica_mismatch",
                          "Sampled steps where replicated gradients differed across ranks."),
     "overflow_steps": ("distgrad_overflow_steps", "fp16 optimizer steps whose gradients overflowed."),
-    "skipped_steps": ("distgrad_skipped_steps", "Optimizer steps not applied (overflow or non-finite)."),
+    "skipped_steps": ("distgrad_skipped_steps", "Optimizer steps the engine did not apply."),
     "samples": ("distgrad_samples", "Training samples consumed (engine's count)."),
 }
 
@@ -49,10 +50,12 @@ _PARAM_GAUGES = (
 class DistgradCollector(Collector):
     """Renders the latest record. ``static`` holds run-constant info (engine, stage, dtype)."""
 
-    def __init__(self, static: dict[str, str], world_size: int) -> None:
+    def __init__(self, static: dict[str, str], world_size: int, has_loss_scaler: bool = True) -> None:
         self._lock = threading.Lock()
         self._record: StepRecord | None = None
-        self._counters: dict[str, int] = {k: 0 for k in COUNTERS}
+        self._last_nonfinite: tuple[list[dict], dict] = ([], {})
+        self._counters: dict[str, int] = {k: 0 for k in COUNTERS
+                                          if has_loss_scaler or k != "overflow_steps"}
         self._labeled_counters: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {}
         self.static = dict(static)
         self.world_size = world_size
@@ -61,7 +64,10 @@ class DistgradCollector(Collector):
         with self._lock:
             if record is not None:
                 self._record = record
-            self._counters.update({k: int(v) for k, v in counters.items() if k in COUNTERS})
+                if record.extra.get("nonfinite_params"):
+                    self._last_nonfinite = (list(record.extra["nonfinite_params"]),
+                                            record.extra.get("provenance") or {})
+            self._counters.update({k: int(v) for k, v in counters.items() if k in self._counters})
 
     def inc_labeled(self, name: str, labels: dict[str, str], by: int = 1) -> None:
         key = (name, tuple(sorted(labels.items())))
@@ -71,13 +77,15 @@ class DistgradCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         with self._lock:
             rec, counters = self._record, dict(self._counters)
+            nonfinite_rows, provenance = self._last_nonfinite
             labeled = dict(self._labeled_counters)
         info = GaugeMetricFamily("distgrad_info", "Static run information.", labels=sorted(self.static))
         info.add_metric([self.static[k] for k in sorted(self.static)], 1.0)
         yield info
         yield GaugeMetricFamily("distgrad_world_size", "Number of ranks.", value=self.world_size)
         for key, (name, doc) in COUNTERS.items():
-            yield CounterMetricFamily(name, doc, value=counters.get(key, 0))
+            if key in counters:
+                yield CounterMetricFamily(name, doc, value=counters[key])
         by_name: dict[str, CounterMetricFamily] = {}
         for (name, labels), v in sorted(labeled.items()):
             fam = by_name.get(name)
@@ -89,6 +97,21 @@ class DistgradCollector(Collector):
         if rec is None:
             return
         yield from _record_metrics(rec)
+        if nonfinite_rows:  # the last non-finite event stays visible after healthy steps
+            fam = GaugeMetricFamily("distgrad_nonfinite_params",
+                                    "On the last non-finite step: non-finite elements per (param, rank shard).",
+                                    labels=["param", "rank"])
+            for row in nonfinite_rows[:20]:
+                fam.add_metric([row["param"], str(row["rank"])], float(row["count"]))
+            yield fam
+        if provenance.get("first_param"):
+            fam = GaugeMetricFamily("distgrad_nonfinite_origin_step",
+                                    "Optimizer step of the last non-finite event, labelled with its probable "
+                                    "origin (the non-finite parameter last in forward order).",
+                                    labels=["param", "layer"])
+            fam.add_metric([provenance["first_param"], str(provenance.get("first_layer", ""))],
+                           float(provenance.get("step", -1)))
+            yield fam
 
 
 def _g(name: str, doc: str, value: float | None) -> GaugeMetricFamily | None:
@@ -161,14 +184,6 @@ def _record_metrics(rec: StepRecord) -> Iterable[Metric]:
         for k, v in kinds.items():
             fam.add_metric([k], float(v))
         yield fam
-    prov = rec.extra.get("nonfinite_params")
-    if prov:
-        fam = GaugeMetricFamily("distgrad_nonfinite_params",
-                                "On the last non-finite step: non-finite elements per (param, rank shard).",
-                                labels=["param", "rank"])
-        for row in prov[:20]:
-            fam.add_metric([row["param"], str(row["rank"])], float(row["count"]))
-        yield fam
     for series in ("grad_norm", "loss"):
         z = rec.extra.get(f"{series}_zscore")
         if z:
@@ -216,6 +231,8 @@ class PrometheusSink(Sink):
         port: TCP port; 0 picks a free one, available afterwards as ``self.port``.
         static: labels of ``distgrad_info``.
         world_size: value of ``distgrad_world_size``.
+        has_loss_scaler: export ``distgrad_overflow_steps_total`` (fp16 with a loss scaler only;
+            under bf16/fp32 no loss-scale or overflow series exist).
 
     Raises:
         OSError: the address cannot be bound; the message says how to fix it.
@@ -224,11 +241,11 @@ class PrometheusSink(Sink):
     name = "prometheus"
 
     def __init__(self, host: str, port: int, static: dict[str, str], world_size: int,
-                 serve: bool = True) -> None:
+                 serve: bool = True, has_loss_scaler: bool = True) -> None:
         from prometheus_client import start_http_server
 
         self.registry = CollectorRegistry(auto_describe=False)
-        self.collector = DistgradCollector(static, world_size)
+        self.collector = DistgradCollector(static, world_size, has_loss_scaler)
         self.registry.register(self.collector)
         self._server = None
         self.host, self.port = host, port

@@ -1,0 +1,184 @@
+"""Multi-rank driver for the diagnostics tests (tests/test_diagnostics_multirank.py), one launch.
+
+Case "faults" (ZeRO-2 fp32): a fixed batch per rank and a small learning rate, so that the grad
+norm is a smooth, slowly falling series; faults are injected into *distgrad's view* of the
+reduced local shards (the training itself is untouched, so later steps stay healthy):
+  step 130: NaN in one element of parameter X on rank 1 only;
+  step 135: +Inf in one element of parameter Y on rank 0 only;
+  step 145: every gradient x100 on every rank (a grad-norm spike);
+  steps >= 150: parameter Z's gradient zeroed (a frozen / dead layer).
+Case "fp16" (ZeRO-2 fp16, hysteresis 1): a real +Inf in a gradient during backward on rank 1 at
+step 3: DeepSpeed overflows, skips the step and halves the loss scale.
+Case "bf16" (ZeRO-2 bf16): a NaN in distgrad's view at step 2: counted, no loss-scale wording.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as tdist
+
+import deepspeed
+import deepspeed.ops
+from deepspeed.accelerator import get_accelerator
+
+import distgrad
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import TinyModel, batch_for  # noqa: E402
+from ds_cases import ds_config  # noqa: E402
+
+
+def _engine(stage: int, dtype: str, **ds_extra):
+    torch.manual_seed(7)
+    model = TinyModel()
+    cfg = ds_config(stage, dtype, 1)
+    cfg["optimizer"]["params"]["lr"] = 1e-4
+    for k, v in ds_extra.items():
+        cfg.setdefault(k, {}).update(v) if isinstance(v, dict) else cfg.__setitem__(k, v)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=cfg)
+    return engine
+
+
+def _slim(rec) -> dict:
+    x = rec.extra
+    return {"step": rec.step, "grad_norm": rec.grad_norm, "loss": rec.loss, "loss_scale": rec.loss_scale,
+            "overflow": rec.overflow, "step_applied": rec.step_applied, "counters": dict(rec.counters),
+            "nonfinite_ranks": rec.nonfinite_ranks, "spikes": x.get("spikes"),
+            "grad_norm_spikes_total": x.get("grad_norm_spikes_total"),
+            "loss_spikes_total": x.get("loss_spikes_total"), "vanishing": x.get("vanishing"),
+            "provenance": x.get("provenance"), "report": x.get("flight_recorder_report"),
+            "extra_keys": sorted(x), "consecutive_overflow_steps": x.get("consecutive_overflow_steps")}
+
+
+def faults_case(rank: int, out_dir: str) -> dict:
+    engine = _engine(2, "fp32")
+    inst = distgrad.instrument(engine, prometheus=False, flight_recorder_dir=out_dir, trace_micro_batches=1)
+    src = inst.source
+    offsets = src.local_offsets()
+    # X: a parameter rank 1 holds a piece of; Y: one rank 0 holds; chosen on the owner, broadcast
+    choice = torch.tensor([-1, -1])
+    mine = [i for i, o in enumerate(offsets) if o is not None and o[1] > 0]
+    choice[rank] = mine[-1]
+    tdist.all_reduce(choice, op=tdist.ReduceOp.MAX)
+    y_idx, x_idx = int(choice[0]), int(choice[1])
+    z_idx = src.names.index("blocks.0.1.weight")
+    real = src.local_pieces
+    state = {"step": 0}
+
+    def view():
+        pieces = [p.clone() if p is not None else None for p in real()]
+        s = state["step"]
+        if s == 130 and rank == 1:
+            pieces[x_idx][0] = float("nan")
+        if s == 135 and rank == 0:
+            pieces[y_idx][0] = float("inf")
+        if s == 145:
+            pieces = [p * 100.0 if p is not None else None for p in pieces]
+        if s >= 150 and pieces[z_idx] is not None:
+            pieces[z_idx].zero_()
+        return pieces
+    src.local_pieces = view
+    recs = []
+    x, y = batch_for(0, 0, rank)
+    for step in range(160):
+        state["step"] = step
+        engine.backward(engine(x, y))
+        engine.step()
+        recs.append(_slim(inst.last_record))
+    out = {"records": recs, "X": src.names[x_idx], "Y": src.names[y_idx], "Z": src.names[z_idx],
+           "reports": [str(p) for p in inst.diagnostics.reports], "counters": dict(inst.counters)}
+    inst.close()
+    return out
+
+
+def fp16_case(rank: int) -> dict:
+    engine = _engine(2, "fp16", fp16={"hysteresis": 1, "initial_scale_power": 10})
+    inst = distgrad.instrument(engine, prometheus=False)
+    target = dict(engine.module.named_parameters())["blocks.1.1.weight"]
+    recs = []
+    for step in range(6):
+        x, yb = batch_for(step, 0, rank)
+        h = None
+        if step == 3 and rank == 1:
+            def poison(g):
+                g = g.clone()
+                g.view(-1)[0] = float("inf")
+                return g
+            h = target.register_hook(poison)
+        engine.backward(engine(x.half(), yb))
+        if h is not None:
+            h.remove()
+        engine.step()
+        recs.append(_slim(inst.last_record))
+    out = {"records": recs, "counters": dict(inst.counters), "engine_skipped": int(engine.skipped_steps),
+           "min_loss_scale": inst.source.min_loss_scale()}
+    inst.close()
+    return out
+
+
+def bf16_case(rank: int) -> dict:
+    from distgrad.sinks.prometheus import PrometheusSink
+    from prometheus_client import generate_latest
+
+    engine = _engine(2, "bf16")
+    inst = distgrad.instrument(engine, prometheus=False)
+    real = inst.source.local_pieces
+    state = {"step": 0}
+
+    def view():
+        pieces = [p.clone() if p is not None else None for p in real()]
+        if state["step"] == 2:
+            for p in pieces:
+                if p is not None and p.numel():
+                    p[0] = float("nan")
+                    break
+        return pieces
+    inst.source.local_pieces = view
+    recs = []
+    sink = PrometheusSink("127.0.0.1", 0, {"engine": "deepspeed"}, 2, serve=False,
+                          has_loss_scaler=inst.source.has_loss_scaler())
+    texts = []
+    for step in range(4):
+        state["step"] = step
+        x, yb = batch_for(step, 0, rank)
+        engine.backward(engine(x.bfloat16(), yb))
+        engine.step()
+        recs.append(_slim(inst.last_record))
+        sink.write(inst.last_record)
+        texts.append(generate_latest(sink.registry).decode())
+    inst.close()
+    return {"records": recs, "metrics_text": texts[2]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see launch/train.py
+    deepspeed.init_distributed(dist_backend="gloo")
+    type(get_accelerator()).is_fp16_supported = lambda self: True
+    rank = tdist.get_rank()
+    out_dir = os.path.join(os.path.dirname(args.out), "flightrec")
+    results = {}
+    for name, fn in (("faults", lambda: faults_case(rank, out_dir)), ("fp16", lambda: fp16_case(rank)),
+                     ("bf16", lambda: bf16_case(rank))):
+        try:
+            results[name] = fn()
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+    tdist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Diagnostics on 2 gloo ranks under DeepSpeed ZeRO-2 (driver: tests/dist/diag_cases.py):
+provenance of injected NaN/Inf names the parameter and the rank, the counter moves by one per
+event, a 100x spike fires each detector exactly once, a NaN does not poison the detectors,
+a zeroed layer is reported vanishing after `health_patience` samples, fp16 overflow is
+counted with its skipped step and loss-scale drop, and bf16 has no loss-scale wording."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multirank
+
+
+def _case(diag_results, name):
+    c = diag_results[name]
+    if "error" in c:
+        pytest.fail(f"{name}: {c['error']}\n{c.get('traceback', '')}")
+    return c
+
+
+def _by_step(c):
+    return {r["step"]: r for r in c["records"]}
+
+
+def test_nan_and_inf_provenance_name_parameter_and_rank(diag_results):
+    c = _case(diag_results, "faults")
+    r = _by_step(c)
+    nan, inf = r[130], r[135]
+    assert math.isnan(nan["grad_norm"]) and math.isinf(inf["grad_norm"])
+    assert nan["provenance"]["params"] == [{"name": c["X"], "nan": 1, "inf": 0, "ranks": [1]}]
+    assert nan["provenance"]["first_param"] == c["X"] and nan["nonfinite_ranks"] == [1]
+    assert inf["provenance"]["params"] == [{"name": c["Y"], "nan": 0, "inf": 1, "ranks": [0]}]
+    assert inf["nonfinite_ranks"] == [0]
+    # the counter goes up by exactly one per non-finite step, and only then
+    counts = [r[s]["counters"]["nonfinite_steps"] for s in (129, 130, 131, 134, 135, 136)]
+    assert counts == [0, 1, 1, 1, 2, 2]
+    assert r[131]["provenance"] is None and math.isfinite(r[131]["grad_norm"])
+
+
+def test_spike_fires_each_detector_once_and_nan_does_not_poison(diag_results):
+    r = _by_step(_case(diag_results, "faults"))
+    spiking = [s for s, rec in r.items() if rec["spikes"]]
+    assert spiking == [145], spiking  # after the NaN (130) and Inf (135): detection still works
+    assert r[145]["spikes"] == ["grad_norm"]  # the loss did not spike
+    assert r[144]["grad_norm_spikes_total"] == {"ema": 0, "window": 0}
+    assert r[159]["grad_norm_spikes_total"] == {"ema": 1, "window": 1}
+    assert r[159]["loss_spikes_total"] == {"ema": 0, "window": 0}
+    assert r[145]["grad_norm"] == pytest.approx(100 * r[144]["grad_norm"], rel=0.05)
+
+
+def test_zeroed_layer_is_reported_vanishing_after_patience(diag_results):
+    c = _case(diag_results, "faults")
+    r = _by_step(c)
+    assert [r[s]["vanishing"] for s in (149, 150, 151)] == [[], [], []]
+    assert all(r[s]["vanishing"] == [c["Z"]] for s in range(152, 160))  # 3rd zero sample on
+
+
+def test_flight_recorder_report_names_parameter_and_rank(diag_results):
+    c = _case(diag_results, "faults")
+    js = [Path(p) for p in c["reports"] if p.endswith(".json")]
+    assert len(js) == 1 and "step130" in js[0].name  # once, on the first non-finite step only
+    dump = json.loads(js[0].read_text())
+    assert dump["provenance"]["first_param"] == c["X"]
+    assert dump["provenance"]["params"][0]["ranks"] == [1]
+    txt = js[0].with_suffix(".txt").read_text()
+    assert c["X"] in txt and "130" in txt
+    assert len(dump["records"]) >= 64  # the last N sampled steps before it
+
+
+def test_fp16_overflow_counted_skipped_and_scale_dropped(diag_results):
+    c = _case(diag_results, "fp16")
+    r = _by_step(c)
+    assert (r[2]["overflow"], r[3]["overflow"], r[4]["overflow"]) == (False, True, False)
+    assert r[3]["step_applied"] is False and r[4]["step_applied"] is True
+    assert r[3]["loss_scale"] == r[2]["loss_scale"] / 2  # hysteresis 1: halved at the overflow
+    assert not math.isfinite(r[3]["grad_norm"])  # never the previous step's value
+    assert (r[3]["counters"]["overflow_steps"], r[3]["counters"]["skipped_steps"]) == (1, 1)
+    assert (r[3]["consecutive_overflow_steps"], r[4]["consecutive_overflow_steps"]) == (1, 0)
+    assert c["engine_skipped"] == 1 == c["counters"]["skipped_steps"]
+    assert c["counters"]["nonfinite_steps"] == 1
+
+
+def test_bf16_nonfinite_counted_without_loss_scale_wording(diag_results):
+    c = _case(diag_results, "bf16")
+    r = _by_step(c)
+    assert math.isnan(r[2]["grad_norm"]) and r[2]["counters"]["nonfinite_steps"] == 1
+    for rec in c["records"]:
+        assert rec["loss_scale"] is None and rec["overflow"] is None
+        assert not any("loss_scale" in k or "overflow" in k for k in rec["extra_keys"])
+    assert "loss_scale" not in c["metrics_text"] and "overflow" not in c["metrics_text"]
+    assert "distgrad_nonfinite_steps_total 1.0" in c["metrics_text"]
