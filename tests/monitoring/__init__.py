@@ -1,0 +1,1 @@
+"""Monitoring tests: Prometheus, Alertmanager and the distgrad rules against live processes."""

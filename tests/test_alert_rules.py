@@ -1,0 +1,154 @@
+"""Alert rules (grafana/alerts/distgrad.rules.yml), their promtool unit tests, the
+Prometheus/Alertmanager configs and the runbook links.
+
+promtool and amtool come with the Debian packages prometheus and prometheus-alertmanager
+(CI installs them); tests needing one skip with a message saying so when it is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+RULES = REPO / "grafana" / "alerts" / "distgrad.rules.yml"
+RULE_TESTS = sorted((REPO / "grafana" / "alerts" / "tests").glob("*.yml"))
+RUNBOOK = REPO / "docs" / "runbook.md"
+
+#: Alerts issue #4 asks for.
+REQUIRED_ALERTS = {
+    "DistgradNonFiniteGradients", "DistgradNaNLoss", "DistgradGradNormSpike", "DistgradLossSpike",
+    "DistgradLossScaleCollapsed", "DistgradRepeatedOverflow", "DistgradTrainingStalled",
+    "DistgradExporterDown", "DistgradExporterAbsent", "DistgradReplicaMismatch", "DistgradInternalErrors",
+}
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"distgrad_grafana_{name}", REPO / "grafana" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} not installed (apt-get install -y prometheus prometheus-alertmanager); CI installs it")
+    return path
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def _rules() -> list[dict]:
+    return [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+
+
+def test_rule_file_is_freshly_generated():
+    build = _load("build")
+    assert RULES not in build.stale_outputs(), "grafana/alerts/distgrad.rules.yml is stale: run python grafana/build.py"
+
+
+def test_promtool_check_rules():
+    r = _run(_tool("promtool"), "check", "rules", str(RULES))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"SUCCESS: {len(_rules())} rules found" in r.stdout
+
+
+def test_promtool_unit_tests():
+    assert RULE_TESTS, "no rule unit tests"
+    r = _run(_tool("promtool"), "test", "rules", *map(str, RULE_TESTS))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("SUCCESS") == len(RULE_TESTS), r.stdout
+
+
+def test_every_alert_has_a_firing_and_a_silent_unit_test():
+    fires, silent = set(), set()
+    for path in RULE_TESTS:
+        for group in yaml.safe_load(path.read_text())["tests"]:
+            for t in group.get("alert_rule_test", []):
+                if t.get("exp_alerts"):
+                    fires.add(t["alertname"])
+                    for a in t["exp_alerts"]:  # exact labels and annotations, not a subset
+                        assert {"summary", "description", "runbook_url"} <= set(a["exp_annotations"]), (path, t)
+                        assert "severity" in a["exp_labels"], (path, t)
+                else:
+                    silent.add(t["alertname"])
+    names = {r["alert"] for r in _rules()}
+    assert names - fires == set(), "alerts without a firing test"
+    assert names - silent == set(), "alerts without a must-not-fire test"
+
+
+def test_rule_conventions():
+    rules = _rules()
+    names = [r["alert"] for r in rules]
+    assert REQUIRED_ALERTS <= set(names)
+    assert len(names) == len(set(names))
+    anchors = {re.sub(r"[^a-z0-9-]", "", h.strip().lower().replace(" ", "-"))
+               for h in re.findall(r"^## (.+)$", RUNBOOK.read_text(), re.M)}
+    for r in rules:
+        assert re.fullmatch(r"Distgrad(?:[A-Z][a-zA-Z0-9]*)+", r["alert"]), r["alert"]
+        assert re.fullmatch(r"\d+[smh]", r["for"]), r
+        assert r["labels"]["severity"] in {"critical", "warning"}, r
+        ann = r["annotations"]
+        assert set(ann) == {"summary", "description", "runbook_url"}, r
+        if not r["expr"].startswith("absent("):  # absent() has no labels to name
+            assert "$labels" in ann["description"], r
+        anchor = ann["runbook_url"].split("#", 1)[1]
+        assert ann["runbook_url"] == f"https://github.com/distgrad/distgrad/blob/main/docs/runbook.md#{anchor}"
+        assert anchor == r["alert"].lower() and anchor in anchors, f"docs/runbook.md lacks a section for {r['alert']}"
+        assert 'job=~"distgrad.*"' in r["expr"], r  # the selector of grafana/build.py's CONFIG
+
+
+def test_rules_use_catalogue_metrics_only():
+    build = _load("build")
+    unknown = build.referenced_metrics(RULES.read_text()) - build.catalogue_metrics()
+    assert unknown == set(), f"not in docs/metrics.md: {sorted(unknown)}"
+
+
+def test_nonfinite_alert_fires_on_first_step_and_critical():
+    (r,) = [r for r in _rules() if r["alert"] == "DistgradNonFiniteGradients"]
+    assert r["for"] == "0s" and r["labels"]["severity"] == "critical"
+    assert "increase(distgrad_nonfinite_steps_total{" in r["expr"]
+
+
+def test_prometheus_config_is_valid():
+    r = _run(_tool("promtool"), "check", "config", "configs/prometheus.yml")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS: 1 rule files found" in r.stdout  # rule_files resolves to the repo's rules
+    cfg = yaml.safe_load((REPO / "configs" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    assert jobs["distgrad"]["static_configs"][0]["targets"] == ["127.0.0.1:9400"]
+    assert jobs["distgrad-file-sd"]["file_sd_configs"][0]["files"] == ["targets/*.json"]
+    assert cfg["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["127.0.0.1:9093"]
+
+
+def test_alertmanager_config_is_valid():
+    r = _run(_tool("amtool"), "check-config", "configs/alertmanager.yml")
+    assert r.returncode == 0, r.stdout + r.stderr
+    cfg = yaml.safe_load((REPO / "configs" / "alertmanager.yml").read_text())
+    assert cfg["receivers"][0]["webhook_configs"][0]["url"] == "http://127.0.0.1:9095/"
+
+
+def test_monitoring_stack_renders_valid_configs(tmp_path):
+    _tool("promtool")
+    r = _run("bash", "launch/monitoring_stack.sh", "--check", "--data-dir", str(tmp_path / "d"),
+             "--targets-dir", str(tmp_path / "targets"), "--target", "node17:9401",
+             "--alertmanager-port", "19093", "--webhook-url", "http://127.0.0.1:8080/hook")
+    assert r.returncode == 0, r.stdout + r.stderr
+    prom = yaml.safe_load((tmp_path / "d" / "prometheus.yml").read_text())
+    assert prom["scrape_configs"][0]["static_configs"][0]["targets"] == ["node17:9401"]
+    assert prom["scrape_configs"][1]["file_sd_configs"][0]["files"] == [f"{tmp_path / 'targets'}/*.json"]
+    assert prom["rule_files"] == [str(RULES)]
+    assert prom["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["127.0.0.1:19093"]
+    am = yaml.safe_load((tmp_path / "d" / "alertmanager.yml").read_text())
+    assert am["receivers"][0]["webhook_configs"][0]["url"] == "http://127.0.0.1:8080/hook"
