@@ -208,11 +208,55 @@ class Instrument:
             self._internal_error("local statistics")
             sum_block, max_block = error_blocks(self.layout, self.rank, device)
         self._local_nonfinite = sum_block[: self.layout.rank_offset].view(-1, len(SUM_COLS))[:, 3:5].clone()
+        self._weights_before = None
+        if self.config.update_ratio:
+            try:
+                self._weights_before = [w.clone() if w is not None else None for w in self._weight_pieces()]
+            except Exception:  # noqa: BLE001
+                self._internal_error("copying the weights for the update ratio")
         try:
             return reduce_blocks(sum_block, max_block, self.group)
         except Exception:  # noqa: BLE001
             self._internal_error("cross-rank reduction")
             return None
+
+    def _weight_pieces(self) -> list[torch.Tensor | None]:
+        pieces = list(self.source.local_param_pieces())
+        if self.source.replicated:
+            pieces = [slice_for_rank(p, self.rank, self.world_size) for p in pieces]
+        return pieces
+
+    def _update_ratios(self, names: list[str], step_applied: bool) -> dict[str, float] | None:
+        """Update-to-weight ratio ``||w_after - w_before|| / ||w_before||`` per parameter, from
+        this rank's master-weight pieces copied in :meth:`collect` (option ``update_ratio``):
+        one more SUM all-reduce of a ``[P, 2]`` float64 tensor and one host copy, on sampled
+        steps only. Source: CS231n's update/weight ratio (see :class:`health.UpdateRatioTracker`).
+        A skipped step has ratio 0."""
+        from distgrad.health import UpdateRatioTracker
+
+        before, self._weights_before = self._weights_before, None
+        device = self.source.device()
+        # every rank joins the all-reduce; a rank without its copy sends the failure flag
+        sums = torch.zeros((len(names) + 1, 2), dtype=torch.float64, device=device)
+        try:
+            if before is None:
+                raise RuntimeError("no weight copy from before the step")
+            empty = torch.zeros(0, dtype=torch.float32, device=device)
+            after = self._weight_pieces()
+            sums[:-1] = UpdateRatioTracker().local_sums([b if b is not None else empty for b in before],
+                                                        [a if a is not None else empty for a in after]).to(device)
+        except Exception:  # noqa: BLE001
+            if before is not None:
+                self._internal_error("update ratio")
+            sums.zero_()
+            sums[-1, 0] = 1.0
+        if _dist_ready() and self.world_size > 1:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
+        host = sums.cpu().numpy()
+        if host[-1, 0] > 0:
+            return None
+        ratios = UpdateRatioTracker.ratios(host[:-1])
+        return {n: (float(r) if step_applied else 0.0) for n, r in zip(names, ratios)}
 
     def _provenance(self, names: list[str]) -> list[dict[str, Any]]:
         """Per-rank non-finite counts per parameter: one all-gather, made only on steps whose
@@ -248,6 +292,10 @@ class Instrument:
                 self._publish_counters()
                 return None
             rec = self._build(step, micro_step, red, grad_scale, loss_scale, overflow, step_applied)
+            if self.config.update_ratio:
+                ratios = self._update_ratios(rec.params.names, step_applied)
+                if ratios is not None:
+                    rec.extra["update_ratio"] = ratios
             self.last_record = rec
             if self.diagnostics is not None:
                 try:

@@ -56,13 +56,14 @@ def test_example_serves_finite_moving_metrics_mid_run(tmp_path):
 def test_example_injected_nan_is_counted_and_named(tmp_path):
     port, log = free_port(), tmp_path / "train.log"
     proc = start_example(port, "--steps", "8", "--inject", "nan", "--inject-step", "3",
-                         "--inject-param", "blocks.1.mlp.fc.weight", "--inject-rank", "1",
+                         "--inject-param", "blocks.2.mlp.fc.weight", "--inject-rank", "1",
                          "--hold", "60", "--log-every", "1", log=log)
     try:
         m = wait_for(step_at_least(port, 7), proc, 240, "the last step", log)
         assert value(m, "distgrad_nonfinite_steps_total") == 1
         rows = {k[1] for k in m if k[0] == "distgrad_nonfinite_params"}
-        assert rows and all(dict(r)["param"] == "blocks.1.mlp.fc.weight" for r in rows), rows
+        # injected on rank 1 into an element of its own ZeRO-2 shard: named with that rank
+        assert [dict(r) for r in rows] == [{"param": "blocks.2.mlp.fc.weight", "rank": "1"}], rows
         assert finite(value(m, "distgrad_grad_norm"))  # later healthy steps are reported as healthy
     finally:
         stop(proc)

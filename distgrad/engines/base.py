@@ -57,6 +57,13 @@ class GradSource(abc.ABC):
         For replicated sources the full flattened gradient is returned.
         """
 
+    def local_param_pieces(self) -> Sequence[torch.Tensor | None]:
+        """Length-P list of 1-D views of this rank's piece of each parameter's *master* weights
+        (fp32 master shards where the engine keeps them), laid out like :meth:`local_pieces`.
+        Used for the update-to-weight ratio; engines that cannot provide it raise
+        NotImplementedError (the option is then refused at ``instrument()`` time)."""
+        raise NotImplementedError(f"{self.engine_name}: master weights are not located")
+
     def grad_scale(self) -> float:
         """Factor the gradients currently carry (fp16 loss scale) or 1.0."""
         return 1.0

@@ -112,6 +112,31 @@ class DeepSpeedSource(GradSource):
                 out.append((self.rank * part, keep) if keep else None)
         return out
 
+    def local_param_pieces(self) -> Sequence[torch.Tensor | None]:
+        """fp32 master weights: stage 0 the parameters themselves (the optimizer's own
+        parameters), stage 1/2 ``_hp_mapping.hp_fragment`` (this rank's fp32 fragment), stage 3
+        ``safe_get_local_fp32_param`` without its padding."""
+        if self.zero_stage == 0:
+            return [p.detach().reshape(-1) for p in self._params]
+        if self.zero_stage in (1, 2):
+            out = []
+            for p in self._params:
+                m = getattr(p, "_hp_mapping", None)
+                out.append(None if m is None else m.hp_fragment.detach().reshape(-1))
+            return out
+        from deepspeed.utils import safe_get_local_fp32_param
+
+        out = []
+        for p in self._params:
+            w = safe_get_local_fp32_param(p)
+            if w is None:
+                out.append(None)
+                continue
+            w = w.detach().reshape(-1)
+            keep = max(0, min(w.numel(), int(p.ds_numel) - self.rank * w.numel()))
+            out.append(w.narrow(0, 0, keep))
+        return out
+
     @staticmethod
     def _fragment_12(p: torch.nn.Parameter) -> torch.Tensor | None:
         mapping = getattr(p, "_hp_mapping", None)

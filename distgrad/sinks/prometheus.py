@@ -203,8 +203,9 @@ def _record_metrics(rec: StepRecord) -> Iterable[Metric]:
     if ratios:
         fam = GaugeMetricFamily("distgrad_param_update_ratio", "||dw|| / ||w|| of the last applied step.",
                                 labels=["param"])
-        for k, v in ratios.items():
-            fam.add_metric([k], float(v))
+        for i in idx:
+            if p.names[i] in ratios:
+                fam.add_metric([p.names[i]], float(ratios[p.names[i]]))
         yield fam
 
 
