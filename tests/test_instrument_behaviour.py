@@ -43,3 +43,17 @@ def test_port_in_use_raises_on_every_rank_at_instrument_time(ds_results):
 def test_unsupported_engine_is_named_with_the_fix():
     with pytest.raises(TypeError, match=r"got a builtins\.object.*supported"):
         distgrad.instrument(object())
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("key", ["z0-fp32", "z1-fp32", "z2-bf16", "z3-fp32", "z3-bf16"])
+def test_update_ratio_equals_full_master_weight_reference(ds_results, key):
+    """||w_after - w_before|| / ||w_before|| from sharded fp32 master weights (one extra
+    all-reduce) equals the same ratio of the gathered full weights in float64."""
+    c = ds_results["special"]["update_ratio"][key]
+    assert len(c["got"]) == len(c["ref"]) == 2
+    for got, ref in zip(c["got"], c["ref"]):
+        assert got is not None and set(got) == set(ref)
+        for name, r in ref.items():
+            assert r > 0, name  # AdamW moved every parameter: the check is not vacuous
+            assert got[name] == pytest.approx(r, rel=1e-6), name

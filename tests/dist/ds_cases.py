@@ -132,6 +132,43 @@ class SyncCounter(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def update_ratio_case(stage: int, dtype: str, rank: int) -> dict:
+    """distgrad's update-to-weight ratios vs ||w1 - w0|| / ||w0|| of the full fp32 master
+    weights gathered with safe_get_full_fp32_param (test only) around the step, in float64."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    torch.manual_seed(99)
+    model = TinyModel()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=ds_config(stage, dtype, 1))
+    inst = distgrad.instrument(engine, prometheus=False, update_ratio=True)
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    inner = engine._take_model_step
+    snaps: list[dict] = []
+
+    def full():
+        # stage 0 fp32 has no separate master copy: the parameters are the optimizer's weights
+        return {n: (safe_get_full_fp32_param(p) if stage else p).detach().double().reshape(-1).clone()
+                for n, p in named}
+
+    def around(*a, **kw):
+        before = full()
+        out = inner(*a, **kw)
+        after = full()
+        snaps.append({n: ((after[n] - before[n]).norm() / before[n].norm()).item() for n in before})
+        return out
+    engine._take_model_step = around
+    got = []
+    for step in range(2):
+        x, y = batch_for(step, 0, rank)
+        dt = {"bf16": torch.bfloat16}.get(dtype, torch.float32)
+        engine.backward(engine(x.to(dt), y))
+        engine.step()
+        got.append(inst.last_record.extra.get("update_ratio"))
+    inst.close()
+    return {"got": got, "ref": snaps}
+
+
 def special_cases(rank: int, world: int) -> dict:
     """Fault tolerance, set-up errors, and per-step collective / host-sync counts."""
     import socket
@@ -229,6 +266,8 @@ def special_cases(rank: int, world: int) -> dict:
         msg = f"{type(e).__name__}: {e}"
     holder.close()
     out["port_taken"] = msg
+    out["update_ratio"] = {f"z{st}-{dt}": update_ratio_case(st, dt, rank)
+                           for st, dt in ((0, "fp32"), (1, "fp32"), (2, "bf16"), (3, "fp32"), (3, "bf16"))}
     return out
 
 
