@@ -13,7 +13,8 @@ Classification of one name, in this order:
    ``_checkpoint_wrapped_module`` and ``_orig_mod`` wherever they occur, then leading
    ``module.`` (DDP / DeepSpeed, repeated) and a leading ``base_model.model.`` (PEFT).
    PEFT parts are removed and remembered: ``<m>.base_layer.<leaf>`` -> ``<m>.<leaf>``;
-   ``<m>.lora_A.<adapter>.<leaf>`` -> ``<m>.<leaf>`` with ``lora="A"`` (``B`` likewise);
+   ``<m>.lora_A.<adapter>.<leaf>`` (PEFT), ``<m>.lora_A.<leaf>`` (no adapter name) and
+   ``<m>.lora_A`` (Microsoft loralib) -> ``<m>.<leaf>`` with ``lora="A"`` (``B`` likewise);
    ``<m>.lora_embedding_A.<adapter>`` -> ``<m>.weight`` with ``lora="embedding_A"``
    (``embedding_B`` likewise); ``<m>.lora_magnitude_vector.<adapter>[.weight]`` (DoRA) ->
    ``<m>.weight`` with ``lora="magnitude"``; ``modules_to_save.<adapter>`` and
@@ -174,7 +175,8 @@ _WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_mo
 
 _PEFT_RE = re.compile(
     r"^(?P<mod>.+?)\."
-    r"(?:lora_(?P<ab>A|B)\.[^.]+\.(?P<leaf>weight|bias)"
+    r"(?:lora_(?P<ab>A|B)\.(?:[^.]+\.)?(?P<leaf>weight|bias)"
+    r"|lora_(?P<bare>A|B)"
     r"|lora_embedding_(?P<eab>A|B)\.[^.]+"
     r"|lora_magnitude_vector\.[^.]+(?:\.weight)?)$"
 )
@@ -202,6 +204,8 @@ def _canonical(name: str) -> tuple[str, str | None]:
     if m is not None:
         if m["ab"]:
             lora, s = m["ab"], f"{m['mod']}.{m['leaf']}"
+        elif m["bare"]:  # loralib: the adapter matrices are parameters of the layer itself
+            lora, s = m["bare"], f"{m['mod']}.weight"
         elif m["eab"]:
             lora, s = f"embedding_{m['eab']}", f"{m['mod']}.weight"
         else:

@@ -107,6 +107,36 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
+class LoRALinear(nn.Module):
+    """``base_layer(x) + (alpha / r) * lora_B(lora_A(x))`` (Hu et al. 2021, LoRA), PEFT's
+    parameter names: ``base_layer.weight`` frozen, ``lora_A.weight`` [r, in] random,
+    ``lora_B.weight`` [out, r] zero, so the adapter starts as the identity. With B = 0,
+    A's gradient is exactly 0 at first: watch ``distgrad_layer_grad_norm{layer="N/lora_A"}``."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float = 16.0) -> None:
+        super().__init__()
+        self.base_layer = base
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.lora_A = nn.Linear(base.in_features, r, bias=False)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+        self.scale = alpha / r
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.scale * self.lora_B(self.lora_A(x))
+
+
+def add_lora(model: GPT, r: int) -> None:
+    """Freeze every weight and put rank-``r`` adapters on each block's four linear layers."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for b in model.blocks:
+        b.attn.qkv, b.attn.proj = LoRALinear(b.attn.qkv, r), LoRALinear(b.attn.proj, r)
+        b.mlp.fc, b.mlp.proj = LoRALinear(b.mlp.fc, r), LoRALinear(b.mlp.proj, r)
+
+
 # ----------------------------------------------------------------------------------------------
 # data
 def load_corpus(path: str | None, max_bytes: int) -> torch.Tensor:
@@ -218,6 +248,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--inject-step", type=int, default=20)
     ap.add_argument("--inject-param", default="blocks.2.mlp.fc.weight")
     ap.add_argument("--inject-rank", type=int, default=1)
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="train rank-R LoRA adapters on the block linears, base weights frozen")
     ap.add_argument("--no-distgrad", action="store_true", help="train without distgrad (baseline)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a distgrad config key (YAML value), e.g. --set flight_recorder_dir=runs/fr")
@@ -244,7 +276,10 @@ def main(argv: list[str] | None = None) -> None:
         ds_cfg = json.load(f)
     torch.manual_seed(args.seed)
     model = GPT(args.layers, args.width, args.heads, args.block)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+    if args.lora:
+        add_lora(model, args.lora)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_cfg)
     overrides = {k: v for k, v in (("port", args.port), ("interval", args.interval)) if v is not None}
     import yaml
 
@@ -253,11 +288,13 @@ def main(argv: list[str] | None = None) -> None:
         overrides[key.strip()] = yaml.safe_load(val)
     dg = None if args.no_distgrad else distgrad.instrument(engine, args.distgrad_config, **overrides)
     n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in trainable)
     data = load_corpus(args.data, args.max_bytes)
     dtype = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
     if rank == 0:
         where = f"http://{dg.config.host}:{dg.port}/metrics" if dg and dg.port else "off"
-        print(f"[train] {n_params / 1e6:.2f}M params, ZeRO-{engine.zero_optimization_stage()} {dtype}, "
+        print(f"[train] {n_params / 1e6:.2f}M params ({n_trainable / 1e6:.2f}M trainable), "
+              f"ZeRO-{engine.zero_optimization_stage()} {dtype}, "
               f"world {engine.world_size}, {len(data) / 1e6:.1f} MB text, metrics: {where}", flush=True)
     offset = 0
     if dg is not None and args.inject in ("nan", "inf") and args.inject_param in dg.source.names:

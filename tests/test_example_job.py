@@ -68,3 +68,29 @@ def test_example_injected_nan_is_counted_and_named(tmp_path):
     finally:
         stop(proc)
     assert "non-finite gradient" in log.read_text()
+
+
+@pytest.mark.multirank
+def test_example_lora_shows_a_and_b_per_layer(tmp_path):
+    """LoRA run: per layer, the A and B adapters are their own series side by side; frozen base
+    weights are never read (no series); A's gradient is exactly 0 at step 0 (B starts at 0)."""
+    port, log = free_port(), tmp_path / "train.log"
+    jsonl = tmp_path / "run.jsonl"
+    proc = start_example(port, "--steps", "30", "--lora", "4", "--layers", "2", "--width", "64",
+                         "--heads", "2", "--block", "32", "--hold", "60", "--set", f"jsonl_path={jsonl}", log=log)
+    try:
+        m = wait_for(step_at_least(port, 5), proc, 240, "step 5", log)
+        from distgrad.sinks.jsonl import read_jsonl
+
+        first = next(iter(read_jsonl(jsonl)))
+        assert first.step == 0
+        for layer in ("0", "1"):
+            assert first.extra["layer_norm"][f"{layer}/lora_A"] == 0.0
+            assert first.extra["layer_norm"][f"{layer}/lora_B"] > 0.0
+            assert value(m, "distgrad_layer_grad_norm", layer=f"{layer}/lora_A") > 0.0
+            assert value(m, "distgrad_layer_grad_norm", layer=f"{layer}/lora_B") > 0.0
+        params = {dict(k[1])["param"] for k in m if k[0] == "distgrad_param_grad_norm"}
+        assert params and all(".lora_A." in p or ".lora_B." in p for p in params), params
+        assert len(params) == 2 * 4 * 2  # 2 blocks x 4 adapted linears x (A, B)
+    finally:
+        stop(proc)

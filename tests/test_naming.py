@@ -297,3 +297,14 @@ def test_forward_order_unknown_last_and_user_rules():
     rules = [(r"^zzz", "embed", "embed")]
     order = sorted(names, key=lambda n: forward_order_key(n, rules))
     assert set(order[:2]) == {"zzz.weight", "model.embed_tokens.weight"}
+
+
+@pytest.mark.parametrize("name,module,lora", [
+    ("blocks.0.attn.qkv.lora_A.weight", "blocks.0.attn.qkv", "A"),          # no adapter name
+    ("model.layers.3.self_attn.q_proj.lora_B", "model.layers.3.self_attn.q_proj", "B"),  # loralib
+    ("model.layers.3.self_attn.q_proj.lora_A.default.weight", "model.layers.3.self_attn.q_proj", "A"),
+])
+def test_lora_spellings(name, module, lora):
+    g = classify(name)
+    assert (g.module, g.lora) == (module, lora)
+    assert g.layer in ("0", "3") and g.module_kind in ("attn_qkv", "attn_q")
