@@ -53,21 +53,54 @@ def test_example_serves_finite_moving_metrics_mid_run(tmp_path):
 
 
 @pytest.mark.multirank
-def test_example_injected_nan_is_counted_and_named(tmp_path):
+def test_example_injected_nan_is_counted_named_recorded_and_reported(tmp_path):
+    """One run with a NaN injected at step 3 on rank 1: /metrics counts and names it; the JSONL
+    record of the last step equals what /metrics served for that step; the flight recorder and
+    `distgrad report` name the step, the parameter and the rank."""
     port, log = free_port(), tmp_path / "train.log"
+    jsonl, fr = tmp_path / "run.jsonl", tmp_path / "flightrec"
+    param = "blocks.2.mlp.fc.weight"
     proc = start_example(port, "--steps", "8", "--inject", "nan", "--inject-step", "3",
-                         "--inject-param", "blocks.2.mlp.fc.weight", "--inject-rank", "1",
-                         "--hold", "60", "--log-every", "1", log=log)
+                         "--inject-param", param, "--inject-rank", "1", "--hold", "60", "--log-every", "1",
+                         "--set", f"jsonl_path={jsonl}", "--set", f"flight_recorder_dir={fr}", log=log)
     try:
         m = wait_for(step_at_least(port, 7), proc, 240, "the last step", log)
         assert value(m, "distgrad_nonfinite_steps_total") == 1
         rows = {k[1] for k in m if k[0] == "distgrad_nonfinite_params"}
         # injected on rank 1 into an element of its own ZeRO-2 shard: named with that rank
-        assert [dict(r) for r in rows] == [{"param": "blocks.2.mlp.fc.weight", "rank": "1"}], rows
+        assert [dict(r) for r in rows] == [{"param": param, "rank": "1"}], rows
+        assert value(m, "distgrad_nonfinite_origin_step", param=param, layer="2") == 3
         assert finite(value(m, "distgrad_grad_norm"))  # later healthy steps are reported as healthy
     finally:
         stop(proc)
     assert "non-finite gradient" in log.read_text()
+
+    from distgrad.sinks.jsonl import read_jsonl
+
+    recs = list(read_jsonl(jsonl))
+    assert [r.step for r in recs] == list(range(8))
+    last = recs[-1]  # the step /metrics was serving at the scrape (training had ended)
+    assert last.step == value(m, "distgrad_optimizer_step")
+    assert last.grad_norm == value(m, "distgrad_grad_norm")
+    assert last.loss == value(m, "distgrad_loss")
+    p = last.params
+    for i, name in enumerate(p.names):
+        for stat, arr in (("norm", p.norm), ("mean", p.mean), ("std", p.std), ("min", p.min), ("max", p.max),
+                          ("abs_max", p.abs_max), ("zero_ratio", p.zero_ratio)):
+            assert value(m, f"distgrad_param_grad_{stat}", param=name) == pytest.approx(arr[i], rel=1e-12, abs=0)
+    assert recs[3].nonfinite and recs[3].params.nan[p.names.index(param)] == 1
+
+    dumps = sorted(fr.glob("flightrec-*.json"))
+    assert len(dumps) == 1 and "step3" in dumps[0].name
+    summary = dumps[0].with_suffix(".txt").read_text()
+    assert param in summary and "rank" in summary and "1" in summary
+
+    from distgrad.cli import main as cli
+
+    assert cli(["report", str(jsonl), "-o", str(tmp_path / "report")]) == 0
+    html = (tmp_path / "report" / "report.html").read_text()
+    verdict = html[: html.index(param) + 200] if param in html else ""
+    assert "step 3" in verdict and param in verdict, html[:2000]
 
 
 @pytest.mark.multirank
