@@ -40,6 +40,16 @@ class DistgradConfig:
     port: int = 9400
     """Exporter TCP port; 0 picks a free port (logged, and available as ``Instrument.port``)."""
 
+    file_sd_path: str | None = None
+    """Rank 0 writes its exporter address here as a Prometheus ``file_sd_configs`` target file
+    (``[{"targets": ["<host>:<port>"], "labels": {"run": run_name}}]``) and removes it at close:
+    multi-node jobs get scraped wherever rank 0 lands (see configs/prometheus.yml)."""
+    advertise_host: str | None = None
+    """Host name written to ``file_sd_path`` (default: this machine's FQDN, or ``host`` when the
+    exporter is bound to a specific address)."""
+    run_name: str | None = None
+    """Value of the ``run`` label in ``file_sd_path`` (default: none)."""
+
     # --- statistics -------------------------------------------------------------------------
     per_param: bool = True
     """Export per-parameter series (``distgrad_param_*{param}``); layer-level series and the

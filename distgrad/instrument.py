@@ -101,6 +101,8 @@ class Instrument:
                                                  has_loss_scaler=self.source.has_loss_scaler())
                 self.port = self.prometheus.port
                 self.sinks.append(self.prometheus)
+                if self.config.file_sd_path:
+                    self._write_file_sd()
             except OSError as e:
                 err = e
         if self.global_rank == 0 and err is None:
@@ -119,6 +121,29 @@ class Instrument:
         if err is not None:
             self.close()
             raise err
+
+    def _write_file_sd(self) -> None:
+        """Write rank 0's exporter as a Prometheus file_sd target (atomically: write + rename)."""
+        import json
+        import os
+        import socket
+
+        host = self.config.advertise_host or (
+            self.config.host if self.config.host not in ("0.0.0.0", "::", "") else socket.getfqdn())
+        entry: dict[str, Any] = {"targets": [f"{host}:{self.port}"]}
+        if self.config.run_name:
+            entry["labels"] = {"run": self.config.run_name}
+        path = str(self.config.file_sd_path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump([entry], f)
+        os.replace(tmp, path)
+
+        def remove() -> None:
+            if os.path.exists(path):
+                os.remove(path)
+        self._restore.append(remove)
 
     def _start_file_sinks(self) -> BaseException | None:
         try:

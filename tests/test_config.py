@@ -45,3 +45,27 @@ def test_yaml_errors(tmp_path):
         DistgradConfig.load(p)
     with pytest.raises(ConfigError, match="does not exist"):
         DistgradConfig.load(tmp_path / "missing.yaml")
+
+
+def test_file_sd_target_written_by_rank0_and_removed_at_close(tmp_path):
+    """Rank 0's exporter advertises itself for Prometheus file_sd (multi-node jobs)."""
+    import json
+
+    from distgrad.engines.base import GradSource
+    from distgrad.instrument import Instrument
+
+    class NoGrads(GradSource):
+        names, numels = [], []
+
+        def local_pieces(self):
+            return []
+
+    path = tmp_path / "targets" / "run1.json"
+    cfg = DistgradConfig(port=0, file_sd_path=str(path), advertise_host="node17", run_name="run1")
+    inst = Instrument(NoGrads(), cfg)
+    inst._start_sinks()
+    try:
+        assert json.loads(path.read_text()) == [{"targets": [f"node17:{inst.port}"], "labels": {"run": "run1"}}]
+    finally:
+        inst.close()
+    assert not path.exists()
