@@ -289,7 +289,9 @@ class Instrument:
         local = self._local_nonfinite.reshape(-1)
         if _dist_ready() and self.world_size > 1:
             out = torch.empty(self.world_size * local.numel(), dtype=local.dtype, device=local.device)
-            dist.all_gather_into_tensor(out, local.contiguous(), group=self.group)
+            # all_gather_single replaces the deprecated all_gather_into_tensor in torch >= 2.13
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(out, local.contiguous(), group=self.group)
         else:
             out = local
         per = out.cpu().numpy().reshape(self.world_size, len(names), 2)
@@ -353,6 +355,8 @@ class Instrument:
             self.counters["skipped_steps"] += 1
         if samples is not None:
             self.counters["samples"] = samples
+        if self.prometheus is not None:
+            self.prometheus.collector.step_time = time.time()
 
     def after_micro_batch(self) -> None:
         """Called after each forward/backward: writes the tracer report once it has finished."""

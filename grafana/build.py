@@ -249,8 +249,8 @@ def alert_rules() -> dict[str, Any]:
     training = [
         _rule(
             "DistgradTrainingStalled",
-            f"(time() - distgrad_last_sample_timestamp_seconds{sel()} > {stall_s})\n"
-            f"and distgrad_last_sample_timestamp_seconds{sel()} > 0\n",
+            f"(time() - distgrad_last_step_timestamp_seconds{sel()} > {stall_s})\n"
+            f"and distgrad_last_step_timestamp_seconds{sel()} > 0\n",
             "Training stalled in {{ $labels.job }}.",
             f"{WHO} has not sampled an optimizer step for {{{{ $value | humanizeDuration }}}} "
             f"(threshold {stall_s}s); the last sampled step was {tvalue('distgrad_optimizer_step')}.",
@@ -621,7 +621,7 @@ def overview() -> dict[str, Any]:
             (stat("Optimizer step", "Optimizer step of the last sampled step (distgrad_optimizer_step).",
                   targets((f"distgrad_optimizer_step{{{S}}}", "{{instance}}")), "none"), 4, 4),
             (stat("Time since last sample", "Seconds since rank 0 last sampled a step; DistgradTrainingStalled fires above the configured threshold.",
-                  targets((f"time() - distgrad_last_sample_timestamp_seconds{{{S}}}", "{{instance}}")), "s", th=stall_th), 4, 4),
+                  targets((f"time() - distgrad_last_step_timestamp_seconds{{{S}}}", "{{instance}}")), "s", th=stall_th), 4, 4),
             (stat("Samples/s", "Training samples consumed per second (rate of distgrad_samples_total).",
                   targets((f"rate(distgrad_samples_total{{{S}}}[{RATE}])", "{{instance}}")), "short", graph=True), 4, 4),
             (stat("World size", "Ranks in the job (distgrad_world_size).",
@@ -652,7 +652,7 @@ def overview() -> dict[str, Any]:
             (ts("Samples/s", "Training throughput: rate of distgrad_samples_total.",
                 targets((f"rate(distgrad_samples_total{{{S}}}[{RATE}])", "{{instance}}")), "short", min_=0), 12, 8),
             (ts("Time since last sample", "Seconds since the last sampled step; the red band starts at the DistgradTrainingStalled threshold.",
-                targets((f"time() - distgrad_last_sample_timestamp_seconds{{{S}}}", "{{instance}}")), "s", min_=0,
+                targets((f"time() - distgrad_last_step_timestamp_seconds{{{S}}}", "{{instance}}")), "s", min_=0,
                 th=stall_th, threshold_lines=True), 12, 8),
         ],
         [(row("Spikes"), 24, 1)],

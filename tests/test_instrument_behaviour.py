@@ -24,12 +24,12 @@ def test_two_collectives_and_one_host_sync_per_sampled_step(ds_results):
     assert [s["step"] for s in per_step] == [0, 1, 2, 3]
     for s in per_step:
         if s["step"] % 2 == 1:  # interval 2: not sampled -> nothing at all
-            assert (s["all_reduce"], s["all_gather_into_tensor"], s["other"], s["syncs"]) == (0, 0, 0, []), s
+            assert (s["all_reduce"], s["all_gather"], s["other"], s["syncs"]) == (0, 0, 0, []), s
         elif s["step"] == 0:  # healthy sampled step
-            assert (s["all_reduce"], s["all_gather_into_tensor"], s["other"]) == (2, 0, 0), s
+            assert (s["all_reduce"], s["all_gather"], s["other"]) == (2, 0, 0), s
             assert s["syncs"] == ["cpu"], s
         else:  # step 2 is non-finite: one extra all-gather for per-rank provenance, one more copy
-            assert (s["all_reduce"], s["all_gather_into_tensor"], s["other"]) == (2, 1, 0), s
+            assert (s["all_reduce"], s["all_gather"], s["other"]) == (2, 1, 0), s
             assert s["syncs"] == ["cpu", "cpu"], s
     assert ds_results["special"]["counts_nonfinite_steps"] == 1
 

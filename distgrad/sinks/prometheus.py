@@ -54,6 +54,8 @@ class DistgradCollector(Collector):
         self._lock = threading.Lock()
         self._record: StepRecord | None = None
         self._last_nonfinite: tuple[list[dict], dict] = ([], {})
+        #: Unix time of the last optimizer-step boundary, sampled or not (set by the instrument)
+        self.step_time: float | None = None
         self._counters: dict[str, int] = {k: 0 for k in COUNTERS
                                           if has_loss_scaler or k != "overflow_steps"}
         self._labeled_counters: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {}
@@ -83,6 +85,9 @@ class DistgradCollector(Collector):
         info.add_metric([self.static[k] for k in sorted(self.static)], 1.0)
         yield info
         yield GaugeMetricFamily("distgrad_world_size", "Number of ranks.", value=self.world_size)
+        if self.step_time is not None:
+            yield GaugeMetricFamily("distgrad_last_step_timestamp_seconds",
+                                    "Unix time of the last optimizer step (sampled or not).", value=self.step_time)
         for key, (name, doc) in COUNTERS.items():
             if key in counters:
                 yield CounterMetricFamily(name, doc, value=counters[key])

@@ -207,16 +207,19 @@ def special_cases(rank: int, world: int) -> dict:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=ds_config(3, "fp32", 1))
     inst = distgrad.instrument(engine, prometheus=False, interval=2)
-    counts = {"all_reduce": 0, "all_gather_into_tensor": 0, "other": 0}
+    counts = {"all_reduce": 0, "all_gather": 0, "other": 0}
     active = {"on": False}
     originals = {}
-    for fn in ("all_reduce", "all_gather_into_tensor", "all_gather", "broadcast", "reduce_scatter_tensor",
+    gathers = ("all_gather_into_tensor", "all_gather_single", "all_gather")
+    for fn in ("all_reduce", *gathers, "broadcast", "reduce_scatter_tensor", "reduce_scatter_single",
                "barrier", "reduce", "gather", "scatter", "all_to_all_single"):
+        if not hasattr(tdist, fn):
+            continue
         originals[fn] = getattr(tdist, fn)
 
         def wrapper(*a, __fn=fn, **kw):
             if active["on"]:
-                key = __fn if __fn in counts else "other"
+                key = "all_gather" if __fn in gathers else __fn if __fn in counts else "other"
                 counts[key] += 1
             return originals[__fn](*a, **kw)
         setattr(tdist, fn, wrapper)

@@ -51,6 +51,7 @@ class FakeDistgradRun:
         gauge("distgrad_world_size").set(2)
         self.step = gauge("distgrad_optimizer_step")
         self.timestamp = gauge("distgrad_last_sample_timestamp_seconds")
+        self.step_timestamp = gauge("distgrad_last_step_timestamp_seconds")
         self.loss = gauge("distgrad_loss")
         self.grad_norm = gauge("distgrad_grad_norm")
         self.sampled = counter("distgrad_sampled_steps_total")
@@ -102,6 +103,7 @@ class FakeDistgradRun:
         with self._lock:
             self.step.set(step)
             self.timestamp.set(time.time())
+            self.step_timestamp.set(time.time())
             self.loss.set(3.0 / (1.0 + 0.01 * step))
             self.grad_norm.set(1.0 + 0.1 * math.sin(step))
             self.sampled.inc()
