@@ -92,9 +92,12 @@ def _instrument_torch(model: Any, cfg: DistgradConfig, optimizer: Any, scaler: A
             "pre-hook, once per optimizer step")
     check_boundary_args(model, optimizer, scaler)
     source = torch_source(model)
+    source.scaler = scaler  # before the sinks start: they export overflow series only with a scaler
     inst = Instrument(source, cfg, group=source.group)
     inst._start_sinks()
     try:
+        # torch loops clip in user code (clip_grad_norm_): the clip ratio uses config.max_grad_norm
+        inst.attach_diagnostics(source.user_module(model), None)
         attach_torch(inst, source, model, optimizer, scaler)
     except BaseException:
         inst.close()
