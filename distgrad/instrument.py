@@ -107,6 +107,9 @@ class Instrument:
                 err = e
         if self.global_rank == 0 and err is None:
             err = self._start_file_sinks()
+        if self.prometheus is not None:
+            for sink in self.sinks:  # labelled counters at 0 from the start, like the others
+                self.prometheus.collector.inc_labeled("distgrad_sink_errors", {"sink": sink.name}, 0)
         if _dist_ready() and self.world_size > 1:
             flag = torch.tensor([1.0 if err else 0.0, float(self.layout.n_params), -float(self.layout.n_params)],
                                 dtype=torch.float64, device=self.source.device())
@@ -432,6 +435,7 @@ class Instrument:
                 self._internal_error(f"sink {s.name}")
                 if self.prometheus is not None:
                     self.prometheus.collector.inc_labeled("distgrad_sink_errors", {"sink": s.name})
+        self._publish_counters()  # errors of sinks that ran before this one's snapshot
 
     def _publish_counters(self) -> None:
         if self.prometheus is not None:

@@ -3,6 +3,8 @@
 metrics served from rank 0 while it trains.
 
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 launch/train.py --ds-config configs/ds_zero2_fp32.json
+    torchrun --nproc_per_node 2 launch/train.py --engine fsdp2          # or ddp, fsdp1
+    mpirun -np 2 python launch/train.py                                 # rank discovery: launch/dist_env.py
 
 Data: the source files of the Python standard library found on this machine (``sysconfig``),
 or any text file passed with ``--data``; bytes are tokens (vocabulary 256). Each rank draws its
@@ -227,6 +229,8 @@ def skip_cpu_shm_op() -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", choices=["deepspeed", "ddp", "fsdp1", "fsdp2"], default="deepspeed",
+                    help="deepspeed (deepspeed launcher or mpirun), or a PyTorch wrapper (torchrun or mpirun)")
     ap.add_argument("--ds-config", default=str(ROOT / "configs" / "ds_zero2_fp32.json"),
                     help="DeepSpeed config JSON (configs/ds_zero{1,2,3}_{fp32,bf16}.json)")
     ap.add_argument("--distgrad-config", default=str(ROOT / "configs" / "distgrad.yaml"),
@@ -258,68 +262,181 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+class DeepSpeedRunner:
+    """The model under ``deepspeed.initialize`` (ZeRO stage, precision, batch sizes and clipping
+    from the DeepSpeed config)."""
+
+    def __init__(self, model: GPT, ds_cfg: dict) -> None:
+        import deepspeed
+
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_cfg)
+        e = self.engine
+        self.gas, self.mb, self.device = e.gradient_accumulation_steps(), e.train_micro_batch_size_per_gpu(), e.device
+        dtype = "bf16" if e.bfloat16_enabled() else "fp16" if e.fp16_enabled() else "fp32"
+        self.describe = f"DeepSpeed ZeRO-{e.zero_optimization_stage()} {dtype}"
+
+    def instrument(self, distgrad, cfg, **overrides):
+        return distgrad.instrument(self.engine, cfg, **overrides)
+
+    def start(self) -> None:
+        """Nothing to do: DeepSpeed clips inside its step, after distgrad has read."""
+
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool) -> torch.Tensor:
+        loss = self.engine(x, y)
+        self.engine.backward(loss)
+        self.engine.step()  # DeepSpeed applies the update on the accumulation boundary itself
+        return loss
+
+
+class TorchRunner:
+    """The model wrapped in DDP, FSDP1 (``FullyShardedDataParallel``, one unit per block,
+    ``use_orig_params=True``) or FSDP2 (``fully_shard`` per block and at the root), with AdamW,
+    gradient accumulation under ``no_sync`` / ``set_requires_gradient_sync(False)`` and global
+    grad-norm clipping; batch sizes, learning rate, clipping and bf16 from the DeepSpeed config so
+    that every engine trains the same job."""
+
+    def __init__(self, model: GPT, ds_cfg: dict, engine: str, device: torch.device) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.kind, self.device = engine, device
+        self.gas = int(ds_cfg.get("gradient_accumulation_steps", 1))
+        self.mb = int(ds_cfg.get("train_micro_batch_size_per_gpu", 8))
+        self.clip = float(ds_cfg.get("gradient_clipping", 0.0))
+        bf16 = bool(ds_cfg.get("bf16", {}).get("enabled", False))
+        model.to(device)
+        if engine == "ddp":
+            self.model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
+        elif engine == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+            self.model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True,
+                              mixed_precision=mp, device_id=device)
+        else:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+                else MixedPrecisionPolicy()
+            for b in model.blocks:
+                fully_shard(b, mp_policy=mp)
+            self.model = fully_shard(model, mp_policy=mp)
+        p = ds_cfg.get("optimizer", {}).get("params", {})
+        self.optimizer = torch.optim.AdamW([q for q in self.model.parameters() if q.requires_grad],
+                                           lr=p.get("lr", 1e-3), betas=tuple(p.get("betas", (0.9, 0.95))),
+                                           weight_decay=p.get("weight_decay", 0.0))
+        self.describe = f"{engine.upper()} {'bf16' if bf16 else 'fp32'}"
+        self.engine = self.model
+
+    def instrument(self, distgrad, cfg, **overrides):
+        overrides.setdefault("max_grad_norm", self.clip or None)
+        return distgrad.instrument(self.model, cfg, optimizer=self.optimizer, **overrides)
+
+    def start(self) -> None:
+        """Clip inside ``optimizer.step()``, in a step pre-hook registered after distgrad's:
+        pre-hooks run in registration order, so distgrad reads the gradient before clipping
+        (the grad norm DeepSpeed users see too) and reports the clip ratio."""
+        if self.clip > 0:
+            self.optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._clip())
+
+    def _clip(self) -> None:
+        if self.kind == "fsdp1":
+            self.model.clip_grad_norm_(self.clip)
+        else:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool) -> torch.Tensor:
+        import contextlib
+
+        if self.kind == "fsdp2":
+            self.model.set_requires_gradient_sync(last)
+            ctx = contextlib.nullcontext()
+        else:
+            ctx = contextlib.nullcontext() if last else self.model.no_sync()
+        with ctx:
+            loss = self.model(x, y)
+            (loss / self.gas).backward()
+        if last:
+            self.optimizer.step()  # pre-hooks: distgrad reads the reduced gradients, then clipping
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import dist_env
 
     import distgrad
 
     t_start = time.time()
-    acc = get_accelerator()
-    if acc.device_name() == "cpu":
-        skip_cpu_shm_op()
-    deepspeed.init_distributed(dist_backend=acc.communication_backend_name()
-                               if acc.device_name() != "cpu" else "gloo")
-    rank = torch.distributed.get_rank()
+    launcher = dist_env.discover()  # torchrun / deepspeed set the env; mpirun is discovered
+    use_cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "") != "cpu"
+    if args.engine == "deepspeed":
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        acc = get_accelerator()
+        if acc.device_name() == "cpu":
+            skip_cpu_shm_op()
+        deepspeed.init_distributed(dist_backend=acc.communication_backend_name()
+                                   if acc.device_name() != "cpu" else "gloo")
+    else:
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.distributed.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     with open(args.ds_config) as f:
         ds_cfg = json.load(f)
     torch.manual_seed(args.seed)
     model = GPT(args.layers, args.width, args.heads, args.block)
     if args.lora:
         add_lora(model, args.lora)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_cfg)
+    injector = Injector(model, args.inject, args.inject_step, args.inject_param, args.inject_rank, rank)
+    if args.engine == "deepspeed":
+        runner = DeepSpeedRunner(model, ds_cfg)
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        if args.inject and args.engine.startswith("fsdp"):
+            raise SystemExit("--inject works with --engine deepspeed or ddp (FSDP's autograd sees flat/"
+                             "unsharded parameters, not the hooks of the user's parameters)")
+        runner = TorchRunner(model, ds_cfg, args.engine, device)
     overrides = {k: v for k, v in (("port", args.port), ("interval", args.interval)) if v is not None}
     import yaml
 
     for kv in args.set:
         key, _, val = kv.partition("=")
         overrides[key.strip()] = yaml.safe_load(val)
-    dg = None if args.no_distgrad else distgrad.instrument(engine, args.distgrad_config, **overrides)
+    dg = None if args.no_distgrad else runner.instrument(distgrad, args.distgrad_config, **overrides)
+    runner.start()
     n_params = sum(p.numel() for p in model.parameters())
-    n_trainable = sum(p.numel() for p in trainable)
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     data = load_corpus(args.data, args.max_bytes)
-    dtype = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
     if rank == 0:
         where = f"http://{dg.config.host}:{dg.port}/metrics" if dg and dg.port else "off"
-        print(f"[train] {n_params / 1e6:.2f}M params ({n_trainable / 1e6:.2f}M trainable), "
-              f"ZeRO-{engine.zero_optimization_stage()} {dtype}, "
-              f"world {engine.world_size}, {len(data) / 1e6:.1f} MB text, metrics: {where}", flush=True)
-    offset = 0
+        print(f"[train] {n_params / 1e6:.2f}M params ({n_trainable / 1e6:.2f}M trainable), {runner.describe}, "
+              f"world {world} ({launcher}), {len(data) / 1e6:.1f} MB text, metrics: {where}", flush=True)
     if dg is not None and args.inject in ("nan", "inf") and args.inject_param in dg.source.names:
         off = dg.source.local_offsets()[dg.source.names.index(args.inject_param)]
         if off is None and rank == args.inject_rank:
             print(f"[train] warning: rank {rank} holds no shard of {args.inject_param} after the reduction; "
                   f"the injected value lands in the shard of the rank that owns element 0", flush=True)
-        offset = off[0] if off else 0
-    injector = Injector(model, args.inject, args.inject_step, args.inject_param, args.inject_rank, rank, offset)
-    gas = engine.gradient_accumulation_steps()
-    mb = engine.train_micro_batch_size_per_gpu()
-    tokens_per_step = mb * gas * args.block * engine.world_size
+        injector.offset = off[0] if off else 0
+    gas, mb = runner.gas, runner.mb
+    tokens_per_step = mb * gas * args.block * world
     step_times: list[float] = []
     t_first = None
     for step in range(args.steps):
         t0 = time.perf_counter()
         for micro in range(gas):
             x, y = get_batch(data, mb, args.block, hash((args.seed, rank, step, micro)) & 0x7FFFFFFF,
-                             engine.device)
-            if micro == gas - 1:
+                             runner.device)
+            last = micro == gas - 1
+            if last:
                 injector.arm(step)
-            loss = engine(x, y)
-            engine.backward(loss)
+            loss = runner.micro_step(x, y, last)
             injector.disarm()
-            engine.step()
         step_times.append(time.perf_counter() - t0)
         if t_first is None:
             t_first = time.time() - t_start

@@ -17,15 +17,30 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def start_example(port: int, *args: str, nproc: int = 2, log: Path | None = None) -> subprocess.Popen:
-    """Start ``deepspeed --num_gpus <nproc> launch/train.py --port <port> ...`` on CPU ranks."""
+def start_example(port: int, *args: str, nproc: int = 2, log: Path | None = None,
+                  launcher: str = "deepspeed") -> subprocess.Popen:
+    """Start ``launch/train.py --port <port> ...`` on ``nproc`` CPU ranks under ``launcher``:
+    ``deepspeed`` (``deepspeed --num_gpus``), ``torchrun`` (``--nproc_per_node``) or ``mpirun``
+    (``-np``, loopback only, as root where needed)."""
     from conftest import free_port
 
     bindir = Path(sys.executable).parent
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PATH=f"{bindir}:{os.environ.get('PATH', '')}")
-    cmd = [str(bindir / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
-           str(ROOT / "launch" / "train.py"), "--port", str(port), *args]
+    script = [str(ROOT / "launch" / "train.py"), "--port", str(port), *args]
+    if launcher == "deepspeed":
+        cmd = [str(bindir / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), *script]
+    elif launcher == "torchrun":
+        cmd = [str(bindir / "torchrun"), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), *script]
+    elif launcher == "mpirun":
+        cmd = ["mpirun", "-np", str(nproc), "--oversubscribe", "--mca", "btl", "self,vader",
+               "--mca", "oob_tcp_if_include", "lo", "--mca", "btl_tcp_if_include", "lo",
+               "-x", "PATH", "-x", "DS_ACCELERATOR", "-x", "OMP_NUM_THREADS", "-x", "PYTHONUNBUFFERED",
+               *(["--allow-run-as-root"] if os.geteuid() == 0 else []), sys.executable, *script]
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    else:
+        raise ValueError(launcher)
     out = open(log, "w") if log else subprocess.DEVNULL
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True)

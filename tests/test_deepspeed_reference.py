@@ -109,3 +109,21 @@ def test_counters_on_healthy_fp32_run(ds_results):
     assert c["counters"]["nonfinite_steps"] == 0
     assert c["counters"]["internal_errors"] == 0
     assert c["counters"]["overflow_steps"] == 0
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("key", CASES)
+def test_headroom_is_scaled_abs_max_over_dtype_max(ds_results, key):
+    """Headroom = max |g| of the gradient as held (loss-scaled under fp16 ZeRO 1-3, since that is
+    what overflows) / the largest finite value of the training dtype."""
+    import torch
+
+    c = _case(ds_results, key)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[key.split("-")[1]]
+    for rec, ref in zip(c["records"], c["ref_full"]):
+        r = StepRecord.from_dict(rec)
+        scale = r.extra["grad_scale"]
+        assert scale == (r.loss_scale if dtype == torch.float16 and not key.startswith("z0") else 1.0)
+        for i, n in enumerate(r.params.names):
+            want = ref[n]["abs_max"] * scale / torch.finfo(dtype).max
+            assert r.extra["headroom"][i] == pytest.approx(want, rel=1e-12), n

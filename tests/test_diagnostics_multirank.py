@@ -93,3 +93,13 @@ def test_bf16_nonfinite_counted_without_loss_scale_wording(diag_results):
         assert not any("loss_scale" in k or "overflow" in k for k in rec["extra_keys"])
     assert "loss_scale" not in c["metrics_text"] and "overflow" not in c["metrics_text"]
     assert "distgrad_nonfinite_steps_total 1.0" in c["metrics_text"]
+
+
+def test_tracer_armed_after_the_nonfinite_step_and_report_written(diag_results):
+    """trace_micro_batches=1: the forward of the micro-batch after step 130 is traced (the NaN was
+    injected into the gradient, so the forward is clean: the report says so) and written once."""
+    c = _case(diag_results, "faults")
+    tr = [Path(p) for p in c["reports"] if Path(p).name.startswith("tracer-rank")]
+    assert [p.name for p in tr] == ["tracer-rank0.txt"]
+    text = tr[0].read_text()
+    assert "blocks.0" in text  # per-module frames of the traced forward

@@ -57,3 +57,61 @@ def test_update_ratio_equals_full_master_weight_reference(ds_results, key):
         for name, r in ref.items():
             assert r > 0, name  # AdamW moved every parameter: the check is not vacuous
             assert got[name] == pytest.approx(r, rel=1e-6), name
+
+
+@pytest.mark.multirank
+def test_distgrad_section_of_the_deepspeed_config(ds_results):
+    assert ds_results["special"]["ds_section"] == {"interval": 3, "spike_window": 16, "prometheus": False}
+
+
+def test_failing_sink_is_counted_and_others_still_get_the_record():
+    """One process, no engine: a GradSource with two tensors, a sink that always raises."""
+    import torch
+
+    from distgrad.config import DistgradConfig
+    from distgrad.engines.base import GradSource
+    from distgrad.instrument import Instrument
+    from distgrad.sinks.base import Sink
+
+    class Two(GradSource):
+        names, numels = ["a", "b"], [3, 2]
+
+        def local_pieces(self):
+            return [torch.tensor([1.0, -2.0, 2.0]), torch.tensor([0.0, 4.0])]
+
+    class Broken(Sink):
+        name = "broken"
+
+        def write(self, record):
+            raise OSError("disk full")
+
+    class Keep(Sink):
+        name = "keep"
+
+        def __init__(self):
+            self.records = []
+
+        def write(self, record):
+            self.records.append(record)
+
+    inst = Instrument(Two(), DistgradConfig(port=0))
+    inst._start_sinks()
+    from prometheus_client import generate_latest
+
+    assert 'distgrad_sink_errors_total{sink="prometheus"} 0.0' in generate_latest(inst.prometheus.registry).decode()
+    keep = Keep()
+    inst.sinks[:0] = [Broken()]
+    inst.sinks.append(keep)
+    try:
+        for step in range(2):
+            inst.finish(step, step, inst.collect(step), 1.0, None, None, True, None)
+        assert [r.step for r in keep.records] == [0, 1]
+        assert keep.records[-1].grad_norm == pytest.approx(5.0)  # sqrt(1 + 4 + 4 + 16)
+        assert inst.counters["internal_errors"] == 2
+        from prometheus_client import generate_latest
+
+        text = generate_latest(inst.prometheus.registry).decode()
+        assert 'distgrad_sink_errors_total{sink="broken"} 2.0' in text
+        assert "distgrad_internal_errors_total 2.0" in text
+    finally:
+        inst.close()

@@ -269,6 +269,18 @@ def special_cases(rank: int, world: int) -> dict:
         msg = f"{type(e).__name__}: {e}"
     holder.close()
     out["port_taken"] = msg
+
+    # 4. a "distgrad" section inside the DeepSpeed config is picked up by instrument(engine)
+    torch.manual_seed(0)
+    model = TinyModel()
+    cfg = ds_config(1, "fp32", 1)
+    cfg["distgrad"] = {"interval": 3, "prometheus": False, "spike_window": 16}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=cfg)
+    inst = distgrad.instrument(engine)
+    out["ds_section"] = {"interval": inst.config.interval, "spike_window": inst.config.spike_window,
+                         "prometheus": inst.config.prometheus}
+    inst.close()
     out["update_ratio"] = {f"z{st}-{dt}": update_ratio_case(st, dt, rank)
                            for st, dt in ((0, "fp32"), (1, "fp32"), (2, "bf16"), (3, "fp32"), (3, "bf16"))}
     return out
