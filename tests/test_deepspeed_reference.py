@@ -17,12 +17,12 @@ Two references (see tests/dist/ds_cases.py):
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
 
 from distgrad.record import StepRecord
+from reference import check_against as _check_against
 
 CASES = [f"z{s}-{d}-gas{g}" for s in (0, 1, 2, 3) for d in ("fp32", "bf16", "fp16") for g in (1, 2)
          if not (d == "fp16" and g == 2)]
@@ -34,26 +34,6 @@ def _case(ds_results, key):
     if "error" in c:
         pytest.fail(f"{key} failed in the 2-rank run: {c['error']}\n{c.get('traceback', '')}")
     return c
-
-
-def _check_against(rec: StepRecord, ref: dict, rtol: float, exact: bool) -> None:
-    p = rec.params
-    assert set(p.names) == {k for k, v in ref.items() if v is not None}
-    for i, n in enumerate(p.names):
-        r = ref[n]
-        assert p.numel[i] == r["numel"], n
-        assert p.norm[i] == pytest.approx(r["norm"], rel=rtol), (n, "norm")
-        assert p.std[i] == pytest.approx(r["std"], rel=rtol, abs=1e-12), (n, "std")
-        assert abs(p.mean[i] - r["mean"]) <= max(rtol * abs(r["mean"]), 1e-6 * r["rms"]), (n, "mean")
-        for stat, arr in (("min", p.min), ("max", p.max), ("abs_max", p.abs_max)):
-            if exact:
-                assert arr[i] == r[stat], (n, stat, arr[i], r[stat])
-            else:
-                assert arr[i] == pytest.approx(r[stat], rel=rtol, abs=1e-12), (n, stat)
-        if exact:
-            assert (p.nan[i], p.inf[i], p.zeros[i]) == (r["nan"], r["inf"], r["zeros"]), n
-    gref = math.sqrt(sum(v["norm"] ** 2 for v in ref.values() if v is not None))
-    assert rec.grad_norm == pytest.approx(gref, rel=rtol)
 
 
 @pytest.mark.multirank

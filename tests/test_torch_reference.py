@@ -22,6 +22,7 @@ import torch
 
 import distgrad
 from distgrad.record import StepRecord
+from reference import check_against as _check_against
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 from common import TinyModel, batch_for, full_stats  # noqa: E402
@@ -42,31 +43,6 @@ def _case(results, key):
     if "error" in c:
         pytest.fail(f"{key} failed in the 2-rank run: {c['error']}\n{c.get('traceback', '')}")
     return c
-
-
-def _check_against(rec: StepRecord, ref: dict, rtol: float, exact: bool, skip: tuple = ()) -> None:
-    """Per-parameter statistics of ``rec`` equal ``ref`` (from common.full_stats); see
-    tests/test_deepspeed_reference.py for the tolerances' rationale."""
-    p = rec.params
-    assert set(p.names) == {k for k, v in ref.items() if v is not None}
-    for i, n in enumerate(p.names):
-        if n in skip:
-            continue
-        r = ref[n]
-        assert p.numel[i] == r["numel"], n
-        assert p.norm[i] == pytest.approx(r["norm"], rel=rtol), (n, "norm")
-        assert p.std[i] == pytest.approx(r["std"], rel=rtol, abs=1e-12), (n, "std")
-        assert abs(p.mean[i] - r["mean"]) <= max(rtol * abs(r["mean"]), 1e-6 * r["rms"]), (n, "mean")
-        for stat, arr in (("min", p.min), ("max", p.max), ("abs_max", p.abs_max)):
-            if exact:
-                assert arr[i] == r[stat], (n, stat, arr[i], r[stat])
-            else:
-                assert arr[i] == pytest.approx(r[stat], rel=rtol, abs=1e-12), (n, stat)
-        if exact:
-            assert (p.nan[i], p.inf[i], p.zeros[i]) == (r["nan"], r["inf"], r["zeros"]), n
-    if not skip:
-        gref = math.sqrt(sum(v["norm"] ** 2 for v in ref.values() if v is not None))
-        assert rec.grad_norm == pytest.approx(gref, rel=rtol)
 
 
 def _scaled(ref: dict, factor: float) -> dict:

@@ -66,3 +66,18 @@ def full_stats(grads: dict[str, torch.Tensor | None]) -> dict[str, dict[str, flo
             "rms": (g[fin].pow(2).mean().sqrt().item() if fin.any() else 0.0),
         }
     return out
+
+
+def reference_b(ref_model: nn.Module, gas: int, world: int) -> tuple[dict, float]:
+    """float64 gradients of step 0 averaged over every rank's micro-batches, and the mean loss."""
+    ref_model.zero_grad()
+    n, loss_sum = 0, 0.0
+    for r in range(world):
+        for micro in range(gas):
+            x, y = batch_for(0, micro, r)
+            loss = ref_model(x.double(), y)
+            loss.backward()
+            loss_sum += loss.item()
+            n += 1
+    grads = {name: (p.grad / n).reshape(-1) for name, p in ref_model.named_parameters() if p.requires_grad}
+    return full_stats(grads), loss_sum / n

@@ -32,7 +32,7 @@ from deepspeed.utils import safe_get_full_grad
 import distgrad
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import TinyModel, batch_for, full_stats  # noqa: E402
+from common import TinyModel, batch_for, full_stats, reference_b  # noqa: E402
 
 
 def ds_config(stage: int, dtype: str, gas: int) -> dict:
@@ -91,23 +91,14 @@ def run_case(stage: int, dtype: str, gas: int, steps: int, rank: int, world: int
             engine.step()
         records.append(inst.last_record.to_dict() if inst.last_record else None)
     # reference B: float64 single process, step 0, all ranks' micro-batches
-    ref_model.zero_grad()
-    n, loss_sum = 0, 0.0
-    for r in range(world):
-        for micro in range(gas):
-            x, y = batch_for(0, micro, r)
-            loss = ref_model(x.double(), y)
-            loss.backward()
-            loss_sum += loss.item()
-            n += 1
-    ref_b = {name: (p.grad / n).reshape(-1) for name, p in ref_model.named_parameters() if p.requires_grad}
+    ref_b, ref_loss = reference_b(ref_model, gas, world)
     frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
     out = {
         "records": records,
         "ref_full": [full_stats(r) for r in refs],
-        "ref_fp64_step0": full_stats(ref_b),
+        "ref_fp64_step0": ref_b,
         "frozen": frozen,
-        "ref_loss_step0": loss_sum / n,
+        "ref_loss_step0": ref_loss,
         "counters": dict(inst.counters),
         "skipped_steps_engine": int(engine.skipped_steps),
     }

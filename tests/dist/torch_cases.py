@@ -49,7 +49,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distgrad
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import TinyModel, batch_for, full_stats  # noqa: E402
+from common import TinyModel, batch_for, full_stats, reference_b  # noqa: E402
 
 ENGINES = ("ddp", "fsdp1-orig-full", "fsdp1-orig-sgo", "fsdp1-flat-full", "fsdp1-flat-sgo", "fsdp2")
 CPU = torch.device("cpu")
@@ -140,21 +140,6 @@ def _pieces_match(full: dict, pieces, offsets, names) -> int:
             s, n = off
             bad += int(piece is None or piece.numel() != n or not torch.equal(full[name][s:s + n], piece.double()))
     return bad
-
-
-def reference_b(ref_model: nn.Module, gas: int, world: int) -> tuple[dict, float]:
-    """float64 gradients of step 0 averaged over every rank's micro-batches, and the mean loss."""
-    ref_model.zero_grad()
-    n, loss_sum = 0, 0.0
-    for r in range(world):
-        for micro in range(gas):
-            x, y = batch_for(0, micro, r)
-            loss = ref_model(x.double(), y)
-            loss.backward()
-            loss_sum += loss.item()
-            n += 1
-    grads = {name: (p.grad / n).reshape(-1) for name, p in ref_model.named_parameters() if p.requires_grad}
-    return full_stats(grads), loss_sum / n
 
 
 def fresh_model(dtype: str) -> tuple[TinyModel, nn.Module]:

@@ -1,0 +1,38 @@
+"""The comparison shared by the reference-equality tests of every engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from distgrad.record import StepRecord
+
+
+def check_against(rec: StepRecord, ref: dict, rtol: float, exact: bool, skip: tuple = ()) -> None:
+    """Assert that the per-parameter statistics of ``rec`` equal ``ref`` (from
+    ``tests/dist/common.full_stats``), parameters in ``skip`` excepted.
+
+    Tolerances (see tests/test_deepspeed_reference.py for the rationale): ``rtol`` relative on
+    norm, std and the global norm; the mean within ``rtol`` relative or 1e-6 of the rms; with
+    ``exact`` extrema and counts bit-equal, else extrema within ``rtol``."""
+    p = rec.params
+    assert set(p.names) == {k for k, v in ref.items() if v is not None}
+    for i, n in enumerate(p.names):
+        if n in skip:
+            continue
+        r = ref[n]
+        assert p.numel[i] == r["numel"], n
+        assert p.norm[i] == pytest.approx(r["norm"], rel=rtol), (n, "norm")
+        assert p.std[i] == pytest.approx(r["std"], rel=rtol, abs=1e-12), (n, "std")
+        assert abs(p.mean[i] - r["mean"]) <= max(rtol * abs(r["mean"]), 1e-6 * r["rms"]), (n, "mean")
+        for stat, arr in (("min", p.min), ("max", p.max), ("abs_max", p.abs_max)):
+            if exact:
+                assert arr[i] == r[stat], (n, stat, arr[i], r[stat])
+            else:
+                assert arr[i] == pytest.approx(r[stat], rel=rtol, abs=1e-12), (n, stat)
+        if exact:
+            assert (p.nan[i], p.inf[i], p.zeros[i]) == (r["nan"], r["inf"], r["zeros"]), n
+    if not skip:
+        gref = math.sqrt(sum(v["norm"] ** 2 for v in ref.values() if v is not None))
+        assert rec.grad_norm == pytest.approx(gref, rel=rtol)
