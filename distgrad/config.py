@@ -183,4 +183,5 @@ class DistgradConfig:
             f"distgrad config must be a DistgradConfig, a dict or a file path, got {type(source).__name__}")
 
     def to_dict(self) -> dict[str, Any]:
+        """All settings as a plain dict (YAML/JSON-serialisable)."""
         return dataclasses.asdict(self)

@@ -102,6 +102,7 @@ class ParamStats:
             raise KeyError(name) from None
 
     def to_dict(self) -> dict[str, Any]:
+        """Columnar JSON-serialisable form: ``{"names": [...], "<field>": [P floats], ...}``."""
         d: dict[str, Any] = {"names": list(self.names)}
         for f in STAT_FIELDS:
             d[f] = getattr(self, f).tolist()
@@ -109,6 +110,7 @@ class ParamStats:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ParamStats":
+        """Inverse of :meth:`to_dict`; raises KeyError / ValueError on a malformed dict."""
         return cls(names=list(d["names"]), **{f: np.asarray(d[f], dtype=np.float64) for f in STAT_FIELDS})
 
 
@@ -170,6 +172,7 @@ class StepRecord:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "StepRecord":
+        """Inverse of :meth:`to_dict` (unknown keys, e.g. a sink's ``schema``, are ignored)."""
         kw = dict(d)
         kw["params"] = ParamStats.from_dict(d["params"])
         names = {f.name for f in dataclasses.fields(cls)}

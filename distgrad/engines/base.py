@@ -74,15 +74,21 @@ class GradSource(abc.ABC):
 
     # fp16 / overflow state; engines without a scaler keep these defaults
     def has_loss_scaler(self) -> bool:
+        """True when the engine trains fp16 with a dynamic loss scaler (DeepSpeed fp16,
+        ``torch.amp.GradScaler``); only then are loss-scale and overflow series exported."""
         return False
 
     def loss_scale(self) -> float | None:
+        """Current loss scale (dimensionless, a power of 2), or None without a scaler."""
         return None
 
     def min_loss_scale(self) -> float | None:
+        """The scaler's configured floor, or None (for ``distgrad_loss_scale_at_minimum``)."""
         return None
 
     def overflow(self) -> bool | None:
+        """After the optimizer step: whether the scaler found Inf/NaN and skipped it (None
+        without a scaler)."""
         return None
 
     def samples(self) -> int | None:

@@ -28,6 +28,8 @@ from distgrad.engines.base import GradSource, clean_name
 
 
 def is_deepspeed_engine(obj: object) -> bool:
+    """True if ``obj`` is a ``deepspeed.runtime.engine.DeepSpeedEngine`` (False when DeepSpeed
+    cannot be imported)."""
     try:
         from deepspeed.runtime.engine import DeepSpeedEngine
     except Exception:  # noqa: BLE001 - deepspeed import can fail in many ways

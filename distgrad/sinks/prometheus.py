@@ -63,6 +63,7 @@ class DistgradCollector(Collector):
         self.world_size = world_size
 
     def update(self, record: StepRecord | None, counters: dict[str, int]) -> None:
+        """Swap in the latest record (None keeps the current one) and the counter totals."""
         with self._lock:
             if record is not None:
                 self._record = record
@@ -72,11 +73,14 @@ class DistgradCollector(Collector):
             self._counters.update({k: int(v) for k, v in counters.items() if k in self._counters})
 
     def inc_labeled(self, name: str, labels: dict[str, str], by: int = 1) -> None:
+        """Add ``by`` to the labelled counter ``name{labels}`` (exported as ``name_total``);
+        ``by=0`` creates it at 0 so that ``increase()`` sees its first event."""
         key = (name, tuple(sorted(labels.items())))
         with self._lock:
             self._labeled_counters[key] = self._labeled_counters.get(key, 0) + by
 
     def collect(self) -> Iterable[Metric]:
+        """Called by prometheus_client on every scrape (HTTP thread)."""
         with self._lock:
             rec, counters = self._record, dict(self._counters)
             nonfinite_rows, provenance = self._last_nonfinite
@@ -266,12 +270,15 @@ class PrometheusSink(Sink):
             log.info("distgrad: serving Prometheus metrics on http://%s:%d/metrics", host, self.port)
 
     def write(self, record: StepRecord) -> None:
+        """Serve ``record`` from now on (atomic swap)."""
         self.collector.update(record, record.counters)
 
     def set_counters(self, counters: dict[str, int]) -> None:
+        """Update the counters between records (unsampled steps, errors)."""
         self.collector.update(None, counters)
 
     def close(self) -> None:
+        """Stop the HTTP server and release the port."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
