@@ -81,6 +81,9 @@ def test_fp16_overflow_counted_skipped_and_scale_dropped(diag_results):
     assert (r[3]["counters"]["overflow_steps"], r[3]["counters"]["skipped_steps"]) == (1, 1)
     assert (r[3]["consecutive_overflow_steps"], r[4]["consecutive_overflow_steps"]) == (1, 0)
     assert c["engine_skipped"] == 1 == c["counters"]["skipped_steps"]
+    assert c["min_loss_scale"] == 1.0
+    assert (r[2]["loss_scale"], r[3]["loss_scale"]) == (2.0, 1.0)
+    assert (r[2]["loss_scale_at_minimum"], r[3]["loss_scale_at_minimum"]) == (0, 1)
     assert c["counters"]["nonfinite_steps"] == 1
 
 

@@ -53,7 +53,8 @@ def _slim(rec) -> dict:
             "grad_norm_spikes_total": x.get("grad_norm_spikes_total"),
             "loss_spikes_total": x.get("loss_spikes_total"), "vanishing": x.get("vanishing"),
             "provenance": x.get("provenance"), "report": x.get("flight_recorder_report"),
-            "extra_keys": sorted(x), "consecutive_overflow_steps": x.get("consecutive_overflow_steps")}
+            "extra_keys": sorted(x), "consecutive_overflow_steps": x.get("consecutive_overflow_steps"),
+            "loss_scale_at_minimum": x.get("loss_scale_at_minimum")}
 
 
 def faults_case(rank: int, out_dir: str) -> dict:
@@ -98,7 +99,8 @@ def faults_case(rank: int, out_dir: str) -> dict:
 
 
 def fp16_case(rank: int) -> dict:
-    engine = _engine(2, "fp16", fp16={"hysteresis": 1, "initial_scale_power": 10})
+    # scale 2**1 with floor 1: the overflow halves it onto its minimum
+    engine = _engine(2, "fp16", fp16={"hysteresis": 1, "initial_scale_power": 1, "min_loss_scale": 1})
     inst = distgrad.instrument(engine, prometheus=False)
     target = dict(engine.module.named_parameters())["blocks.1.1.weight"]
     recs = []
