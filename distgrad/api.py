@@ -48,6 +48,15 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
     """
     from distgrad.engines.deepspeed import DeepSpeedSource, is_deepspeed_engine
 
+    import torch
+
+    if isinstance(config, torch.optim.Optimizer):
+        raise TypeError("distgrad.instrument(model, opt): the second argument is the config; pass the "
+                        "optimizer by keyword: distgrad.instrument(model, optimizer=opt)")
+    if getattr(engine, "_distgrad_instrument", None) is not None or \
+            getattr(optimizer, "_distgrad_instrument", None) is not None:
+        raise RuntimeError("this engine / optimizer is already instrumented by distgrad: call close() on "
+                           "the existing Instrument first (two instruments would sample and serve twice)")
     if config is None and is_deepspeed_engine(engine):
         section = getattr(engine, "_config", None)
         raw = getattr(section, "_param_dict", None) if section is not None else None
@@ -63,12 +72,28 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
                             "optimizer and loss scaler; call distgrad.instrument(engine)")
         source = DeepSpeedSource(engine)
         inst = Instrument(source, cfg)
+        if not cfg.enabled:  # the off switch: no exporter, no hooks, no collectives
+            return inst
         inst._start_sinks()
         clip = float(engine.gradient_clipping() or 0.0)
         inst.attach_diagnostics(engine.module, clip if clip > 0 else None)
         _attach_deepspeed(inst, engine, source)
+        _mark(inst, engine)
         return inst
-    return _instrument_torch(engine, cfg, optimizer, scaler)
+    inst = _instrument_torch(engine, cfg, optimizer, scaler)
+    _mark(inst, engine, optimizer)
+    return inst
+
+
+def _mark(inst: Instrument, *objs: Any) -> None:
+    """Remember the instrument on the engine / optimizer until ``close()`` (double-instrumenting
+    would sample and serve twice)."""
+    for o in objs:
+        try:
+            setattr(o, "_distgrad_instrument", inst)
+            inst._restore.append(lambda o=o: setattr(o, "_distgrad_instrument", None))
+        except (AttributeError, TypeError):
+            pass
 
 
 def _instrument_torch(model: Any, cfg: DistgradConfig, optimizer: Any, scaler: Any) -> Instrument:
@@ -94,6 +119,8 @@ def _instrument_torch(model: Any, cfg: DistgradConfig, optimizer: Any, scaler: A
     source = torch_source(model)
     source.scaler = scaler  # before the sinks start: they export overflow series only with a scaler
     inst = Instrument(source, cfg, group=source.group)
+    if not cfg.enabled:  # the off switch: no exporter, no hooks, no collectives
+        return inst
     inst._start_sinks()
     try:
         # torch loops clip in user code (clip_grad_norm_): the clip ratio uses config.max_grad_norm

@@ -16,6 +16,15 @@ from pathlib import Path
 from typing import Any, Mapping
 
 
+#: top-level keys that mark a DeepSpeed config (whose "distgrad" section holds distgrad's settings)
+_DEEPSPEED_KEYS = frozenset({
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "zero_optimization", "optimizer", "scheduler", "fp16", "bf16", "gradient_clipping",
+    "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "amp",
+    "activation_checkpointing", "data_types", "communication_data_type", "prescale_gradients",
+})
+
+
 class ConfigError(ValueError):
     """A distgrad configuration key is unknown or has a bad value. The message names the key
     and says what would be accepted."""
@@ -84,6 +93,12 @@ class DistgradConfig:
 
     # --- sinks ---------------------------------------------------------------------------------
     jsonl_path: str | None = None
+    """One JSON line per sampled step (rank 0), flushed each step."""
+    jsonl_max_bytes: int = 128 << 20
+    """Rotate the JSONL file at this size (bytes; 0 = never). About 190 bytes per parameter per
+    line: size it (with ``jsonl_backups``) for the steps you want to keep."""
+    jsonl_backups: int = 8
+    """Rotated JSONL files kept (``run.jsonl.1`` ...)."""
     tensorboard_dir: str | None = None
 
     # ----------------------------------------------------------------------------------------
@@ -119,6 +134,11 @@ class DistgradConfig:
                 raise bad(k, "must be > 0")
         if self.vanish_threshold < 0:
             raise bad("vanish_threshold", "must be >= 0")
+        if self.vanish_threshold >= self.explode_threshold:
+            raise bad("vanish_threshold", f"must be below explode_threshold ({self.explode_threshold})")
+        for k in ("jsonl_max_bytes", "jsonl_backups"):
+            if getattr(self, k) < 0:
+                raise bad(k, "must be >= 0")
         for k in ("spike_ema_warmup", "flight_recorder_steps", "trace_micro_batches"):
             if getattr(self, k) < 0:
                 raise bad(k, "must be >= 0")
@@ -134,11 +154,19 @@ class DistgradConfig:
     # ----------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DistgradConfig":
-        """Build from a mapping; raises ConfigError on unknown keys (with the known ones)."""
+        """Build from a mapping; raises ConfigError on unknown keys (with the known ones). A whole
+        DeepSpeed config dict is accepted: its ``"distgrad"`` section is used."""
+        if isinstance(d, Mapping) and "distgrad" in d and set(d) & _DEEPSPEED_KEYS:
+            d = d["distgrad"]
         if not isinstance(d, Mapping):
             raise ConfigError(f"distgrad config must be a mapping of keys to values, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
+        if unknown and set(d) & _DEEPSPEED_KEYS:
+            raise ConfigError(
+                "distgrad config: this looks like a DeepSpeed config (keys "
+                f"{sorted(set(d) & _DEEPSPEED_KEYS)[:4]}) without a 'distgrad' section: add "
+                "\"distgrad\": {...} to it, or pass distgrad's own settings")
         if unknown:
             raise ConfigError(
                 f"distgrad config: unknown key(s) {unknown}; known keys are {sorted(known)}")
@@ -166,8 +194,8 @@ class DistgradConfig:
             try:
                 if path.suffix == ".json":
                     data = json.loads(text)
-                    data = data.get("distgrad", {}) if "train_batch_size" in data or \
-                        "zero_optimization" in data or "distgrad" in data else data
+                    if isinstance(data, dict) and ("distgrad" in data or set(data) & _DEEPSPEED_KEYS):
+                        data = data.get("distgrad", {})  # a DeepSpeed config: its section
                 else:
                     import yaml
 

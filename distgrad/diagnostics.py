@@ -77,7 +77,10 @@ class Diagnostics:
                                        config.flight_recorder_dir or ".", run_info or config.to_dict(),
                                        dump_on_overflow=False) if config.flight_recorder_steps else None
         self._loss_scale_history: list[tuple[int, float]] = []
-        self._last_nonfinite_set: frozenset[str] = frozenset()
+        self._dump_failed = False
+        #: the current non-finite event: a streak of consecutive non-finite sampled steps,
+        #: described by its first step (where it started; later steps show it spreading)
+        self._event: dict[str, Any] | None = None
         self.tracer = None
         if model is not None and config.trace_micro_batches > 0:
             from distgrad.tracer import OverflowTracer
@@ -111,13 +114,15 @@ class Diagnostics:
         if rec.nonfinite:
             self._nonfinite(rec)
         else:
-            self._last_nonfinite_set = frozenset()
+            self._event = None
         if self.recorder is not None:
             self.recorder.record(rec)
             if rec.nonfinite and self.config.flight_recorder_dir and self.global_rank == 0 \
-                    and not self.recorder.dumped_nonfinite and not rec.overflow:
+                    and not self.recorder.dumped_nonfinite and not rec.overflow and not self._dump_failed:
+                self._dump_failed = True  # until it succeeds: a failing dump is reported once, not per step
                 path = self.recorder.maybe_dump_on_nonfinite(
                     rec, provenance=x.get("provenance"), loss_scale_history=self._loss_scale_history)
+                self._dump_failed = False
                 if path is not None:
                     self.reports.append(Path(path))
                     x["flight_recorder_report"] = str(path)
@@ -138,7 +143,10 @@ class Diagnostics:
         rec.extra["spikes"] = spiking
 
     def _health(self, rec: StepRecord) -> None:
-        rep = self.health.update(rec.params.names, rec.params.norm)
+        # a parameter with no gradient element anywhere (unused this step) is not "vanishing":
+        # it is left out, which also resets its streaks
+        has = rec.params.numel > 0
+        rep = self.health.update([n for n, h in zip(rec.params.names, has) if h], rec.params.norm[has])
         rec.extra["vanishing_params"] = rep.n_vanishing
         rec.extra["exploding_params"] = rep.n_exploding
         rec.extra["vanishing"] = list(rep.vanishing[:_LIST_CAP])
@@ -187,12 +195,16 @@ class Diagnostics:
         if prov["first_param"] is not None:
             prov["first_layer"] = classify(prov["first_param"]).layer
         rec.extra["provenance"] = prov
-        now = frozenset(r["name"] for r in prov["params"])
-        if now != self._last_nonfinite_set and self.global_rank == 0:  # once per event, not per step
-            log.warning("distgrad: step %d: non-finite gradients in %d parameter(s); probable origin %s "
-                        "(last in forward order); per parameter: %s", rec.step, len(now), prov["first_param"],
-                        [(r["name"], r["nan"], r["inf"], r["ranks"]) for r in prov["params"][:_LIST_CAP]])
-        self._last_nonfinite_set = now
+        if self._event is None:  # first step of a streak: this is the event (logged once)
+            self._event = {"step": rec.step, "rows": rows[:_LIST_CAP], "provenance": prov}
+            if self.global_rank == 0 and not rec.overflow:  # fp16 overflows are routine: counted, not logged
+                n = len(prov["params"])
+                log.warning("distgrad: step %d: non-finite gradients in %d parameter(s); probable origin %s "
+                            "(layer %s; the non-finite parameter last in forward order); %s%s", rec.step, n,
+                            prov["first_param"], prov.get("first_layer"),
+                            "; ".join(f"{r['name']}: {r['nan']} NaN, {r['inf']} Inf, ranks {r['ranks']}"
+                                      for r in prov["params"][:5]), f"; and {n - 5} more" if n > 5 else "")
+        rec.extra["nonfinite_event"] = self._event
         if self.tracer is not None and not self._traced:
             self._traced = True
             self.tracer.arm()

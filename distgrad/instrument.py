@@ -98,7 +98,8 @@ class Instrument:
                       "version": __version__}
             try:
                 self.prometheus = PrometheusSink(self.config.host, self.config.port, static, self.world_size,
-                                                 has_loss_scaler=self.source.has_loss_scaler())
+                                                 has_loss_scaler=self.source.has_loss_scaler(),
+                                                 has_samples=self.source.samples() is not None)
                 self.port = self.prometheus.port
                 self.sinks.append(self.prometheus)
                 if self.config.file_sd_path:
@@ -111,8 +112,9 @@ class Instrument:
             for sink in self.sinks:  # labelled counters at 0 from the start, like the others
                 self.prometheus.collector.inc_labeled("distgrad_sink_errors", {"sink": sink.name}, 0)
         if _dist_ready() and self.world_size > 1:
-            flag = torch.tensor([1.0 if err else 0.0, float(self.layout.n_params), -float(self.layout.n_params)],
-                                dtype=torch.float64, device=self.source.device())
+            h = float(self._collective_settings_hash())
+            flag = torch.tensor([1.0 if err else 0.0, float(self.layout.n_params), -float(self.layout.n_params),
+                                 h, -h], dtype=torch.float64, device=self.source.device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
             f = flag.cpu().tolist()
             if err is None and f[0] > 0:
@@ -121,9 +123,23 @@ class Instrument:
                 err = RuntimeError(
                     f"ranks disagree on the number of trainable parameters ({int(-f[2])}..{int(f[1])}): "
                     "every rank must instrument the same model with the same requires_grad settings")
+            if err is None and f[3] != -f[4]:
+                err = RuntimeError(
+                    "ranks disagree on distgrad settings that decide its collectives (interval, "
+                    "replica_check, update_ratio, enabled): every rank must call distgrad.instrument() "
+                    "with the same config, or the job would deadlock at the first sampled step")
         if err is not None:
             self.close()
             raise err
+
+    def _collective_settings_hash(self) -> int:
+        """Settings that decide which collectives a rank makes, hashed to an integer exactly
+        representable in float64 (for the set-up agreement all-reduce)."""
+        import hashlib
+
+        c = self.config
+        key = repr((c.enabled, c.interval, c.replica_check, c.update_ratio)).encode()
+        return int.from_bytes(hashlib.sha256(key).digest()[:6], "big")
 
     def _write_file_sd(self) -> None:
         """Write rank 0's exporter as a Prometheus file_sd target (atomically: write + rename)."""
@@ -149,17 +165,36 @@ class Instrument:
         self._restore.append(remove)
 
     def _start_file_sinks(self) -> BaseException | None:
+        """Open rank 0's file outputs now, so that an unwritable path fails at ``instrument()``
+        time with the config key named."""
+        from distgrad.config import ConfigError
+
+        key = ""
         try:
             if self.config.jsonl_path:
                 from distgrad.sinks.jsonl import JsonlSink
 
-                self.sinks.append(JsonlSink(self.config.jsonl_path))
+                key = "jsonl_path"
+                self.sinks.append(JsonlSink(self.config.jsonl_path, max_bytes=self.config.jsonl_max_bytes,
+                                            backups=self.config.jsonl_backups))
             if self.config.tensorboard_dir:
                 from distgrad.sinks.tensorboard import TensorBoardSink
 
+                key = "tensorboard_dir"
                 self.sinks.append(TensorBoardSink(self.config.tensorboard_dir))
+            if self.config.flight_recorder_dir:
+                import os
+                import tempfile
+
+                key = "flight_recorder_dir"
+                os.makedirs(self.config.flight_recorder_dir, exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=self.config.flight_recorder_dir):
+                    pass
         except Exception as e:  # noqa: BLE001 - reported at instrument() time
-            return e
+            err = ConfigError(f"distgrad config: '{key}' = {getattr(self.config, key)!r} cannot be used: "
+                              f"{type(e).__name__}: {e}; choose a writable path or set it to null")
+            err.__cause__ = e
+            return err
         return None
 
     # ----------------------------------------------------------------------------------
@@ -408,16 +443,16 @@ class Instrument:
         if nonfinite:
             self.counters["nonfinite_steps"] += 1
             extra["nonfinite_params"] = self._provenance(stats.names)
-            if self.global_rank == 0:
-                bad = [(n, int(stats.nan[i]), int(stats.inf[i])) for i, n in enumerate(stats.names)
-                       if stats.nan[i] + stats.inf[i] > 0]
-                log.warning("distgrad: step %d: non-finite gradient in %d parameter(s): %s; ranks %s",
-                            step, len(bad), bad[:5], nonfinite_ranks)
         if loss_scale is not None:
             extra["consecutive_overflow_steps"] = self._consecutive_overflow
             mn = self.source.min_loss_scale()
             extra["loss_scale_at_minimum"] = int(mn is not None and loss_scale <= mn)
         loss = red.loss_sum / red.loss_count if red.loss_count else None
+        if loss is None and self.counters["sampled_steps"] == 10 and self.global_rank == 0:
+            log.warning("distgrad: no training loss observed in 10 sampled steps, so distgrad_loss, the "
+                        "NaN-loss alert and loss-spike detection are off: call dg.observe_loss(loss) after "
+                        "each forward (DeepSpeed's engine.backward(loss) and models returning the loss "
+                        "are picked up automatically)")
         return StepRecord(
             step=int(step), micro_step=int(micro_step), timestamp=time.time(), world_size=self.world_size,
             params=stats, grad_norm=gnorm, loss=loss, loss_scale=loss_scale, overflow=overflow,

@@ -60,6 +60,12 @@ def test_update_ratio_equals_full_master_weight_reference(ds_results, key):
 
 
 @pytest.mark.multirank
+def test_ranks_with_different_sampling_settings_are_refused_at_instrument_time(ds_results):
+    msg = ds_results["special"]["disagree"]  # rank 0's message; rank 1 raised too (else no JSON)
+    assert msg is not None and "same config" in msg
+
+
+@pytest.mark.multirank
 def test_distgrad_section_of_the_deepspeed_config(ds_results):
     assert ds_results["special"]["ds_section"] == {"interval": 3, "spike_window": 16, "prometheus": False}
 

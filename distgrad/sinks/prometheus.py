@@ -36,6 +36,8 @@ COUNTERS = {
     "samples": ("distgrad_samples", "Training samples consumed (engine's count)."),
 }
 
+_LABELED_HELP = {"distgrad_sink_errors": "Failures of one sink (the others and training went on)."}
+
 _PARAM_GAUGES = (
     ("distgrad_param_grad_norm", "Per-parameter L2 norm of the reduced gradient.", "norm"),
     ("distgrad_param_grad_mean", "Per-parameter mean gradient element.", "mean"),
@@ -50,14 +52,16 @@ _PARAM_GAUGES = (
 class DistgradCollector(Collector):
     """Renders the latest record. ``static`` holds run-constant info (engine, stage, dtype)."""
 
-    def __init__(self, static: dict[str, str], world_size: int, has_loss_scaler: bool = True) -> None:
+    def __init__(self, static: dict[str, str], world_size: int, has_loss_scaler: bool = True,
+                 has_samples: bool = True) -> None:
         self._lock = threading.Lock()
         self._record: StepRecord | None = None
         self._last_nonfinite: tuple[list[dict], dict] = ([], {})
         #: Unix time of the last optimizer-step boundary, sampled or not (set by the instrument)
         self.step_time: float | None = None
         self._counters: dict[str, int] = {k: 0 for k in COUNTERS
-                                          if has_loss_scaler or k != "overflow_steps"}
+                                          if (has_loss_scaler or k != "overflow_steps")
+                                          and (has_samples or k != "samples")}
         self._labeled_counters: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {}
         self.static = dict(static)
         self.world_size = world_size
@@ -67,9 +71,9 @@ class DistgradCollector(Collector):
         with self._lock:
             if record is not None:
                 self._record = record
-                if record.extra.get("nonfinite_params"):
-                    self._last_nonfinite = (list(record.extra["nonfinite_params"]),
-                                            record.extra.get("provenance") or {})
+                event = record.extra.get("nonfinite_event")
+                if event:  # the first step of the last non-finite streak, kept after it ends
+                    self._last_nonfinite = (list(event["rows"]), event["provenance"])
             self._counters.update({k: int(v) for k, v in counters.items() if k in self._counters})
 
     def inc_labeled(self, name: str, labels: dict[str, str], by: int = 1) -> None:
@@ -99,7 +103,7 @@ class DistgradCollector(Collector):
         for (name, labels), v in sorted(labeled.items()):
             fam = by_name.get(name)
             if fam is None:
-                fam = by_name[name] = CounterMetricFamily(name, "distgrad labeled counter.",
+                fam = by_name[name] = CounterMetricFamily(name, _LABELED_HELP.get(name, "distgrad counter."),
                                                           labels=[k for k, _ in labels])
             fam.add_metric([v for _, v in labels], v)
         yield from by_name.values()
@@ -108,15 +112,16 @@ class DistgradCollector(Collector):
         yield from _record_metrics(rec)
         if nonfinite_rows:  # the last non-finite event stays visible after healthy steps
             fam = GaugeMetricFamily("distgrad_nonfinite_params",
-                                    "On the last non-finite step: non-finite elements per (param, rank shard).",
+                                    "First step of the last non-finite streak: NaN/Inf elements per "
+                                    "(param, rank shard).",
                                     labels=["param", "rank"])
             for row in nonfinite_rows[:20]:
                 fam.add_metric([row["param"], str(row["rank"])], float(row["count"]))
             yield fam
         if provenance.get("first_param"):
             fam = GaugeMetricFamily("distgrad_nonfinite_origin_step",
-                                    "Optimizer step of the last non-finite event, labelled with its probable "
-                                    "origin (the non-finite parameter last in forward order).",
+                                    "Optimizer step where the last non-finite streak started, labelled with its "
+                                    "probable origin (the non-finite parameter last in forward order).",
                                     labels=["param", "layer"])
             fam.add_metric([provenance["first_param"], str(provenance.get("first_layer", ""))],
                            float(provenance.get("step", -1)))
@@ -140,6 +145,7 @@ def _record_metrics(rec: StepRecord) -> Iterable[Metric]:
         _g("distgrad_replica_mismatch_rank", "Rank that disagreed on the last replica mismatch, -1 if none.",
            rec.extra.get("replica_mismatch_rank")),
         _g("distgrad_clip_ratio", "min(1, max_norm / grad_norm).", rec.extra.get("clip_ratio")),
+        _g("distgrad_post_clip_norm", "Global grad norm after clipping.", rec.extra.get("post_clip_norm")),
     ]
     for k, (name, doc) in {
         "loss_scale_at_minimum": ("distgrad_loss_scale_at_minimum", "1 when the loss scale sits at its minimum."),
@@ -151,7 +157,9 @@ def _record_metrics(rec: StepRecord) -> Iterable[Metric]:
     yield from (m for m in singles if m is not None)
 
     selected = rec.extra.get("exported_params")
-    idx = range(len(p.names)) if selected is None else selected
+    # parameters without a gradient anywhere this step (unused; numel 0 after the reduction)
+    # have no statistics: no series rather than a misleading 0
+    idx = [i for i in (range(len(p.names)) if selected is None else selected) if p.numel[i] > 0]
     derived = {"norm": p.norm, "mean": p.mean, "std": p.std, "min": p.min, "max": p.max,
                "abs_max": p.abs_max, "zero_ratio": p.zero_ratio}
     for name, doc, key in _PARAM_GAUGES:
@@ -243,6 +251,7 @@ class PrometheusSink(Sink):
         world_size: value of ``distgrad_world_size``.
         has_loss_scaler: export ``distgrad_overflow_steps_total`` (fp16 with a loss scaler only;
             under bf16/fp32 no loss-scale or overflow series exist).
+        has_samples: export ``distgrad_samples_total`` (engines that count samples: DeepSpeed).
 
     Raises:
         OSError: the address cannot be bound; the message says how to fix it.
@@ -251,11 +260,11 @@ class PrometheusSink(Sink):
     name = "prometheus"
 
     def __init__(self, host: str, port: int, static: dict[str, str], world_size: int,
-                 serve: bool = True, has_loss_scaler: bool = True) -> None:
+                 serve: bool = True, has_loss_scaler: bool = True, has_samples: bool = True) -> None:
         from prometheus_client import start_http_server
 
         self.registry = CollectorRegistry(auto_describe=False)
-        self.collector = DistgradCollector(static, world_size, has_loss_scaler)
+        self.collector = DistgradCollector(static, world_size, has_loss_scaler, has_samples)
         self.registry.register(self.collector)
         self._server = None
         self.host, self.port = host, port
@@ -267,7 +276,8 @@ class PrometheusSink(Sink):
                 raise OSError(f"distgrad cannot serve metrics on {host}:{port}: {e}; pass port=0 "
                               f"or another port") from e
             self.port = int(self._server.server_address[1])
-            log.info("distgrad: serving Prometheus metrics on http://%s:%d/metrics", host, self.port)
+            (log.warning if port == 0 else log.info)(  # a picked port must be seen to be found
+                "distgrad: serving Prometheus metrics on http://%s:%d/metrics", host, self.port)
 
     def write(self, record: StepRecord) -> None:
         """Serve ``record`` from now on (atomic swap)."""

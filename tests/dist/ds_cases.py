@@ -272,6 +272,13 @@ def special_cases(rank: int, world: int) -> dict:
     out["ds_section"] = {"interval": inst.config.interval, "spike_window": inst.config.spike_window,
                          "prometheus": inst.config.prometheus}
     inst.close()
+
+    # 5. ranks configured differently (interval) would deadlock later: refused on every rank now
+    try:
+        distgrad.instrument(engine, prometheus=False, interval=1 + rank).close()
+        out["disagree"] = None
+    except RuntimeError as e:
+        out["disagree"] = str(e)
     out["update_ratio"] = {f"z{st}-{dt}": update_ratio_case(st, dt, rank)
                            for st, dt in ((0, "fp32"), (1, "fp32"), (2, "bf16"), (3, "fp32"), (3, "bf16"))}
     return out

@@ -1,0 +1,116 @@
+"""instrument() on one process with a plain module: the off switch, misuse errors that name the
+fix, unwritable paths named by their config key, parameters without gradients, the loss hint."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+from prometheus_client import generate_latest
+
+import distgrad
+from distgrad.config import ConfigError
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 3)
+        self.unused = nn.Linear(4, 3)  # never in the forward: no gradient at all
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _train(model, opt, steps, loss_fn=lambda out: out.pow(2).mean()):
+    for _ in range(steps):
+        loss = loss_fn(model(torch.randn(5, 4)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _text(dg):
+    return generate_latest(dg.prometheus.registry).decode()
+
+
+def test_enabled_false_starts_nothing():
+    m = Net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    dg = distgrad.instrument(m, optimizer=opt, enabled=False, port=0)
+    try:
+        assert dg.prometheus is None and dg.port is None and dg.sinks == []
+        _train(m, opt, 2)
+        assert dg.last_record is None and dg.counters["sampled_steps"] == 0
+    finally:
+        dg.close()
+
+
+def test_optimizer_passed_by_position_is_explained():
+    m = Net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="optimizer=opt"):
+        distgrad.instrument(m, opt)
+
+
+def test_double_instrumentation_is_refused_until_close():
+    m = Net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    dg = distgrad.instrument(m, optimizer=opt, port=0)
+    with pytest.raises(RuntimeError, match="already instrumented"):
+        distgrad.instrument(m, optimizer=opt, port=0)
+    dg.close()
+    distgrad.instrument(m, optimizer=opt, port=0).close()
+
+
+def test_deepspeed_config_without_section_and_bad_thresholds_name_the_problem():
+    with pytest.raises(ConfigError, match="DeepSpeed config"):
+        distgrad.DistgradConfig.from_dict({"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True}})
+    cfg = distgrad.DistgradConfig.from_dict({"train_micro_batch_size_per_gpu": 1, "distgrad": {"interval": 4}})
+    assert cfg.interval == 4
+    with pytest.raises(ConfigError, match="vanish_threshold"):
+        distgrad.DistgradConfig(vanish_threshold=10.0, explode_threshold=1.0)
+
+
+@pytest.mark.parametrize("key", ["jsonl_path", "flight_recorder_dir"])
+def test_unwritable_paths_fail_at_instrument_time_naming_the_key(tmp_path, key):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # a file where a directory is needed
+    m = Net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=key):
+        distgrad.instrument(m, optimizer=opt, port=0, **{key: str(blocker / "sub" / "x")})
+
+
+def test_parameter_without_gradient_has_no_series_and_is_not_vanishing(caplog):
+    m = Net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    dg = distgrad.instrument(m, optimizer=opt, port=0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="distgrad"):
+            _train(m, opt, 5)
+        text = _text(dg)
+        assert 'distgrad_param_grad_norm{param="used.weight"}' in text
+        assert "unused." not in text.split("distgrad_param_grad_norm", 1)[1]
+        assert dg.last_record.extra["vanishing"] == [] and not any("vanishing [" in r for r in caplog.messages)
+        assert "distgrad_samples_total" not in text  # this engine does not count samples
+    finally:
+        dg.close()
+
+
+def test_missing_loss_is_pointed_out_once(caplog):
+    m = Net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    dg = distgrad.instrument(m, optimizer=opt, port=0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="distgrad"):
+            _train(m, opt, 12)
+        hints = [r for r in caplog.messages if "observe_loss" in r]
+        assert len(hints) == 1
+        dg.observe_loss(torch.tensor(2.5))
+        _train(m, opt, 1)
+        assert dg.last_record.loss == 2.5
+    finally:
+        dg.close()
