@@ -114,7 +114,8 @@ def _instrument_torch(model: Any, cfg: DistgradConfig, optimizer: Any, scaler: A
             f"distgrad.instrument() needs the optimizer for a PyTorch model ({type(model).__name__}): "
             "call distgrad.instrument(model, optimizer=opt) (and scaler=scaler if you use "
             "torch.amp.GradScaler); distgrad reads the reduced gradients in the optimizer's step "
-            "pre-hook, once per optimizer step")
+            "pre-hook, once per optimizer step. With DeepSpeed, pass the engine returned by "
+            "deepspeed.initialize instead of engine.module")
     check_boundary_args(model, optimizer, scaler)
     source = torch_source(model)
     source.scaler = scaler  # before the sinks start: they export overflow series only with a scaler

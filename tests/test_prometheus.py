@@ -110,3 +110,9 @@ def test_taken_port_message_names_address_and_fix():
         with pytest.raises(OSError) as e:
             PrometheusSink("127.0.0.1", port, STATIC, 1)
     assert f"127.0.0.1:{port}" in str(e.value) and "port=0" in str(e.value)
+
+
+def test_address_not_on_this_machine_gets_a_host_fix():
+    with pytest.raises(OSError, match="not an address of this machine") as e:
+        PrometheusSink("192.0.2.1", 0 + 9, STATIC, 1)  # TEST-NET-1: never a local address
+    assert "port=0" not in str(e.value)

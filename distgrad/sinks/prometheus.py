@@ -9,6 +9,7 @@ Metric names and meanings: ``docs/metrics.md``.
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
@@ -235,6 +236,11 @@ def check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as e:
+            if e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or isinstance(e, socket.gaierror):
+                raise OSError(
+                    f"distgrad cannot serve metrics on {host}:{port}: {e.strerror or e}. '{host}' is not an "
+                    f"address of this machine: use host='127.0.0.1' (local scrapes) or '0.0.0.0' (all "
+                    f"interfaces)") from e
             raise OSError(
                 f"distgrad cannot serve metrics on {host}:{port}: {e.strerror or e}. Another process "
                 f"(another training job's exporter?) holds the port: pass port=0 to pick a free one, "
