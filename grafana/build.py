@@ -49,8 +49,11 @@ CONFIG: dict[str, Any] = {
             "severity": "critical", "for": "0s", "window": "5m", "exclude_fp16_overflow": True,
         },
         "DistgradNaNLoss": {"severity": "critical", "for": "0s"},
-        "DistgradGradNormSpike": {"severity": "warning", "for": "0s", "window": "10m"},
-        "DistgradLossSpike": {"severity": "warning", "for": "0s", "window": "10m"},
+        # detectors that page: OLMo's windowed 6-sigma score. ZClip's EMA z-score at its default
+        # z = 2.5 flags ~1-2% of samples of a noisy but healthy series (tests/test_detectors.py),
+        # fine for a dashboard, too often for an alert; use "ema|window" to page on both.
+        "DistgradGradNormSpike": {"severity": "warning", "for": "0s", "window": "10m", "detectors": "window"},
+        "DistgradLossSpike": {"severity": "warning", "for": "0s", "window": "10m", "detectors": "window"},
         "DistgradLossScaleCollapsed": {"severity": "critical", "for": "2m"},
         "DistgradRepeatedOverflow": {"severity": "warning", "for": "0s", "threshold": 5},
         # seconds since the last sampled step; must exceed sample_every x step time
@@ -193,9 +196,10 @@ def _nonfinite_rule() -> dict[str, Any]:
 
 def _spike_rule(name: str, what: str, counter: str, gauge: str) -> dict[str, Any]:
     w = CONFIG["alerts"][name]["window"]
+    det = CONFIG["alerts"][name]["detectors"]
     return _rule(
         name,
-        f"max without (detector) (increase({counter}{sel()}[{w}])) > 0",
+        f"max without (detector) (increase({counter}{sel(f'detector=~{chr(34)}{det}{chr(34)}')}[{w}])) > 0",
         f"{what.capitalize()} spike in {{{{ $labels.job }}}}.",
         f"The {what} spike detector of {WHO} flagged a spike in the last {w}. "
         f"{what.capitalize()} at the last sampled step {tvalue('distgrad_optimizer_step')}: "
