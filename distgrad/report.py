@@ -848,16 +848,27 @@ def analyze(path: str | os.PathLike[str], *, max_points: int = 1024, include_rot
         include_rotated: also read the rotated ``path.N`` files, oldest first (default True).
         overflow_streak_limit: see :class:`RunAnalyzer`.
 
+    Malformed lines in the middle of the log are skipped and counted (``bad_lines`` and
+    ``first_bad_line`` on the result); steps that go back (another run appended to the same file)
+    are counted in ``restarts``. :func:`format_summary` reports both.
+
     Raises:
         FileNotFoundError: no log at ``path``.
-        ValueError: a malformed line (other than a torn last line) or ``max_points`` invalid.
+        ValueError: ``max_points`` invalid.
     """
     from distgrad.sinks.jsonl import read_jsonl
 
     an = RunAnalyzer(os.fspath(path), max_points=max_points, overflow_streak_limit=overflow_streak_limit)
-    for rec in read_jsonl(path, include_rotated=include_rotated):
+    bad: list[str] = []
+    restarts, prev = 0, None
+    for rec in read_jsonl(path, include_rotated=include_rotated, on_bad_line=bad.append):
+        if prev is not None and rec.step <= prev:
+            restarts += 1  # the step went back: another run appended to the same file
+        prev = rec.step
         an.add(rec)
-    return an.finish()
+    res = an.finish()
+    res.bad_lines, res.first_bad_line, res.restarts = len(bad), (bad[0] if bad else None), restarts
+    return res
 
 
 # --------------------------------------------------------------------------------------------
@@ -903,6 +914,11 @@ def format_summary(a: RunAnalysis, top: int = 10) -> str:
     out.append(f"last step: {a.last_step}  loss {_fmt(a.last['loss'])}  grad norm {_fmt(a.last['grad_norm'])}"
                f"  loss scale {_fmt(a.last['loss_scale'])}")
     out.append("verdict: " + a.verdict())
+    if getattr(a, "bad_lines", 0):
+        out.append(f"warning: skipped {a.bad_lines} malformed line(s); first: {a.first_bad_line}")
+    if getattr(a, "restarts", 0):
+        out.append(f"warning: the optimizer step went back {a.restarts} time(s): several runs were "
+                   "appended to this file; use one jsonl_path per run")
     out.append("")
     rows = [(ANOMALY_LABELS[k], a.counts.get(k, 0), a.first_step_of.get(k)) for k in ANOMALY_LABELS]
     rows.append(("longest overflow streak", a.max_overflow_streak, None))

@@ -354,3 +354,25 @@ def test_report_100k_steps_bounded_rss(tmp_path):
     assert growth < 100e6, (growth, size)
     assert "PROBLEM at step 77777" in p.stdout and "h.3.w2" in p.stdout
     assert (out / "report.html").exists() and (out / "layer_grad_norm.png").exists()
+
+
+def test_summary_skips_a_corrupt_middle_line_and_flags_appended_runs(tmp_path):
+    """A damaged line in the middle is skipped and reported (not fatal); a second run appended to
+    the same file (steps going back) is pointed out."""
+    from distgrad.report import analyze, format_summary
+    from distgrad.sinks.jsonl import JsonlSink
+
+    names = ["layers.0.w", "layers.1.w"]
+    rng = np.random.default_rng(0)
+    path = tmp_path / "run.jsonl"
+    with JsonlSink(path) as sink:
+        for step in (0, 1, 2, 0, 1):  # a restart after step 2
+            sink.write(make_record(step, names, rng))
+    lines = path.read_text().splitlines(keepends=True)
+    lines[1] = '{"schema": 1, "step": 1, "bro\n'
+    path.write_text("".join(lines))
+    a = analyze(path)
+    assert a.n_records == 4 and a.bad_lines == 1 and a.first_bad_line.startswith(f"{path}:2:")
+    assert a.restarts == 1
+    text = format_summary(a)
+    assert "skipped 1 malformed line(s)" in text and "went back 1 time(s)" in text

@@ -27,7 +27,7 @@ import os
 import re
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -257,13 +257,16 @@ def rotated_files(path: str | os.PathLike[str]) -> list[Path]:
     return files
 
 
-def read_jsonl(path: str | os.PathLike[str], include_rotated: bool = True) -> Iterator[StepRecord]:
+def read_jsonl(path: str | os.PathLike[str], include_rotated: bool = True,
+               on_bad_line: "Callable[[str], None] | None" = None) -> Iterator[StepRecord]:
     """Stream the records of a JSONL run log, oldest first, one line in memory at a time.
 
     Args:
         path: the live file (``run.jsonl``); with ``include_rotated`` its rotated backups
             ``run.jsonl.N`` ... ``run.jsonl.1`` are read first, oldest first.
         include_rotated: read the rotated backups too (default True).
+        on_bad_line: called with ``"file:line: error"`` for a malformed line in the middle of a
+            file, which is then skipped; None (default) raises instead.
 
     Yields:
         :class:`~distgrad.record.StepRecord` per line, in file order. Blank lines are skipped.
@@ -290,5 +293,8 @@ def read_jsonl(path: str | os.PathLike[str], include_rotated: bool = True) -> It
                 except ValueError as e:
                     if not raw.endswith(b"\n"):
                         break  # torn last line (only the last line can lack its newline)
-                    raise ValueError(f"{f}:{lineno}: {e}") from e
+                    if on_bad_line is None:
+                        raise ValueError(f"{f}:{lineno}: {e}") from e
+                    on_bad_line(f"{f}:{lineno}: {e}")
+                    continue
                 yield rec
