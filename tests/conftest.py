@@ -15,6 +15,20 @@ ROOT = Path(__file__).resolve().parent.parent
 DIST = ROOT / "tests" / "dist"
 
 
+def load_grafana(name: str):
+    """The script ``grafana/<name>.py`` (build, queries: scripts, not a package) as a module,
+    loaded once per session."""
+    import importlib.util
+
+    mod_name = f"distgrad_grafana_{name}"
+    if mod_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(mod_name, ROOT / "grafana" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = mod  # dataclasses look their module up there
+        spec.loader.exec_module(mod)
+    return sys.modules[mod_name]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,15 +7,15 @@ promtool and amtool come with the Debian packages prometheus and prometheus-aler
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from conftest import load_grafana
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "grafana" / "alerts" / "distgrad.rules.yml"
@@ -28,14 +28,6 @@ REQUIRED_ALERTS = {
     "DistgradLossScaleCollapsed", "DistgradRepeatedOverflow", "DistgradTrainingStalled",
     "DistgradExporterDown", "DistgradExporterAbsent", "DistgradReplicaMismatch", "DistgradInternalErrors",
 }
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"distgrad_grafana_{name}", REPO / "grafana" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _tool(name: str) -> str:
@@ -54,7 +46,7 @@ def _rules() -> list[dict]:
 
 
 def test_rule_file_is_freshly_generated():
-    build = _load("build")
+    build = load_grafana("build")
     assert RULES not in build.stale_outputs(), "grafana/alerts/distgrad.rules.yml is stale: run python grafana/build.py"
 
 
@@ -110,7 +102,7 @@ def test_rule_conventions():
 
 
 def test_rules_use_catalogue_metrics_only():
-    build = _load("build")
+    build = load_grafana("build")
     unknown = build.referenced_metrics(RULES.read_text()) - build.catalogue_metrics()
     assert unknown == set(), f"not in docs/metrics.md: {sorted(unknown)}"
 

@@ -5,16 +5,16 @@ their PromQL listable by grafana/queries.py for end-to-end tests.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from conftest import load_grafana
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARDS = sorted((REPO / "grafana" / "dashboards").glob("*.json"))
@@ -22,20 +22,12 @@ SCHEMA_CHECK = REPO / "grafana" / "schema-check"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"distgrad_grafana_{name}", REPO / "grafana" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _dashboards() -> dict[str, dict]:
     return {p.name: json.loads(p.read_text()) for p in DASHBOARDS}
 
 
 def _panels(d: dict) -> list[dict]:
-    return list(_load("queries").iter_panels(d["panels"]))
+    return list(load_grafana("queries").iter_panels(d["panels"]))
 
 
 def _exprs(d: dict) -> str:
@@ -43,7 +35,7 @@ def _exprs(d: dict) -> str:
 
 
 def test_dashboards_are_freshly_generated():
-    build = _load("build")
+    build = load_grafana("build")
     assert [p.name for p in DASHBOARDS] == sorted(build.DASHBOARDS)
     stale = [p.name for p in build.stale_outputs() if p.suffix == ".json"]
     assert stale == [], "stale dashboards: run python grafana/build.py"
@@ -112,7 +104,7 @@ def test_layers_view_covers_layers_and_parameters():
 
 
 def test_dashboards_use_catalogue_metrics_only():
-    build = _load("build")
+    build = load_grafana("build")
     catalogue = build.catalogue_metrics()
     for p in DASHBOARDS:
         unknown = build.referenced_metrics(p.read_text()) - catalogue
@@ -120,7 +112,7 @@ def test_dashboards_use_catalogue_metrics_only():
 
 
 def test_queries_lists_every_target_with_variables_substituted():
-    queries = _load("queries")
+    queries = load_grafana("queries")
     qs = queries.dashboard_queries("my-job-.*", rate_interval="30s")
     n_targets = sum(len(p.get("targets", [])) for d in _dashboards().values() for p in _panels(d))
     assert len([q for q in qs if q.kind == "panel"]) == n_targets

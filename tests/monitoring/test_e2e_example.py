@@ -19,7 +19,7 @@ import pytest
 from .stack import REPO, MissingBinary, MonitoringStack, WebhookReceiver, wait_until
 
 sys.path.insert(0, str(REPO / "tests"))
-from conftest import free_port  # noqa: E402
+from conftest import free_port, load_grafana  # noqa: E402
 from example_job import start_example, stop  # noqa: E402
 
 pytestmark = [pytest.mark.monitoring, pytest.mark.multirank]
@@ -80,12 +80,7 @@ def test_nan_injected_in_training_pages_and_healthy_run_is_silent(env):
 
 def test_every_dashboard_query_returns_data_from_the_live_run(env):
     stack, _, sick, healthy, _ = env
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("distgrad_grafana_queries_e2e", REPO / "grafana" / "queries.py")
-    queries = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = queries
-    spec.loader.exec_module(queries)
+    queries = load_grafana("queries")
     wait_until(lambda: stack.query(f'count_over_time(distgrad_samples_total{{instance="{healthy}"}}[1m]) >= 3'),
                240, what="three scrapes of the healthy run")
     wait_until(lambda: stack.query(f'distgrad_nonfinite_steps_total{{instance="{sick}"}} >= 1'), 240,

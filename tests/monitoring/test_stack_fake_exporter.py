@@ -7,11 +7,11 @@ One Prometheus run (module-scoped fixture) serves both tests; about 15 s in all.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 
 import pytest
+
+from conftest import load_grafana
 
 from .fake_exporter import FakeDistgradRun
 from .stack import REPO, MissingBinary, MonitoringStack, WebhookReceiver, wait_until
@@ -79,19 +79,11 @@ def test_nan_gradient_alert_reaches_webhook_and_healthy_run_stays_silent(env):
     assert {x["labels"]["alertname"] for x in stack.alertmanager_alerts()} == {"DistgradNonFiniteGradients"}
 
 
-def _load_queries_module():
-    spec = importlib.util.spec_from_file_location("distgrad_grafana_queries", REPO / "grafana" / "queries.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_every_dashboard_query_parses_and_has_data_from_the_fakes(env):
     """Runs every dashboard query (variables substituted) against the live Prometheus: each
     must be valid PromQL, and each over metrics the fakes export must return data."""
     stack, _, sick, healthy = env
-    queries = _load_queries_module()
+    queries = load_grafana("queries")
     exported = sick.metric_names() | healthy.metric_names()
     qs = queries.dashboard_queries("distgrad", rate_interval="1m")
     assert len(qs) > 40
