@@ -9,6 +9,15 @@ import pytest
 from distgrad.record import StepRecord
 
 
+def case(results: dict, key: str) -> dict:
+    """One case of a multi-rank driver's JSON output; fails the test with the driver's traceback
+    when that case raised on the ranks."""
+    c = results["cases"][key]
+    if "error" in c:
+        pytest.fail(f"{key} failed in the 2-rank run: {c['error']}\n{c.get('traceback', '')}")
+    return c
+
+
 def check_against(rec: StepRecord, ref: dict, rtol: float, exact: bool, skip: tuple = ()) -> None:
     """Assert that the per-parameter statistics of ``rec`` equal ``ref`` (from
     ``tests/dist/common.full_stats``), parameters in ``skip`` excepted.

@@ -22,18 +22,11 @@ import numpy as np
 import pytest
 
 from distgrad.record import StepRecord
-from reference import check_against as _check_against
+from reference import case as _case, check_against as _check_against
 
 CASES = [f"z{s}-{d}-gas{g}" for s in (0, 1, 2, 3) for d in ("fp32", "bf16", "fp16") for g in (1, 2)
          if not (d == "fp16" and g == 2)]
 REF_B_RTOL = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 1e-2}
-
-
-def _case(ds_results, key):
-    c = ds_results["cases"][key]
-    if "error" in c:
-        pytest.fail(f"{key} failed in the 2-rank run: {c['error']}\n{c.get('traceback', '')}")
-    return c
 
 
 @pytest.mark.multirank

@@ -22,7 +22,7 @@ import torch
 
 import distgrad
 from distgrad.record import StepRecord
-from reference import check_against as _check_against
+from reference import case as _case, check_against as _check_against
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 from common import TinyModel, batch_for, full_stats  # noqa: E402
@@ -36,13 +36,6 @@ REF_B_RTOL = {"fp32": 1e-5, "bf16": 3e-2}
 
 def _dtype(key: str) -> str:
     return "bf16" if "-bf16-" in key else "fp32"
-
-
-def _case(results, key):
-    c = results["cases"][key]
-    if "error" in c:
-        pytest.fail(f"{key} failed in the 2-rank run: {c['error']}\n{c.get('traceback', '')}")
-    return c
 
 
 def _scaled(ref: dict, factor: float) -> dict:
