@@ -12,7 +12,6 @@ from the *reduced* non-finite count, which every rank holds identically.
 from __future__ import annotations
 
 import logging
-import math
 import time
 import traceback
 from typing import Any, Callable
@@ -417,7 +416,6 @@ class Instrument:
     def _build(self, step, micro_step, red, grad_scale, loss_scale, overflow, step_applied) -> StepRecord:
         stats = red.params
         gnorm = global_norm(stats)
-        nonfinite = bool(stats.nonfinite.sum() > 0) or not math.isfinite(gnorm)
         self.counters["sampled_steps"] += 1
         extra: dict[str, Any] = {
             "grad_dtype": _DTYPE_NAMES.get(self.source.grad_dtype, str(self.source.grad_dtype)),
@@ -435,14 +433,10 @@ class Instrument:
                 log.warning("distgrad: step %d: replicated gradients differ across ranks; rank(s) %s "
                             "disagree (fingerprints %s)", step, mismatched, red.fingerprints.tolist())
             extra["replica_mismatch_rank"] = self._replica_mismatch_rank
-        nonfinite_ranks = [int(r) for r in np.nonzero(red.rank_nonfinite)[0]]
-        if self.source.replicated:
-            nonfinite_ranks = sorted(set(nonfinite_ranks) | {
-                int(r) for r in range(self.world_size) if not np.isfinite(red.fingerprints[r])
-                and self.config.replica_check and self.world_size > 1})
-        if nonfinite:
-            self.counters["nonfinite_steps"] += 1
-            extra["nonfinite_params"] = self._provenance(stats.names)
+        # a rank's shard held NaN/Inf, or (replicated) its full copy did: its fingerprint, which
+        # stays 0 where none is computed, is then non-finite
+        bad = (red.rank_nonfinite > 0) | ~np.isfinite(red.fingerprints)
+        nonfinite_ranks = [int(r) for r in np.nonzero(bad)[0]]
         if loss_scale is not None:
             extra["consecutive_overflow_steps"] = self._consecutive_overflow
             mn = self.source.min_loss_scale()
@@ -453,11 +447,15 @@ class Instrument:
                         "NaN-loss alert and loss-spike detection are off: call dg.observe_loss(loss) after "
                         "each forward (DeepSpeed's engine.backward(loss) and models returning the loss "
                         "are picked up automatically)")
-        return StepRecord(
+        rec = StepRecord(
             step=int(step), micro_step=int(micro_step), timestamp=time.time(), world_size=self.world_size,
             params=stats, grad_norm=gnorm, loss=loss, loss_scale=loss_scale, overflow=overflow,
             step_applied=bool(step_applied), replica_mismatch_ranks=mismatched,
             nonfinite_ranks=nonfinite_ranks, extra=extra)
+        if rec.nonfinite:
+            self.counters["nonfinite_steps"] += 1
+            extra["nonfinite_params"] = self._provenance(stats.names)
+        return rec
 
     # ----------------------------------------------------------------------------------
     def _publish(self, rec: StepRecord) -> None:
