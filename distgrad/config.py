@@ -68,7 +68,9 @@ class DistgradConfig:
     parameters by norm (non-finite ones always kept) when the bound would be exceeded."""
     replica_check: bool = True
     """On engines whose reduced gradients are replicated on every rank (DDP, ZeRO-0), compare
-    a per-rank fingerprint in the same collective and count mismatches."""
+    a per-rank fingerprint (the sum of squares of the rank's whole copy, carried in the same SUM
+    collective) and count mismatches. Costs one extra read of the local gradient per sampled
+    step, since each rank otherwise reads only its 1/W slice."""
     replica_check_rtol: float = 1e-6
     """Relative tolerance of the replica fingerprint comparison."""
 
