@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from distgrad import stats
+from distgrad.stats import kernels as stats_kernels, native as stats_native
 
 SIZES = [1, 15, 16, 17, 2047, 2048, 2049, 65535, 65536, 65537, 3 * 65536 + 5, 1_000_003]
 
@@ -117,7 +118,7 @@ def test_stats_table_mixed_pieces_match_eager():
 
 @pytest.mark.parametrize("kernel", ["eager", "compile", "native"])
 def test_every_kernel_through_pack_local(kernel, monkeypatch):
-    monkeypatch.setattr(stats, "_kernel", kernel)
+    monkeypatch.setattr(stats_kernels, "_kernel", kernel)
     pieces = [_data(n, n) for n in (70_001, 2049, 17)] + [None]
     layout = stats.Layout(len(pieces), 1)
     sum_block, max_block = stats.pack_local(pieces, layout, 0, torch.device("cpu"))
@@ -130,7 +131,7 @@ def test_every_kernel_through_pack_local(kernel, monkeypatch):
 
 
 def test_eager_fallback_when_native_is_unavailable(monkeypatch):
-    monkeypatch.setattr(stats, "_native_fn", False)
+    monkeypatch.setattr(stats_native, "_native_fn", False)
     x = _data(5000, 1)
     _check(stats.stats_table([x], torch.device("cpu"))[0], _reference(x), native=False)
 
@@ -152,7 +153,7 @@ class _Syncs(torch.overrides.TorchFunctionMode):
 def test_one_host_copy_whatever_the_number_of_pieces(kernel, monkeypatch):
     """pack_local + reduce_blocks read the device once (the final ``.cpu()``), for 3 or 300
     pieces alike."""
-    monkeypatch.setattr(stats, "_kernel", kernel)
+    monkeypatch.setattr(stats_kernels, "_kernel", kernel)
     counts = []
     for n_pieces in (3, 300):
         pieces = [_data(1000 + i, i) for i in range(n_pieces)]

@@ -1,0 +1,99 @@
+"""Kernel selection (``DISTGRAD_STATS_KERNEL`` / :func:`set_stats_kernel`) and the per-piece
+statistics table every kernel fills (see the package docstring for the kernels)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+import torch
+
+from distgrad.stats.compiled import _piece_stats_compiled
+from distgrad.stats.eager import _piece_stats_eager
+from distgrad.stats.layout import MAX_COLS, SUM_COLS
+from distgrad.stats.native import _NATIVE_DTYPES, _call_native, _native
+
+log = logging.getLogger("distgrad")
+
+_KERNELS = ("auto", "native", "compile", "eager")
+_kernel = os.environ.get("DISTGRAD_STATS_KERNEL", "auto").strip().lower() or "auto"
+if _kernel not in _KERNELS:
+    log.warning("distgrad: DISTGRAD_STATS_KERNEL=%r is not one of %s; using auto", _kernel, _KERNELS)
+    _kernel = "auto"
+
+
+def set_stats_kernel(name: str) -> None:
+    """Choose the statistics kernel for this process: ``auto`` (native C on CPU fp32/bf16,
+    eager elsewhere), ``native``, ``compile`` or ``eager``. ``native`` and ``compile`` fall back
+    to eager for pieces they cannot take or when they are unavailable. The environment variable
+    ``DISTGRAD_STATS_KERNEL`` sets the initial choice."""
+    global _kernel
+    if name not in _KERNELS:
+        raise ValueError(f"stats kernel must be one of {_KERNELS}, got {name!r}")
+    _kernel = name
+
+
+def stats_kernel() -> str:
+    """The kernel chosen with :func:`set_stats_kernel` / ``DISTGRAD_STATS_KERNEL``."""
+    return _kernel
+
+
+def piece_stats(x: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local sufficient statistics of one gradient piece.
+
+    Args:
+        x: 1-D gradient piece of any floating dtype (fp32, bf16, fp16, fp64), or None / empty
+            when this rank holds no element of the parameter.
+        device: where to create the result for an empty piece.
+
+    Returns:
+        ``(sums, maxes)``: float64 tensors of shape ``[6]`` (numel, sum, sumsq, nan count,
+        inf count, zero count) and ``[2]`` (max, -min). An empty piece gives zeros and
+        ``-inf`` (the identities of SUM and MAX). A piece containing NaN has NaN max/-min
+        here; :func:`pack_local` replaces them with -inf before the MAX collective (NCCL and
+        gloo do not define how NaN propagates through MAX) and :func:`unpack` restores NaN
+        from the NaN count, matching ``torch.amax`` on the full tensor.
+    """
+    row = stats_table([x], x.device if x is not None else device)[0]
+    return row[: len(SUM_COLS)], row[len(SUM_COLS):]
+
+
+def stats_table(pieces: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """Local statistics of all pieces as one float64 ``[P, 8]`` tensor on ``device``:
+    ``SUM_COLS`` then ``MAX_COLS`` per row, rows as documented in :func:`piece_stats` (empty
+    pieces: identities of SUM and MAX; NaN max/-min where the piece has a NaN). No host sync."""
+    P = len(pieces)
+    kernel = _kernel
+    rows: list[torch.Tensor | None] = [None] * P
+    native_idx: list[int] = []
+    fn = None
+    if kernel in ("auto", "native") and any(
+            p is not None and p.device.type == "cpu" and p.dtype in _NATIVE_DTYPES for p in pieces):
+        fn = _native()
+    for i, p in enumerate(pieces):
+        if p is None or p.numel() == 0:
+            continue
+        if fn is not None and p.device.type == "cpu" and p.dtype in _NATIVE_DTYPES and p.is_contiguous():
+            native_idx.append(i)
+    native = _call_native(fn, [pieces[i] for i in native_idx]) if native_idx else None
+    if native is not None and len(native_idx) == P:
+        return native.to(device)
+    empty = torch.tensor([0.0] * len(SUM_COLS) + [-float("inf")] * len(MAX_COLS), dtype=torch.float64,
+                         device=device)
+    done = set(native_idx)
+    for i, p in enumerate(pieces):
+        if i in done:
+            continue
+        if p is None or p.numel() == 0:
+            rows[i] = empty
+        elif kernel == "compile":
+            rows[i] = _piece_stats_compiled(p)
+        else:
+            rows[i] = _piece_stats_eager(p)
+    if native is not None:
+        for j, i in enumerate(native_idx):
+            rows[i] = native[j]
+    if not rows:
+        return torch.zeros((0, len(SUM_COLS) + len(MAX_COLS)), dtype=torch.float64, device=device)
+    return torch.stack([r.to(device) for r in rows])
