@@ -1,0 +1,448 @@
+"""One streaming pass over a run log (:func:`analyze`, :class:`RunAnalyzer`) into a bounded
+:class:`RunAnalysis`: downsampled scalars and per-layer norms, anomaly counts, problems, spikes."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from distgrad.record import StepRecord
+from distgrad.report.downsample import Downsampled, Downsampler
+from distgrad.report.layers import LayerIndex, layer_of, layer_sort_key
+from distgrad.report.spikes import RecordSpikes, RollingMadSpikes, _to_float
+
+#: At most this many spike markers / example steps are kept (the first ones); counts stay exact.
+MAX_MARKERS = 10_000
+
+
+@dataclass
+class Problem:
+    """One detected problem.
+
+    Attributes:
+        kind: ``nonfinite_grad``, ``nonfinite_loss``, ``replica_mismatch`` or ``overflow_streak``.
+        step: optimizer step where it (first) happened.
+        param: parameter name, when one is implicated (else None).
+        layer: that parameter's layer label (else None).
+        ranks: implicated ranks (may be empty when unknown).
+        detail: one-line human-readable description (no trailing period).
+    """
+
+    kind: str
+    step: int
+    param: str | None = None
+    layer: str | None = None
+    ranks: list[int] = field(default_factory=list)
+    detail: str = ""
+
+
+ANOMALY_LABELS = {
+    "nonfinite_steps": "non-finite gradient steps",
+    "nonfinite_grad": "  of which not fp16 overflows",
+    "nonfinite_loss": "non-finite loss steps",
+    "overflow_steps": "fp16 overflow steps",
+    "skipped_steps": "skipped optimizer steps",
+    "replica_mismatch": "replica mismatch steps",
+    "grad_norm_spikes": "grad-norm spikes",
+    "loss_spikes": "loss spikes",
+}
+
+
+@dataclass
+class RunAnalysis:
+    """Bounded summary of a run, produced by :func:`analyze` (see the module docstring).
+
+    Attributes:
+        path: the log analysed.
+        n_records: sampled steps read.
+        first_step, last_step: first/last optimizer step (None when the log is empty).
+        world_size: ranks of the last record.
+        last: the last record's ``loss``, ``grad_norm``, ``loss_scale`` (``None`` when absent).
+        counters: ``counters`` of the last record.
+        counts: anomaly name (keys of :data:`ANOMALY_LABELS`) -> number of sampled steps.
+        first_step_of: anomaly name -> first step it occurred.
+        max_overflow_streak: longest run of consecutive overflow steps.
+        problems: first :class:`Problem` of each kind, in order of occurrence.
+        layers: layer labels, sorted with :func:`layer_sort_key`.
+        layer_max_norm, layer_max_norm_step, layer_last_norm, layer_nonfinite_elems,
+            layer_nonfinite_steps: float64/int64 arrays aligned with ``layers`` (NaN max/last
+            when the layer never had a finite norm).
+        scalars: downsampled columns ``loss, grad_norm, loss_scale``; counts
+            ``overflow, nonfinite_grad (non-overflow), skipped``.
+        layer_norms: downsampled per-layer norms (columns aligned with ``layers``); counts = steps
+            with a non-finite element in the layer.
+        update_ratio: downsampled per-layer max update-to-weight ratio, or None if never present.
+        spikes: up to :data:`MAX_MARKERS` ``(step, metric, value)`` with metric ``grad_norm``/``loss``.
+        spikes_source: ``"record"`` (from ``extra["spikes"]``) or ``"rolling-mad"`` (computed).
+    """
+
+    path: str
+    n_records: int
+    first_step: int | None
+    last_step: int | None
+    world_size: int | None
+    last: dict[str, float | None]
+    counters: dict[str, int]
+    counts: dict[str, int]
+    first_step_of: dict[str, int]
+    max_overflow_streak: int
+    problems: list[Problem]
+    layers: list[str]
+    layer_max_norm: np.ndarray
+    layer_max_norm_step: np.ndarray
+    layer_last_norm: np.ndarray
+    layer_nonfinite_elems: np.ndarray
+    layer_nonfinite_steps: np.ndarray
+    scalars: Downsampled
+    layer_norms: Downsampled
+    update_ratio: Downsampled | None
+    spikes: list[tuple[int, str, float]]
+    spikes_source: str
+
+    @property
+    def healthy(self) -> bool:
+        """True when no :class:`Problem` was found (spikes and handled overflows are not problems)."""
+        return not self.problems
+
+    @property
+    def first_problem(self) -> Problem | None:
+        return self.problems[0] if self.problems else None
+
+    def verdict(self) -> str:
+        """One-paragraph verdict: ``HEALTHY: ...`` or ``PROBLEM at step S: ...`` (the first problem)."""
+        if self.n_records == 0:
+            return "EMPTY: the log holds no sampled steps"
+        span = f"{self.n_records} sampled steps ({self.first_step}..{self.last_step})"
+        c = self.counts
+        notes = []
+        for k in ("overflow_steps", "skipped_steps", "grad_norm_spikes", "loss_spikes"):
+            if c.get(k):
+                notes.append(f"{c[k]} {ANOMALY_LABELS[k]}")
+        if self.healthy:
+            tail = ("; noted: " + ", ".join(notes)) if notes else ""
+            return f"HEALTHY: {span}, no non-finite gradient or loss, no replica mismatch{tail}"
+        p = self.problems[0]
+        text = f"PROBLEM at step {p.step}: {p.detail}"
+        if len(self.problems) > 1:
+            others = ", ".join(f"{q.kind} at step {q.step}" for q in self.problems[1:])
+            text += f". Later: {others}"
+        return text + f". ({span})"
+
+
+class RunAnalyzer:
+    """Incremental form of :func:`analyze`: :meth:`add` every record in order, then :meth:`finish`.
+
+    Args:
+        path: label stored in the result.
+        max_points: downsampling buckets (even, >= 2).
+        overflow_streak_limit: consecutive fp16 overflow steps that make an ``overflow_streak``
+            problem (default 20).
+        spike_detector: factory of the fallback spike rule (default :class:`RollingMadSpikes`).
+    """
+
+    def __init__(self, path: str = "", max_points: int = 1024, overflow_streak_limit: int = 20,
+                 spike_detector: Callable[[], RollingMadSpikes] = RollingMadSpikes) -> None:
+        self.path = path
+        self.overflow_streak_limit = overflow_streak_limit
+        self._li = LayerIndex()
+        self._n = 0
+        self._first_step: int | None = None
+        self._last: StepRecord | None = None
+        self._counts = {k: 0 for k in ANOMALY_LABELS}
+        self._first_of: dict[str, int] = {}
+        self._problems: dict[str, Problem] = {}
+        self._streak = 0
+        self._streak_start = 0
+        self._max_streak = 0
+        self._scal = Downsampler(3, 3, max_points)
+        self._lay = Downsampler(0, 0, max_points)
+        self._upd: Downsampler | None = None
+        self._max_points = max_points
+        L = 0
+        self._lmax = np.zeros(L)
+        self._lmax_step = np.zeros(L, np.int64)
+        self._llast = np.zeros(L)
+        self._lnf = np.zeros(L)
+        self._lnf_steps = np.zeros(L, np.int64)
+        self._seen_layer = np.zeros(L, bool)
+        self._det = {"grad_norm": spike_detector(), "loss": spike_detector()}
+        self._spikes_rec: list[tuple[int, str, float]] = []
+        self._spikes_mad: list[tuple[int, str, float]] = []
+        self._n_spk_rec = {"grad_norm": 0, "loss": 0}
+        self._n_spk_mad = {"grad_norm": 0, "loss": 0}
+        self._rec_spikes = RecordSpikes()
+        self._mask_src: np.ndarray | None = None
+        self._mask = np.zeros(0, bool)
+        self._mask_all = True
+
+    def _grow(self) -> None:
+        L = len(self._li.layers)
+        if L == self._lmax.size:
+            return
+        extra = L - self._lmax.size
+        self._lmax = np.pad(self._lmax, (0, extra), constant_values=np.nan)
+        self._lmax_step = np.pad(self._lmax_step, (0, extra), constant_values=-1)
+        self._llast = np.pad(self._llast, (0, extra), constant_values=np.nan)
+        self._lnf = np.pad(self._lnf, (0, extra))
+        self._lnf_steps = np.pad(self._lnf_steps, (0, extra))
+        self._seen_layer = np.pad(self._seen_layer, (0, extra))
+        self._lay.grow(L, L)
+        if self._upd is not None:
+            self._upd.grow(L)
+
+    def _count(self, key: str, step: int) -> None:
+        self._counts[key] += 1
+        self._first_of.setdefault(key, step)
+
+    def _problem(self, p: Problem) -> None:
+        self._problems.setdefault(p.kind, p)
+
+    def add(self, r: StepRecord) -> None:
+        """Fold one record in (records must come in file order)."""
+        step = int(r.step)
+        if self._first_step is None:
+            self._first_step = step
+        self._n += 1
+        self._last = r
+        p = r.params
+        idx = self._li.map(p.names)
+        present = self._li.present(p.names)
+        self._grow()
+        L = len(self._li.layers)
+
+        nf = p.nonfinite
+        gn = float(r.grad_norm)
+        grad_nonfinite = bool(nf.any()) or not math.isfinite(gn)  # == r.nonfinite
+        overflow = r.overflow is True
+        loss = float(r.loss) if r.loss is not None else math.nan
+
+        # ---- anomalies and problems
+        if grad_nonfinite:
+            self._count("nonfinite_steps", step)
+        if overflow:
+            self._count("overflow_steps", step)
+            if self._streak == 0:
+                self._streak_start = step
+            self._streak += 1
+            self._max_streak = max(self._max_streak, self._streak)
+            if self._streak == self.overflow_streak_limit:
+                self._problem(Problem("overflow_streak", step, detail=(
+                    f"fp16 overflow on {self._streak} consecutive sampled steps "
+                    f"(steps {self._streak_start}..{step}, loss scale now {r.loss_scale!r}): "
+                    f"the loss scale is collapsing")))
+        else:
+            self._streak = 0
+        if not r.step_applied:
+            self._count("skipped_steps", step)
+        if grad_nonfinite and not overflow:
+            self._count("nonfinite_grad", step)
+            if "nonfinite_grad" not in self._problems:
+                self._problem(self._nonfinite_problem(r, idx))
+        if r.loss is not None and not math.isfinite(loss):
+            self._count("nonfinite_loss", step)
+            self._problem(Problem("nonfinite_loss", step, ranks=list(r.nonfinite_ranks),
+                                  detail=f"non-finite loss ({loss!r})"))
+        if r.replica_mismatch_ranks:
+            self._count("replica_mismatch", step)
+            ranks = sorted(int(x) for x in r.replica_mismatch_ranks)
+            self._problem(Problem("replica_mismatch", step, ranks=ranks, detail=(
+                f"replicated gradients differ across ranks; disagreeing rank(s) {ranks}")))
+
+        # ---- spikes (both sources; which one is reported is decided in finish())
+        for metric, v in (("grad_norm", gn), ("loss", loss if r.loss is not None else None)):
+            if self._det[metric].update(v):
+                self._n_spk_mad[metric] += 1
+                if len(self._spikes_mad) < MAX_MARKERS:
+                    self._spikes_mad.append((step, metric, float(v)))
+        if r.extra:
+            for metric in sorted(self._rec_spikes.update(r.extra)):
+                self._n_spk_rec[metric] += 1
+                if len(self._spikes_rec) < MAX_MARKERS:
+                    self._spikes_rec.append((step, metric, gn if metric == "grad_norm" else loss))
+
+        # ---- downsampled scalars
+        ls = float(r.loss_scale) if r.loss_scale is not None else math.nan
+        self._scal.add(step, np.array([loss, gn, ls]),
+                       np.array([1.0 if overflow else 0.0, 1.0 if grad_nonfinite and not overflow else 0.0,
+                                 0.0 if r.step_applied else 1.0]))
+
+        # ---- per-layer aggregates
+        if L:
+            with np.errstate(invalid="ignore"):
+                lnorm = np.sqrt(np.bincount(idx, weights=p.sumsq, minlength=L))
+            lnf = np.bincount(idx, weights=nf, minlength=L)
+            if self._mask_src is not present or self._mask.size != L:
+                self._mask = np.zeros(L, bool)
+                self._mask[present] = True
+                self._mask_all = bool(self._mask.all())
+                self._mask_src = present  # reference held: identity check is safe
+            mask = self._mask
+            vals = lnorm if self._mask_all else np.where(mask, lnorm, np.nan)
+            self._lay.add(step, vals, (lnf > 0).astype(np.float64))
+            fin = np.isfinite(vals)
+            better = fin & ~(vals <= self._lmax)  # NaN current max compares False -> better
+            self._lmax[better] = vals[better]
+            self._lmax_step[better] = step
+            self._llast[mask] = vals[mask]
+            self._lnf += lnf
+            self._lnf_steps += lnf > 0
+            self._seen_layer |= mask
+
+        # ---- update-to-weight ratios
+        ur = r.extra.get("update_ratio")
+        if isinstance(ur, dict) and ur:
+            names = list(ur.keys())
+            uidx = self._li.map(names)
+            self._grow()
+            L = len(self._li.layers)
+            if self._upd is None:
+                self._upd = Downsampler(L, 0, self._max_points)
+            ratios = np.asarray([_to_float(v) for v in ur.values()], dtype=np.float64)
+            lmax = np.full(L, -np.inf)
+            np.maximum.at(lmax, uidx, np.where(np.isfinite(ratios), ratios, -np.inf))
+            lmax[~np.isfinite(lmax)] = np.nan
+            self._upd.add(step, lmax)
+        elif self._upd is not None:
+            self._upd.add(step, np.full(self._upd.n_cols, np.nan))
+
+    def _nonfinite_problem(self, r: StepRecord, idx: np.ndarray) -> Problem:
+        """Parameter and ranks of a non-finite step.
+
+        Parameter: ``extra["provenance"]["first_param"]`` when present, else -- the origin rule of
+        :mod:`distgrad.flight_recorder` -- the non-finite parameter that comes *last* in the
+        record's (registration = forward) order. Ranks: ``record.nonfinite_ranks`` plus the ranks
+        that ``extra["provenance"]["params"]`` (``{"name", "nan", "inf", "ranks"}`` rows) or
+        ``extra["nonfinite_params"]`` (``{"param", "rank", ...}`` rows) give for that parameter.
+        """
+        p = r.params
+        nf = p.nonfinite
+        prov = r.extra.get("provenance") if isinstance(r.extra.get("provenance"), dict) else None
+        name: str | None = None
+        if prov and isinstance(prov.get("first_param"), str):
+            name = prov["first_param"]
+        if name is None:
+            hit = np.flatnonzero(nf > 0)
+            if hit.size:
+                name = p.names[int(hit[-1])]
+        ranks = {int(x) for x in r.nonfinite_ranks}
+        rows: list[Any] = []
+        if prov and isinstance(prov.get("params"), list):
+            rows += [e for e in prov["params"] if isinstance(e, dict) and e.get("name") == name]
+        if isinstance(r.extra.get("nonfinite_params"), list):
+            rows += [e for e in r.extra["nonfinite_params"] if isinstance(e, dict) and e.get("param") == name]
+        for e in rows:
+            if isinstance(e.get("ranks"), list):
+                ranks.update(int(x) for x in e["ranks"])
+            if isinstance(e.get("rank"), (int, float)):
+                ranks.add(int(e["rank"]))
+        ranks = sorted(ranks)
+        n_params = int(np.count_nonzero(nf > 0))
+        if name is not None:
+            layer = self._li.layers[int(idx[p.names.index(name)])] if name in p.names else layer_of(name)
+            try:
+                j = p.index(name)
+                counts = f"{int(p.nan[j])} NaN / {int(p.inf[j])} Inf elements"
+            except KeyError:
+                counts = "element counts unknown"
+            detail = (f"first non-finite gradient in parameter '{name}' (layer {layer}), {counts}, "
+                      f"rank(s) {ranks if ranks else 'unknown'}; {n_params} parameter(s) non-finite on this step")
+        else:
+            layer = None
+            detail = (f"non-finite global grad norm ({r.grad_norm!r}) with no per-parameter count; "
+                      f"rank(s) {ranks if ranks else 'unknown'}")
+        return Problem("nonfinite_grad", int(r.step), name, layer, ranks, detail)
+
+    def finish(self) -> RunAnalysis:
+        """The :class:`RunAnalysis` of everything added so far (layers sorted)."""
+        order = sorted(range(len(self._li.layers)), key=lambda j: layer_sort_key(self._li.layers[j]))
+        o = np.asarray(order, dtype=np.int64)
+        layers = [self._li.layers[j] for j in order]
+        lay = self._lay.result()
+        lay = Downsampled(lay.step_first, lay.step_last, lay.records, lay.min[:, o], lay.max[:, o],
+                          lay.last[:, o], lay.counts[:, o], lay.width)
+        upd = None
+        if self._upd is not None:
+            u = self._upd.result()
+            upd = Downsampled(u.step_first, u.step_last, u.records, u.min[:, o], u.max[:, o],
+                              u.last[:, o], u.counts, u.width)
+        counts = dict(self._counts)
+        if self._rec_spikes.seen:
+            spikes, src = self._spikes_rec, "record"
+            counts["grad_norm_spikes"] = self._n_spk_rec["grad_norm"]
+            counts["loss_spikes"] = self._n_spk_rec["loss"]
+        else:
+            spikes, src = self._spikes_mad, "rolling-mad"
+            counts["grad_norm_spikes"] = self._n_spk_mad["grad_norm"]
+            counts["loss_spikes"] = self._n_spk_mad["loss"]
+        first_of = dict(self._first_of)
+        for m in ("grad_norm", "loss"):
+            s = next((st for st, mm, _ in spikes if mm == m), None)
+            if s is not None:
+                first_of[f"{m}_spikes"] = s
+        r = self._last
+        problems = sorted(self._problems.values(), key=lambda q: (q.step, list(self._problems).index(q.kind)))
+        return RunAnalysis(
+            path=self.path,
+            n_records=self._n,
+            first_step=self._first_step,
+            last_step=int(r.step) if r is not None else None,
+            world_size=int(r.world_size) if r is not None else None,
+            last={
+                "loss": r.loss if r is not None else None,
+                "grad_norm": float(r.grad_norm) if r is not None else None,
+                "loss_scale": r.loss_scale if r is not None else None,
+            },
+            counters=dict(r.counters) if r is not None else {},
+            counts=counts,
+            first_step_of=first_of,
+            max_overflow_streak=self._max_streak,
+            problems=problems,
+            layers=layers,
+            layer_max_norm=self._lmax[o].copy(),
+            layer_max_norm_step=self._lmax_step[o].copy(),
+            layer_last_norm=self._llast[o].copy(),
+            layer_nonfinite_elems=self._lnf[o].copy(),
+            layer_nonfinite_steps=self._lnf_steps[o].copy(),
+            scalars=self._scal.result(),
+            layer_norms=lay,
+            update_ratio=upd,
+            spikes=list(spikes),
+            spikes_source=src,
+        )
+
+
+def analyze(path: str | os.PathLike[str], *, max_points: int = 1024, include_rotated: bool = True,
+            overflow_streak_limit: int = 20) -> RunAnalysis:
+    """Stream a JSONL run log once and return its bounded :class:`RunAnalysis`.
+
+    Args:
+        path: the run log written by :class:`distgrad.sinks.jsonl.JsonlSink` (``run.jsonl``).
+        max_points: downsampling buckets for plots (even, >= 2; default 1024).
+        include_rotated: also read the rotated ``path.N`` files, oldest first (default True).
+        overflow_streak_limit: see :class:`RunAnalyzer`.
+
+    Malformed lines in the middle of the log are skipped and counted (``bad_lines`` and
+    ``first_bad_line`` on the result); steps that go back (another run appended to the same file)
+    are counted in ``restarts``. :func:`format_summary` reports both.
+
+    Raises:
+        FileNotFoundError: no log at ``path``.
+        ValueError: ``max_points`` invalid.
+    """
+    from distgrad.sinks.jsonl import read_jsonl
+
+    an = RunAnalyzer(os.fspath(path), max_points=max_points, overflow_streak_limit=overflow_streak_limit)
+    bad: list[str] = []
+    restarts, prev = 0, None
+    for rec in read_jsonl(path, include_rotated=include_rotated, on_bad_line=bad.append):
+        if prev is not None and rec.step <= prev:
+            restarts += 1  # the step went back: another run appended to the same file
+        prev = rec.step
+        an.add(rec)
+    res = an.finish()
+    res.bad_lines, res.first_bad_line, res.restarts = len(bad), (bad[0] if bad else None), restarts
+    return res
