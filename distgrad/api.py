@@ -46,7 +46,7 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
         OSError: rank 0 cannot bind the Prometheus port (the message says how to fix it).
         RuntimeError: set-up failed on another rank, or ranks disagree on the model.
     """
-    from distgrad.engines.deepspeed import DeepSpeedSource, is_deepspeed_engine
+    from distgrad.engines.deepspeed import DeepSpeedSource, attach_deepspeed, is_deepspeed_engine
 
     import torch
 
@@ -77,7 +77,7 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
         inst._start_sinks()
         clip = float(engine.gradient_clipping() or 0.0)
         inst.attach_diagnostics(engine.module, clip if clip > 0 else None)
-        _attach_deepspeed(inst, engine, source)
+        attach_deepspeed(inst, engine, source)
         _mark(inst, engine)
         return inst
     inst = _instrument_torch(engine, cfg, optimizer, scaler)
@@ -131,51 +131,6 @@ def _instrument_torch(model: Any, cfg: DistgradConfig, optimizer: Any, scaler: A
         inst.close()
         raise
     return inst
-
-
-def _attach_deepspeed(inst: Instrument, engine: Any, source: Any) -> None:
-    """Wrap ``engine._take_model_step`` (the boundary) and ``engine.backward`` (loss capture)
-    on this engine instance only; :meth:`Instrument.close` restores them."""
-    take = engine._take_model_step
-    backward = engine.backward
-
-    def _take_model_step(*args: Any, **kwargs: Any) -> Any:
-        step, micro = int(engine.global_steps), int(engine.micro_steps)
-        sampled = inst.is_sampled(step)
-        host, gscale = None, 1.0
-        if sampled:
-            try:
-                gscale = source.grad_scale()
-            except Exception:  # noqa: BLE001
-                inst._internal_error("reading the loss scale")
-            host = inst.collect(step)
-        out = take(*args, **kwargs)
-        try:
-            overflow, applied = source.overflow(), bool(engine.was_step_applied())
-            loss_scale, samples = source.loss_scale(), source.samples()
-        except Exception:  # noqa: BLE001
-            inst._internal_error("reading the optimizer state")
-            overflow, applied, loss_scale, samples = None, True, None, None
-        if sampled:
-            inst.finish(step, micro, host, gscale, loss_scale, overflow, applied, samples)
-        else:
-            inst.skip(overflow, applied, samples)
-        return out
-
-    def _backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
-        inst.observe_loss(loss)
-        out = backward(loss, *args, **kwargs)
-        inst.after_micro_batch()
-        return out
-
-    engine._take_model_step = _take_model_step
-    engine.backward = _backward
-
-    def restore() -> None:
-        engine._take_model_step = take
-        engine.backward = backward
-
-    inst._restore.append(restore)
 
 
 __all__ = ["instrument", "ConfigError", "DistgradConfig", "Instrument"]

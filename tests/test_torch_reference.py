@@ -366,7 +366,7 @@ def test_unsupported_object_lists_supported_types():
 def test_flat_layout_pin_rejects_an_unknown_layout():
     """The private FlatParameter attributes read with use_orig_params=False are checked at
     instrument() time; a layout that does not add up is refused with a clear error."""
-    from distgrad.engines.torch_native import _check_flat_layout
+    from distgrad.engines.fsdp1 import _check_flat_layout
 
     info = SimpleNamespace(in_shard=True, offset_in_shard=0, numel_in_shard=4)
     good = SimpleNamespace(_fqns=("a",), _numels=(7,), _param_infos=(None,), _shard_param_infos=(info,),

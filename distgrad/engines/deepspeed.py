@@ -20,7 +20,7 @@ reduce-scatter (stage 2/3) has completed (also in unmanaged accumulation mode, w
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -210,3 +210,48 @@ class DeepSpeedSource(GradSource):
 
     def samples(self) -> int | None:
         return int(getattr(self.engine, "global_samples", 0))
+
+
+def attach_deepspeed(inst: Any, engine: Any, source: DeepSpeedSource) -> None:
+    """Wrap ``engine._take_model_step`` (the boundary) and ``engine.backward`` (loss capture)
+    on this engine instance only; :meth:`Instrument.close` restores them."""
+    take = engine._take_model_step
+    backward = engine.backward
+
+    def _take_model_step(*args: Any, **kwargs: Any) -> Any:
+        step, micro = int(engine.global_steps), int(engine.micro_steps)
+        sampled = inst.is_sampled(step)
+        host, gscale = None, 1.0
+        if sampled:
+            try:
+                gscale = source.grad_scale()
+            except Exception:  # noqa: BLE001
+                inst._internal_error("reading the loss scale")
+            host = inst.collect(step)
+        out = take(*args, **kwargs)
+        try:
+            overflow, applied = source.overflow(), bool(engine.was_step_applied())
+            loss_scale, samples = source.loss_scale(), source.samples()
+        except Exception:  # noqa: BLE001
+            inst._internal_error("reading the optimizer state")
+            overflow, applied, loss_scale, samples = None, True, None, None
+        if sampled:
+            inst.finish(step, micro, host, gscale, loss_scale, overflow, applied, samples)
+        else:
+            inst.skip(overflow, applied, samples)
+        return out
+
+    def _backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
+        inst.observe_loss(loss)
+        out = backward(loss, *args, **kwargs)
+        inst.after_micro_batch()
+        return out
+
+    engine._take_model_step = _take_model_step
+    engine.backward = _backward
+
+    def restore() -> None:
+        engine._take_model_step = take
+        engine.backward = backward
+
+    inst._restore.append(restore)

@@ -1,0 +1,193 @@
+"""FSDP1 (``FullyShardedDataParallel``) adapter, both parameter modes (facts:
+:mod:`distgrad.engines.torch_native`)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+
+from distgrad.engines.torch_base import TorchSource, _comm_device, _first_float_dtype, _unwrap_compiled, strip_wrappers
+
+
+def _check_flat_layout(fp: Any, where: str) -> None:
+    """Pin the private ``FlatParameter`` attributes the flat-mode adapter reads.
+
+    Requires ``_fqns``, ``_numels``, ``_param_infos``, ``_shard_param_infos`` of equal length
+    and, for each in-shard entry, ``offset_in_shard``/``numel_in_shard`` inside the local
+    shard, with ``sum(numel_in_shard) + _shard_numel_padded == fp.numel()`` (torch 2.4-2.13,
+    ``FlatParamHandle._init_shard_metadata``; ``use_orig_params=False`` has no alignment
+    padding between parameters).
+
+    Raises:
+        RuntimeError: the layout is not the one distgrad was written against (names the unit).
+    """
+    try:
+        n = len(fp._fqns)
+        ok = n == len(fp._numels) == len(fp._shard_param_infos) == len(fp._param_infos)
+        infos = fp._shard_param_infos
+        used = sum(int(i.numel_in_shard) for i in infos if i.in_shard)
+        local = fp.numel()
+        ok = ok and all(0 <= i.offset_in_shard and i.offset_in_shard + i.numel_in_shard <= local
+                        for i in infos if i.in_shard)
+        ok = ok and used + int(fp._shard_numel_padded) == local
+    except (AttributeError, TypeError) as e:
+        raise RuntimeError(f"FSDP FlatParameter of unit {where!r} lacks an attribute distgrad reads "
+                           f"({e}); this torch version is not supported with use_orig_params=False, "
+                           "use use_orig_params=True") from e
+    if not ok:
+        raise RuntimeError(f"FSDP FlatParameter of unit {where!r} has a shard layout distgrad does not "
+                           "understand (sum of numel_in_shard + _shard_numel_padded != local shard "
+                           "size); use use_orig_params=True")
+
+
+def _intra(info: Any, numel: int, replicated: bool) -> tuple[int, int] | None:
+    """``(start, numel)`` of a ``_ShardParamInfo``'s piece within the flattened parameter."""
+    if replicated:
+        return (0, numel)
+    if not info.in_shard:
+        return None
+    return (int(info.intra_param_start_idx), int(info.numel_in_shard))
+
+
+class FSDP1Source(TorchSource):
+    """``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1), either parameter mode.
+
+    ``use_orig_params=True``: the original parameters are real parameters whose ``.grad`` is
+    this rank's 1-D slice (or None); full sizes come from each unit's ``FlatParameter``
+    (``_params`` and ``_numels``, private). ``use_orig_params=False``: each trainable
+    ``FlatParameter``'s shard gradient is split back into the original parameters with
+    ``_fqns`` / ``_shard_param_infos`` (see :func:`_check_flat_layout`); names are the user's
+    own (``prefix + fqn`` with wrapper components removed), sorted into registration order by
+    the position of the owning module (``_param_infos[i].module``) in ``model.modules()``.
+
+    ``NO_SHARD`` units hold full, identical gradients: the source is then ``replicated``.
+
+    Raises:
+        TypeError: no FSDP unit in ``model``.
+        ValueError: hybrid sharding (``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2``: the shards are
+            replicated across groups and would be counted several times), or units mixing
+            ``NO_SHARD`` with sharded strategies.
+        RuntimeError: the private FlatParameter layout is not the expected one.
+    """
+
+    engine_name = "fsdp1"
+
+    def __init__(self, model: Any) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+
+        root = _unwrap_compiled(model)
+        units = [m for m in root.modules() if isinstance(m, FSDP)]
+        if not units:
+            raise TypeError(f"no FullyShardedDataParallel unit in {type(model).__name__}")
+        strategies = {u.sharding_strategy for u in units}
+        hybrid = {s for s in strategies if "HYBRID" in s.name}
+        if hybrid:
+            raise ValueError(f"FSDP1 {sorted(s.name for s in hybrid)} is not supported: shards are "
+                             "replicated across replica groups; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD")
+        if ShardingStrategy.NO_SHARD in strategies and len(strategies) > 1:
+            raise ValueError("FSDP1 units mix NO_SHARD with sharded strategies "
+                             f"({sorted(s.name for s in strategies)}); use one strategy for all units")
+        self.replicated = strategies == {ShardingStrategy.NO_SHARD}
+        self.group = units[0].process_group
+        mp = units[0].mixed_precision
+        flat = [(n, p) for n, p in root.named_parameters() if getattr(p, "_is_flat_param", False)]
+        self.use_orig_params = not flat
+        self._params: list[torch.Tensor] = []
+        self._slices: list[tuple[torch.Tensor, int, int] | None] = []
+        self.names, self.numels = [], []
+        if self.use_orig_params:
+            self._init_orig(root, units)
+        else:
+            self._init_flat(root)
+        ref = self._params or [p for _, p in flat]
+        self.grad_dtype = _first_float_dtype(ref)
+        if mp is not None and mp.keep_low_precision_grads and mp.param_dtype is not None:
+            self.grad_dtype = mp.param_dtype
+        self.compute_dtype = (mp.param_dtype if mp is not None and mp.param_dtype is not None
+                              else _first_float_dtype(ref))
+        self._device = _comm_device(self.group, units[0].compute_device)
+
+    def _init_orig(self, root: nn.Module, units: list) -> None:
+        full: dict[int, int] = {}
+        self._offsets: list[tuple[int, int] | None] = []
+        where: dict[int, tuple[int, int] | None] = {}
+        for u in units:
+            fp = u._flat_param
+            if fp is None:
+                continue
+            if fp._params is None or not len(fp._params) == len(fp._numels) == len(fp._shard_param_infos):
+                raise RuntimeError("FSDP FlatParameter._params / _numels / _shard_param_infos are not "
+                                   "aligned; this torch version is not supported with use_orig_params=True")
+            for p, n, info in zip(fp._params, fp._numels, fp._shard_param_infos):
+                full[id(p)] = int(n)
+                where[id(p)] = _intra(info, int(n), self.replicated)
+        skipped = []
+        for name, p in root.named_parameters():
+            if not p.requires_grad:
+                continue
+            if id(p) not in full:
+                skipped.append(strip_wrappers(name))
+                continue
+            self._params.append(p)
+            self.names.append(strip_wrappers(name))
+            self.numels.append(full[id(p)])
+            self._offsets.append(where[id(p)])
+        self._exclude_unmanaged(skipped, "not reduced by FSDP (ignored_modules?)")
+
+    def _init_flat(self, root: nn.Module) -> None:
+        order = {id(m): i for i, m in enumerate(root.modules())}
+        rows, skipped = [], []
+        for pname, fp in root.named_parameters():
+            if not fp.requires_grad:
+                continue
+            if not getattr(fp, "_is_flat_param", False):
+                skipped.append(strip_wrappers(pname))
+                continue
+            prefix = pname[: -len("_flat_param")] if pname.endswith("_flat_param") else ""
+            _check_flat_layout(fp, prefix.rstrip("."))
+            for i, (fqn, numel, info, pinfo) in enumerate(
+                    zip(fp._fqns, fp._numels, fp._shard_param_infos, fp._param_infos)):
+                where = (fp, int(info.offset_in_shard), int(info.numel_in_shard)) if info.in_shard else None
+                key = (order.get(id(pinfo.module), len(order)), i)
+                rows.append((key, strip_wrappers(prefix + fqn), int(numel), where,
+                             _intra(info, int(numel), self.replicated)))
+        self._exclude_unmanaged(skipped, "not reduced by FSDP (ignored_modules?)")
+        rows.sort(key=lambda r: r[0])
+        self.names = [r[1] for r in rows]
+        self.numels = [r[2] for r in rows]
+        self._slices = [r[3] for r in rows]
+        self._offsets = [r[4] for r in rows]
+
+    def local_offsets(self) -> list[tuple[int, int] | None]:
+        """From ``_shard_param_infos[i].intra_param_start_idx`` / ``numel_in_shard`` (private)."""
+        return list(self._offsets)
+
+    def local_param_pieces(self) -> Sequence[torch.Tensor | None]:
+        """This rank's shard of the (full-precision) parameters, laid out like the gradient
+        pieces: the original parameter's sharded 1-D view (use_orig_params=True) or the same
+        slice of the FlatParameter's local shard. Read outside forward/backward, when FSDP has
+        resharded (both FULL_SHARD and SHARD_GRAD_OP reshard after backward)."""
+        if self.use_orig_params:
+            return [p.detach().reshape(-1) if off is not None else None
+                    for p, off in zip(self._params, self._offsets)]
+        return [None if w is None else w[0].detach().reshape(-1).narrow(0, w[1], w[2]) for w in self._slices]
+
+    def local_pieces(self) -> Sequence[torch.Tensor | None]:
+        """P 1-D views of this rank's shard of each parameter's reduced gradient (full
+        gradients under NO_SHARD), None where the rank holds none of it. dtype: the sharded
+        parameter's (fp32 under MixedPrecision unless ``keep_low_precision_grads``)."""
+        if self.use_orig_params:
+            pieces = [p.grad.reshape(-1) if p.grad is not None else None for p in self._params]
+        else:
+            pieces = []
+            for where in self._slices:
+                if where is None:
+                    pieces.append(None)
+                    continue
+                fp, offset, numel = where
+                g = fp.grad
+                pieces.append(None if g is None else g.reshape(-1).narrow(0, offset, numel))
+        self._note_dtype(pieces)
+        return pieces

@@ -1,0 +1,197 @@
+"""The optimizer-step boundary of the PyTorch-native engines: the optimizer's step hooks and, with
+a ``GradScaler``, ``scaler.step`` (facts: :mod:`distgrad.engines.torch_native`)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from distgrad.engines.torch_base import TorchSource, _unwrap_compiled
+
+log = logging.getLogger("distgrad")
+
+
+class OptimizerBoundary:
+    """The optimizer-step boundary for PyTorch-native engines.
+
+    Installs on ``optimizer``: a step pre-hook that reads the reduced gradients of sampled
+    steps (``Instrument.collect``: local statistics + 2 collectives + 1 host copy) and a step
+    post-hook that publishes (``Instrument.finish``) or accounts (``Instrument.skip``) the step;
+    on ``model``: a forward hook counting micro-batches (forward passes with grad enabled) and
+    capturing the loss when the forward returns one (a 0-d floating tensor, or an object /
+    dict with a 0-d ``loss``, as Hugging Face models return). The first explicit
+    ``inst.observe_loss(...)`` call switches the automatic capture off. With a
+    ``GradScaler``, ``scaler.step`` is wrapped on the instance (see the module docstring):
+
+    - non-fused optimizers: gradients are unscaled when the pre-hook runs (``scaler.step``
+      calls ``unscale_`` first, or the user did); an overflow step never reaches
+      ``optimizer.step``, so its statistics are read after ``scaler.step`` returns (Inf/NaN
+      gradients, already unscaled) and the step is recorded with ``overflow=True``,
+      ``step_applied=False``.
+    - ``_step_supports_amp_scaling`` optimizers (``fused=True``): the pre-hook sees gradients
+      still multiplied by ``optimizer.grad_scale`` (None when the user already unscaled); the
+      statistics are divided by it (exact for power-of-two scales), and ``optimizer.found_inf``
+      gives the overflow.
+
+    ``step`` counts optimizer steps since ``instrument()``, skipped ones included: every
+    ``optimizer.step()`` outside ``scaler.step`` plus every ``scaler.step(optimizer)``. It is
+    the same on all ranks because every rank calls them, and it decides sampling, so all ranks
+    make the same collectives. ``loss_scale`` is ``scaler.get_scale()`` just before
+    ``scaler.step``: the scale this step's backward used (read on sampled steps only).
+
+    Not seen: steps a GradScaler skips when ``scaler=`` was not passed (``optimizer.step`` is
+    never called, so neither hook fires and the step is not counted).
+    """
+
+    def __init__(self, inst: Any, source: TorchSource, optimizer: torch.optim.Optimizer,
+                 model: nn.Module, scaler: Any = None) -> None:
+        self.inst, self.source, self.optimizer, self.scaler = inst, source, optimizer, scaler
+        self.step = 0
+        self.micro = 0
+        self._pending: tuple | None = None  # (step, sampled, host, grad_scale, fused_overflow)
+        self._in_scaler = False
+        self._fired = False
+        self._auto_loss = True
+        self._handles = [optimizer.register_step_pre_hook(self._pre),
+                         optimizer.register_step_post_hook(self._post),
+                         model.register_forward_hook(self._forward)]
+        observe = inst.observe_loss
+
+        def observe_loss(loss: Any) -> None:  # explicit losses replace the automatic capture
+            if self._auto_loss:
+                self._auto_loss = False
+                inst._loss_sum, inst._loss_count = None, 0
+            observe(loss)
+
+        observe_loss.__doc__ = observe.__doc__
+        self._observe = observe
+        inst.observe_loss = observe_loss
+        self._scaler_step: Callable | None = None
+        self._scaler_own_step = scaler is not None and "step" in vars(scaler)
+        if scaler is not None:
+            self._scaler_step = scaler.step
+            scaler.step = self._wrapped_scaler_step  # on this instance only
+        inst._restore.append(self.remove)
+
+    def remove(self) -> None:
+        """Remove the hooks and restore ``scaler.step`` (called by ``Instrument.close``)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self._scaler_step is not None:
+            if self._scaler_own_step:
+                self.scaler.step = self._scaler_step
+            else:
+                vars(self.scaler).pop("step", None)
+            self._scaler_step = None
+        self.inst.__dict__.pop("observe_loss", None)
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self.micro += 1
+        if self._auto_loss:
+            loss = output
+            if isinstance(output, dict):
+                loss = output.get("loss")
+            elif not isinstance(output, torch.Tensor):
+                loss = getattr(output, "loss", None)
+            if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point():
+                self._observe(loss)
+        self.inst.after_micro_batch()  # writes the forward tracer's report once it has run
+
+    def _begin(self) -> None:
+        """Read the gradients of a sampled step (all ranks reach this at the same step)."""
+        self.inst.after_micro_batch()  # the tracer report of the last micro-batch, if it ran
+        if self._pending is not None:  # the previous optimizer.step raised after its pre-hook
+            log.warning("distgrad: optimizer.step() at step %d did not complete; recorded as not applied",
+                        self._pending[0])
+            self._end(None, False, None)
+        step = self.step
+        sampled = self.inst.is_sampled(step)
+        gscale, fused_overflow = 1.0, None
+        if self._in_scaler:
+            try:
+                found = getattr(self.optimizer, "found_inf", None)
+                if found is not None:  # fused path: grads still scaled by optimizer.grad_scale
+                    fused_overflow = bool(float(found) > 0)
+                    gs = getattr(self.optimizer, "grad_scale", None)
+                    gscale = float(gs) if gs is not None else 1.0
+            except Exception:  # noqa: BLE001
+                self.inst._internal_error("reading the GradScaler state")
+        host = self.inst.collect(step) if sampled else None
+        self._pending = (step, sampled, host, gscale, fused_overflow)
+
+    def _end(self, overflow: bool | None, applied: bool, loss_scale: float | None) -> None:
+        step, sampled, host, gscale, _ = self._pending
+        self._pending = None
+        self.step += 1
+        if sampled:
+            self.inst.finish(step, self.micro, host, gscale, loss_scale, overflow, applied, None)
+        else:
+            self.inst.skip(overflow, applied, None)
+
+    def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._fired = True
+        self._begin()
+
+    def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._in_scaler and self._pending is not None:
+            self._end(None, True, None)
+
+    def _wrapped_scaler_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        step_fn = self._scaler_step
+        if optimizer is not self.optimizer or not self.scaler.is_enabled() or self._in_scaler:
+            return step_fn(optimizer, *args, **kwargs)
+        loss_scale = None
+        if self.inst.is_sampled(self.step):  # get_scale() syncs with the device: sampled steps only
+            try:
+                loss_scale = float(self.scaler.get_scale())
+            except Exception:  # noqa: BLE001
+                self.inst._internal_error("reading the loss scale")
+        self._in_scaler, self._fired = True, False
+        try:
+            out = step_fn(optimizer, *args, **kwargs)
+        finally:
+            self._in_scaler = False
+        if self._fired:
+            fused_overflow = self._pending[4] if self._pending is not None else None
+            overflow = bool(fused_overflow)
+        else:  # GradScaler found Inf/NaN and skipped optimizer.step(): read the unscaled grads now
+            overflow = True
+            self._begin()
+        self._end(overflow, not overflow, loss_scale)
+        return out
+
+
+def check_boundary_args(model: Any, optimizer: Any, scaler: Any) -> None:
+    """Validate ``optimizer=`` / ``scaler=`` before anything is installed.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` or ``scaler`` has no
+            ``step``/``get_scale``/``is_enabled`` (not a ``torch.amp.GradScaler``).
+        ValueError: the optimizer holds none of the model's trainable parameters (typically:
+            created before wrapping with FSDP ``use_orig_params=False`` or ``fully_shard``).
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer= must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if scaler is not None and not all(hasattr(scaler, a) for a in ("step", "get_scale", "is_enabled")):
+        raise TypeError(f"scaler= must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    mine = [p for p in _unwrap_compiled(model).parameters() if p.requires_grad]
+    if mine and not any(id(p) in held for p in mine):
+        raise ValueError("the optimizer holds none of the model's trainable parameters: create the "
+                         "optimizer from the wrapped model's parameters (after DDP / FSDP wrapping) and "
+                         "pass that optimizer")
+
+
+def attach_torch(inst: Any, source: TorchSource, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scaler: Any = None) -> OptimizerBoundary:
+    """Install the :class:`OptimizerBoundary` (``Instrument.close`` removes it). Arguments are
+    checked by :func:`check_boundary_args` first."""
+    source.scaler = scaler
+    return OptimizerBoundary(inst, source, optimizer, model, scaler)

@@ -1,0 +1,147 @@
+"""Common part of the PyTorch-native adapters: recognising the wrappers, the compiled-module
+unwrapping, the communication device and :class:`TorchSource` (see
+:mod:`distgrad.engines.torch_native` for the facts relied on)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distgrad.engines.base import _WRAPPER_COMPONENTS, GradSource
+
+log = logging.getLogger("distgrad")
+
+
+SUPPORTED = ("torch.nn.parallel.DistributedDataParallel, "
+             "torch.distributed.fsdp.FullyShardedDataParallel (FSDP1, use_orig_params True or False, "
+             "FULL_SHARD / SHARD_GRAD_OP / NO_SHARD), a module sharded with "
+             "torch.distributed.fsdp.fully_shard (FSDP2, 1-D mesh), a plain torch.nn.Module on one "
+             "process (optionally torch.compile'd)")
+
+
+def strip_wrappers(name: str) -> str:
+    """Remove wrapper components (``_fsdp_wrapped_module.``, ``_orig_mod.``,
+    ``_checkpoint_wrapped_module.``) from a name relative to the user's module.
+
+    Unlike :func:`distgrad.engines.base.clean_name` it leaves a leading ``module.`` alone:
+    the adapters here start from the user's own module, where ``module`` is a real name."""
+    prev = None
+    while prev != name:
+        prev = name
+        name = _WRAPPER_COMPONENTS.sub(r"\1", name)
+    return name
+
+
+def _unwrap_compiled(model: Any) -> Any:
+    """The module inside ``torch.compile(model)`` (``OptimizedModule._orig_mod``), else model."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule":
+        return inner
+    return model
+
+
+def _fsdp2_module_type() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
+        except ImportError:
+            return None
+    return FSDPModule
+
+
+def is_ddp(model: Any) -> bool:
+    return isinstance(_unwrap_compiled(model), nn.parallel.DistributedDataParallel)
+
+
+def is_fsdp1(model: Any) -> bool:
+    """True when ``model`` is, or contains, a ``FullyShardedDataParallel`` unit."""
+    m = _unwrap_compiled(model)
+    if not isinstance(m, nn.Module):
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return any(isinstance(x, FSDP) for x in m.modules())
+
+
+def is_fsdp2(model: Any) -> bool:
+    """True when ``model`` or one of its submodules was passed to ``fully_shard``."""
+    m = _unwrap_compiled(model)
+    t = _fsdp2_module_type()
+    return t is not None and isinstance(m, nn.Module) and any(isinstance(x, t) for x in m.modules())
+
+
+def is_torch_module(model: Any) -> bool:
+    return isinstance(model, nn.Module)
+
+
+def _first_float_dtype(params: Sequence[torch.Tensor]) -> torch.dtype:
+    for p in params:
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def _comm_device(group: Any, fallback: torch.device) -> torch.device:
+    """Device on which to pack statistics: CUDA under NCCL (NCCL needs device tensors even when
+    the gradients were offloaded to the CPU), else where the gradients are."""
+    try:
+        if dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
+            return torch.device("cuda", torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 - a group without a backend string: keep the fallback
+        pass
+    return fallback
+
+
+class TorchSource(GradSource):
+    """Common part of the PyTorch-native adapters.
+
+    Attributes (besides :class:`GradSource`'s):
+        group: the process group the gradients are reduced over (None on one process); the
+            :class:`~distgrad.instrument.Instrument` combines statistics over this group.
+        scaler: the ``torch.amp.GradScaler`` given to ``instrument()``, or None.
+    """
+
+    group: Any = None
+    scaler: Any = None
+    _device: torch.device = torch.device("cpu")
+
+    def device(self) -> torch.device:
+        return self._device
+
+    def _note_dtype(self, pieces: Sequence[torch.Tensor | None]) -> None:
+        """The gradient dtype is read from the gradients themselves (FSDP casts reduced
+        gradients back to the parameter dtype unless ``keep_low_precision_grads``)."""
+        for p in pieces:
+            if p is not None:
+                self.grad_dtype = p.dtype
+                return
+
+    # GradScaler state (torch.amp.GradScaler / ShardedGradScaler)
+    def has_loss_scaler(self) -> bool:
+        return self.scaler is not None and bool(self.scaler.is_enabled())
+
+    def loss_scale(self) -> float | None:
+        """``scaler.get_scale()`` (a host sync); None without an enabled scaler."""
+        return float(self.scaler.get_scale()) if self.has_loss_scaler() else None
+
+    def user_module(self, model: Any) -> nn.Module:
+        """The module whose forward the user's code defines (for the forward overflow tracer):
+        the model inside ``torch.compile`` and, for DDP, inside the wrapper."""
+        return _unwrap_compiled(model)
+
+    def local_offsets(self) -> list[tuple[int, int] | None]:
+        """Per parameter, ``(start, numel)`` of :meth:`local_pieces` within the flattened full
+        parameter (None if this rank holds none); replicated sources: the whole parameter."""
+        return [(0, n) for n in self.numels]
+
+    def _exclude_unmanaged(self, unmanaged: list[str], why: str) -> None:
+        if unmanaged:
+            log.warning("distgrad: %d trainable parameter(s) are not managed by %s and are not "
+                        "reported (their gradients are %s): %s", len(unmanaged), self.engine_name,
+                        why, unmanaged[:10])
