@@ -35,19 +35,23 @@ for a selection of parameters (:func:`select_series`). The series of one scrape
 
     series = PARAM_SERIES * k  +  LAYER_SERIES * L  +  KIND_SERIES * K  +  GLOBAL_SERIES
 
-* ``k``: parameters selected for per-parameter series;
-  ``PARAM_SERIES = 10`` per selected parameter: ``distgrad_param_grad_{norm, mean, std, min, max,
-  abs_max, zero_ratio, headroom_ratio}`` (8) plus ``distgrad_param_grad_nonfinite{kind=nan|inf}``
-  (2); ``+1`` (``distgrad_param_update_ratio``) when the update-ratio option is on;
+Every term is counted from the metric catalogue (:mod:`distgrad.metrics`, one declaration per
+metric; ``Metric.series()`` is the series of one metric per value of its scope label):
+
+* ``k``: parameters selected for per-parameter series; ``PARAM_SERIES = 10`` per selected
+  parameter: the catalogue's ``param``-scoped metrics, i.e. ``distgrad_param_grad_{norm, mean,
+  std, min, max, abs_max, zero_ratio, headroom_ratio}`` (8) plus
+  ``distgrad_param_grad_nonfinite{kind=nan|inf}`` (2); ``+UPDATE_RATIO_SERIES`` (1,
+  ``distgrad_param_update_ratio``) when the update-ratio option is on;
 * ``L``: layer groups (layer-granularity keys, LoRA groups included);
   ``LAYER_SERIES = 4``: ``distgrad_layer_grad_{norm, nonfinite, zero_ratio, headroom_ratio}``;
 * ``K``: module-kind groups (kind-granularity keys); ``KIND_SERIES = 1``
   (``distgrad_module_kind_grad_norm``);
-* ``GLOBAL_SERIES = 64``: every unlabelled metric of docs/metrics.md (20), the two-valued
-  ``detector`` families (4 x 2 = 8), ``distgrad_nonfinite_params`` (bounded to 20), plus 16
-  reserved for ``distgrad_sink_errors_total{sink}`` values and future globals. (Exporter-side
-  extras such as prometheus_client's ``*_created`` samples or process collectors are not
-  counted; the exporter should disable them or lower the budget.)
+* ``GLOBAL_SERIES = 64``: the catalogue's metrics of a fixed or capped series count (54 today:
+  unlabelled ones, the two-valued ``detector`` families, ``distgrad_sink_errors_total{sink}``
+  for its 3 sinks, ``distgrad_nonfinite_params`` capped at 20) plus :data:`GLOBAL_RESERVE`
+  (10) for exporter-side extras and metrics still to come. (prometheus_client's ``*_created``
+  samples and process collectors are not served by distgrad's exporter.)
 
 The default budget is :data:`DEFAULT_SERIES_BUDGET` ``= 2000`` and the default ``top_k`` is
 :data:`DEFAULT_TOP_K` ``= 100``. Example, LLaMA-70B (723 tensors, 80 blocks): L = 83 (80 blocks +
@@ -63,6 +67,7 @@ from typing import Sequence
 
 import numpy as np
 
+from distgrad import metrics as _metrics
 from distgrad import naming
 from distgrad.record import STAT_FIELDS, ParamStats
 
@@ -74,6 +79,8 @@ __all__ = [
     "LAYER_SERIES",
     "KIND_SERIES",
     "GLOBAL_SERIES",
+    "GLOBAL_RESERVE",
+    "UPDATE_RATIO_SERIES",
     "aggregate",
     "group_keys",
     "series_count",
@@ -87,14 +94,18 @@ GRANULARITIES = ("param", "module", "layer", "module_kind")
 DEFAULT_SERIES_BUDGET = 2000
 #: Default number of largest-norm parameters that get per-parameter series.
 DEFAULT_TOP_K = 100
-#: Series per selected parameter (see module docstring); +1 with the update-ratio option.
-PARAM_SERIES = 10
+#: Series per selected parameter (see module docstring), from the catalogue.
+PARAM_SERIES = _metrics.series_per("param", exclude=["update_ratio"])
+#: Extra series per selected parameter with the update-ratio option.
+UPDATE_RATIO_SERIES = _metrics.series_per("param", when=["update_ratio"])
 #: Series per layer group.
-LAYER_SERIES = 4
+LAYER_SERIES = _metrics.series_per("layer")
 #: Series per module-kind group.
-KIND_SERIES = 1
-#: Series not proportional to parameters, layers or kinds (including 16 reserved).
-GLOBAL_SERIES = 64
+KIND_SERIES = _metrics.series_per("module_kind")
+#: Series kept free in the global part for exporter extras and future metrics.
+GLOBAL_RESERVE = 10
+#: Series not proportional to parameters, layers or kinds (including GLOBAL_RESERVE).
+GLOBAL_SERIES = _metrics.series_per(None) + GLOBAL_RESERVE
 
 _SUMMED = ("numel", "sum", "sumsq", "nan", "inf", "zeros")
 
@@ -215,7 +226,7 @@ def series_count(
         raise ValueError("series_count: arguments must be >= 0")
     if k > n_params:
         raise ValueError(f"series_count: {k} selected of {n_params} parameters")
-    per_param = PARAM_SERIES + (1 if update_ratio else 0)
+    per_param = PARAM_SERIES + (UPDATE_RATIO_SERIES if update_ratio else 0)
     return int(per_param * k + LAYER_SERIES * n_layers + KIND_SERIES * n_kinds + global_series)
 
 
@@ -229,7 +240,7 @@ def series_capacity(
 ) -> int:
     """Largest k with ``series_count(., n_layers, n_kinds, k) <= budget``; negative if even k = 0
     exceeds the budget."""
-    per_param = PARAM_SERIES + (1 if update_ratio else 0)
+    per_param = PARAM_SERIES + (UPDATE_RATIO_SERIES if update_ratio else 0)
     fixed = LAYER_SERIES * n_layers + KIND_SERIES * n_kinds + global_series
     return (budget - fixed) // per_param
 

@@ -1,62 +1,155 @@
-"""docs/metrics.md and the exposition agree: every documented metric name appears in a scrape of
-a record that exercises every feature (fp16 loss scale, clipping, update ratio, a non-finite
-streak, a failing sink), and every name in that scrape is documented."""
+"""The metric catalogue (distgrad/metrics.py) and the exposition agree: with the features that
+enable a metric it is served, without them it is not, every served metric is declared with the
+type and labels it is served with; docs/metrics.md is the catalogue's rendering; the series
+budget's constants equal the series a scrape actually holds per parameter / layer / kind."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from distgrad import grouping, metrics
 from distgrad.config import DistgradConfig
+from distgrad.detectors import DETECTOR_LABELS
 from distgrad.diagnostics import Diagnostics
 from distgrad.record import ParamStats, StepRecord
 from distgrad.sinks.prometheus import PrometheusSink
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+NAMES = ["blocks.0.attn.qkv.weight", "blocks.1.mlp.fc.weight"]
+ALL = set(metrics.CONDITIONS)
 
 
-def _documented() -> set[str]:
-    names = set()
-    for line in DOC.read_text().splitlines():
-        if line.startswith("| `distgrad_"):
-            first = line.split("|")[1]
-            names |= set(re.findall(r"`(distgrad_[a-z0-9_]+)`", first))
-            # "`distgrad_param_grad_min` / `_max`": suffix shorthand
-            for short in re.findall(r"/ `(_[a-z0-9_]+)`", first):
-                base = re.findall(r"`(distgrad_[a-z0-9_]+?)_[a-z]+`", first)[0]
-                names.add(base + short)
-    return names
-
-
-def _scraped() -> set[str]:
-    names = ["blocks.0.attn.qkv.weight", "blocks.1.mlp.fc.weight"]
-    cfg = DistgradConfig(max_grad_norm=1.0)
-    diag = Diagnostics(cfg, names)
-    sink = PrometheusSink("127.0.0.1", 0, {"engine": "deepspeed"}, 2, serve=False)
-    sink.collector.inc_labeled("distgrad_sink_errors", {"sink": "jsonl"}, 0)
-    sink.collector.step_time = 1.0
-    p = ParamStats(names, numel=[4, 4], sum=[0.0, np.nan], sumsq=[4.0, np.nan], nan=[0, 1], inf=[0, 0],
-                   zeros=[0, 0], min=[-1.0, np.nan], max=[1.0, np.nan])
-    rec = StepRecord(3, 3, 1.0, 2, p, float("nan"), loss=2.0, loss_scale=1024.0, overflow=False,
-                     counters={"samples": 12},
-                     extra={"headroom": [1e-5, np.nan], "update_ratio": {names[0]: 1e-3},
-                            "replica_mismatch_rank": -1, "consecutive_overflow_steps": 0,
-                            "loss_scale_at_minimum": 0,
-                            "nonfinite_params": [{"param": names[1], "rank": 1, "nan": 1, "inf": 0, "count": 1}]})
+def _sink(features: set[str]) -> PrometheusSink:
+    """A sink (no HTTP) fed as the instrument would feed it in a run with ``features``
+    (keys of metrics.CONDITIONS)."""
+    f = features
+    sink = PrometheusSink("127.0.0.1", 0, {"engine": "deepspeed", "version": "0"}, 2, serve=False,
+                          has_loss_scaler="loss_scaler" in f, has_samples="samples" in f)
+    for s in ("prometheus", "jsonl"):
+        sink.collector.inc_labeled("distgrad_sink_errors", {"sink": s}, 0)
+    if "step" in f:
+        sink.collector.step_time = 1.0
+    if "sample" not in f:
+        return sink
+    cfg = DistgradConfig(max_grad_norm=1.0 if "clip" in f else None, per_param="per_param" in f,
+                         update_ratio="update_ratio" in f)
+    diag = Diagnostics(cfg, NAMES)
+    bad = "nonfinite" in f
+    p = ParamStats(NAMES, numel=[4, 4], sum=[0.0, np.nan if bad else 1.0], sumsq=[4.0, np.nan if bad else 2.0],
+                   nan=[0, int(bad)], inf=[0, 0], zeros=[0, 1], min=[-1.0, np.nan if bad else 0.0],
+                   max=[1.0, np.nan if bad else 1.0])
+    extra = {"headroom": [1e-5, np.nan]}
+    if "update_ratio" in f:
+        extra["update_ratio"] = {NAMES[0]: 1e-3}
+    if "replicated" in f:
+        extra["replica_mismatch_rank"] = -1
+    if "loss_scaler" in f:
+        extra.update(consecutive_overflow_steps=0, loss_scale_at_minimum=0)
+    if bad:
+        extra["nonfinite_params"] = [{"param": NAMES[1], "rank": 1, "nan": 1, "inf": 0, "count": 1}]
+    rec = StepRecord(3, 3, 1.0, 2, p, float(np.sqrt(p.sumsq.sum())), loss=2.0 if "loss" in f else None,
+                     loss_scale=1024.0 if "loss_scaler" in f else None,
+                     overflow=False if "loss_scaler" in f else None,
+                     counters={"samples": 12} if "samples" in f else {}, extra=extra)
     diag.on_record(rec)
     sink.write(rec)
-    out = set()
+    return sink
+
+
+def _families(sink: PrometheusSink) -> dict[str, list]:
+    """Served sample name -> [(family type, labels of each sample)] (families without samples
+    are not served)."""
+    out: dict[str, list] = {}
     for fam in text_string_to_metric_families(generate_latest(sink.registry).decode()):
-        out |= {s.name for s in fam.samples}
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((fam.type, s.labels))
     return out
 
 
-def test_documented_names_are_exported_and_exported_names_documented():
-    doc, got = _documented(), _scraped()
-    assert len(doc) > 40
-    assert sorted(doc - got) == []  # documented but never exported
-    assert sorted(got - doc) == []  # exported but not documented
+def test_docs_metrics_md_is_generated_from_the_catalogue():
+    assert DOC.read_text() == metrics.markdown(), \
+        "docs/metrics.md is stale: python -m distgrad.metrics --markdown > docs/metrics.md"
+
+
+@pytest.mark.parametrize("features", [
+    ALL,
+    {"always"},
+    {"always", "step"},
+    {"always", "step", "sample"},
+    {"always", "step", "sample", "loss", "per_param"},
+    *[ALL - {c} for c in sorted(ALL - {"always", "step", "sample"})],
+], ids=lambda f: "all" if f == ALL else "-".join(sorted(ALL - f)) if len(f) > len(ALL) / 2 else "+".join(sorted(f)))
+def test_served_exactly_what_the_catalogue_declares_for_the_features(features):
+    if "per_param" not in features:  # update ratios are per-parameter series
+        features = features - {"update_ratio"}
+    served = _families(_sink(features))
+    assert sorted(served) == sorted(metrics.names(when=features))
+    for name, samples in served.items():
+        m = metrics.by_name(name)
+        for typ, labels in samples:
+            assert typ == m.type, name
+            if name != "distgrad_info":  # run-constant labels: those of the static dict
+                assert set(labels) == set(m.labels), (name, labels)
+            for lab, v in labels.items():
+                if lab in metrics.LABELS and metrics.LABELS[lab].values is not None:
+                    assert v in metrics.LABELS[lab].values, (name, lab, v)
+        if m.max_series is not None:
+            assert len(samples) <= m.max_series
+
+
+def test_declared_detector_values_are_the_detectors():
+    assert metrics.LABELS["detector"].values == DETECTOR_LABELS
+
+
+def _per_scope(served: dict[str, list]) -> dict[str, dict[str, int]]:
+    per: dict[str, dict[str, int]] = {scope: {} for scope in metrics.SCOPES}
+    for name, samples in served.items():
+        m = metrics.by_name(name)
+        if m.scope is not None:
+            for _, labels in samples:
+                per[m.scope][labels[m.scope]] = per[m.scope].get(labels[m.scope], 0) + 1
+    return per
+
+
+def test_series_budget_constants_count_what_a_scrape_holds():
+    """PARAM_SERIES / LAYER_SERIES / KIND_SERIES = series served per parameter, layer, kind."""
+    served = _families(_sink(ALL - {"update_ratio"}))
+    per = _per_scope(served)
+    assert per["param"] == {n: grouping.PARAM_SERIES for n in NAMES}
+    assert set(per["layer"].values()) == {grouping.LAYER_SERIES} and len(per["layer"]) == 2
+    assert set(per["module_kind"].values()) == {grouping.KIND_SERIES} and len(per["module_kind"]) == 2
+    ratio = _per_scope(_families(_sink(ALL)))["param"]  # the ratio of NAMES[0] only is known
+    assert ratio == {NAMES[0]: grouping.PARAM_SERIES + grouping.UPDATE_RATIO_SERIES, NAMES[1]: grouping.PARAM_SERIES}
+    # the fixed part: scope-less metrics at their cap, plus the reserve
+    fixed = metrics.series_per(None)
+    assert grouping.GLOBAL_SERIES == fixed + grouping.GLOBAL_RESERVE
+    assert 0 < sum(len(v) for k, v in served.items() if metrics.by_name(k).scope is None) <= fixed
+
+
+def test_describe_names_every_servable_family_and_name_filter_answers():
+    sink = _sink(ALL)
+    described = {m.name for m in sink.collector.describe()}
+    assert described == {metrics.by_name(n).family for n in metrics.names()}
+    no_fp16 = _sink(ALL - {"loss_scaler", "samples"})
+    assert {m.name for m in no_fp16.collector.describe()} == {
+        metrics.by_name(n).family for n in metrics.names(when=ALL - {"loss_scaler", "samples"})}
+    # prometheus_client's own name[] path routes by describe(): a filtered page holds the data
+    text = generate_latest(sink.registry.restricted_registry(["distgrad_grad_norm"])).decode()
+    assert "distgrad_grad_norm " in text and "distgrad_loss " not in text
+
+
+def test_catalogue_rejects_bad_declarations():
+    with pytest.raises(ValueError, match="_total"):
+        metrics.Metric("distgrad_x", "counter", (), "1", "x")
+    with pytest.raises(ValueError, match="undeclared label"):
+        metrics.Metric("distgrad_x", "gauge", ("nope",), "1", "x")
+    with pytest.raises(ValueError, match="when="):
+        metrics.Metric("distgrad_x", "gauge", (), "1", "x", when="sometimes")
+    with pytest.raises(KeyError, match="distgrad_nope"):
+        metrics.by_name("distgrad_nope")
+    assert metrics.by_name("distgrad_sink_errors") is metrics.by_name("distgrad_sink_errors_total")

@@ -1,0 +1,330 @@
+"""The metric catalogue: every Prometheus metric distgrad serves, declared once.
+
+Each :class:`Metric` names a metric as users query it (counters end in ``_total``), its type,
+labels, unit, help text and the condition under which it exists (:data:`CONDITIONS`: e.g. only
+with an fp16 loss scaler, only with ``update_ratio: true``). Everything else derives from it:
+
+* the Prometheus collector (:mod:`distgrad.sinks.prometheus`) builds every family with
+  :func:`family` (help, type and label names from here) and answers ``describe()`` from here;
+* ``docs/metrics.md`` is generated: ``python -m distgrad.metrics --markdown > docs/metrics.md``
+  (a test checks that the committed file is up to date);
+* the series budget (:mod:`distgrad.grouping`: ``PARAM_SERIES``, ``LAYER_SERIES``,
+  ``KIND_SERIES``, ``GLOBAL_SERIES``) is counted with :func:`series_per`;
+* the Grafana generator imports :data:`CATALOGUE` / :func:`by_name`.
+
+Adding a metric: one :class:`Metric` entry in :data:`CATALOGUE` plus the code that computes it
+in the collector; ``tests/test_metric_catalogue.py`` fails if a declared metric is not served
+(with the features that enable it) or a served one is not declared.
+
+Standard library only (importable without torch or prometheus_client).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+__all__ = ["Label", "Metric", "LABELS", "CONDITIONS", "CATALOGUE", "SCOPES", "by_name", "names",
+           "family", "series_per", "markdown"]
+
+
+@dataclass(frozen=True)
+class Label:
+    """A label name used by distgrad metrics.
+
+    Attributes:
+        name: the label name.
+        doc: what its values are (Markdown).
+        values: the complete set of values when it is a fixed set (e.g. ``("nan", "inf")``),
+            else None (bounded by the run: parameters, layers, ranks ...).
+    """
+
+    name: str
+    doc: str
+    values: tuple[str, ...] | None = None
+
+
+#: every label of every metric; a metric may only use these
+LABELS: dict[str, Label] = {lab.name: lab for lab in (
+    Label("param", "one value per trainable parameter tensor (the user's own name, wrapper prefixes "
+                   "stripped), bounded by the series budget (`max_param_series`, top-k by norm; "
+                   "non-finite parameters always kept)"),
+    Label("kind", "kind of non-finite element", ("nan", "inf")),
+    Label("layer", "one value per block (`0`, `enc.3`, ...) plus `embed`/`head`/`norm`/`other`; LoRA "
+                   "adapters as `<layer>/lora_<role>`"),
+    Label("module_kind", "a fixed canonical set (`attn_q`, `mlp_up`, ...; named so because `kind` is "
+                         "taken by `nan`/`inf`)"),
+    Label("detector", "spike detector", ("ema", "window")),
+    Label("rank", "rank in [0, world size)"),
+    Label("sink", "sink name", ("prometheus", "jsonl", "tensorboard")),
+    Label("engine", "engine adapter (`deepspeed`, `ddp`, `fsdp`, `fsdp2`, ...)"),
+    Label("zero_stage", "DeepSpeed ZeRO stage, empty for other engines"),
+    Label("dtype", "training (compute) dtype: `fp32`, `fp16`, `bf16`"),
+    Label("version", "distgrad version"),
+)}
+
+#: when a metric exists (``Metric.when``): key -> Markdown description
+CONDITIONS: dict[str, str] = {
+    "always": "from `instrument()` on",
+    "step": "after the first optimizer step",
+    "sample": "after the first sampled step",
+    "loss": "after a sampled step with an observed loss",
+    "loss_scaler": "fp16 with a dynamic loss scaler only (never under bf16/fp32)",
+    "samples": "engines that count samples (DeepSpeed)",
+    "replicated": "replicated gradients (DDP, ZeRO-0) with `replica_check`, world size > 1",
+    "clip": "with a clip threshold (the engine's or `max_grad_norm`)",
+    "per_param": "`per_param: true`, for the parameters selected by the series budget",
+    "update_ratio": "`update_ratio: true` (and `per_param`), for the selected parameters",
+    "nonfinite": "after the first non-finite step; kept after the streak ends",
+}
+
+#: label sets whose size grows with the model; every other label takes a fixed or capped set
+SCOPES = ("param", "layer", "module_kind")
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric as served by rank 0.
+
+    Attributes:
+        name: the name users query; counters end in ``_total`` (``distgrad_`` prefix always).
+        type: ``"gauge"`` or ``"counter"``.
+        labels: label names (keys of :data:`LABELS`), in exposition order.
+        unit: base unit of the value (``seconds``, ``ratio`` (0-1), ``elements``, ``steps``,
+            ``1`` for dimensionless, ``grad`` for the gradient's own unit, ...).
+        help: the one-line HELP text of the exposition.
+        when: key of :data:`CONDITIONS`.
+        doc: longer meaning for ``docs/metrics.md`` (default: ``help``).
+        max_series: cap on the number of series (e.g. ``distgrad_nonfinite_params``: 20); None
+            when the count follows from the labels (see :meth:`series`).
+    """
+
+    name: str
+    type: str
+    labels: tuple[str, ...]
+    unit: str
+    help: str
+    when: str = "sample"
+    doc: str = ""
+    max_series: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name.startswith("distgrad_"):
+            raise ValueError(f"{self.name}: metric names start with distgrad_")
+        if self.type not in ("gauge", "counter"):
+            raise ValueError(f"{self.name}: type must be gauge or counter, not {self.type!r}")
+        if (self.type == "counter") != self.name.endswith("_total"):
+            raise ValueError(f"{self.name}: counters and only counters end in _total")
+        unknown = [lab for lab in self.labels if lab not in LABELS]
+        if unknown:
+            raise ValueError(f"{self.name}: undeclared label(s) {unknown}: add them to LABELS")
+        if self.when not in CONDITIONS:
+            raise ValueError(f"{self.name}: when={self.when!r} is not one of {sorted(CONDITIONS)}")
+
+    @property
+    def family(self) -> str:
+        """The family name of the exposition (a counter's name without ``_total``)."""
+        return self.name[: -len("_total")] if self.type == "counter" else self.name
+
+    @property
+    def scope(self) -> str | None:
+        """``"param"``, ``"layer"`` or ``"module_kind"`` when the series count grows with that
+        label's values (and is not capped); None for a fixed number of series."""
+        if self.max_series is not None:
+            return None
+        return next((s for s in SCOPES if s in self.labels), None)
+
+    def series(self) -> int:
+        """Series per value of :attr:`scope` (or in all, when ``scope`` is None): ``max_series``
+        if set, else the product of the sizes of the fixed-value labels (``kind``: 2,
+        ``detector``: 2, ``sink``: 3); labels of run-constant values (``distgrad_info``) count 1."""
+        if self.max_series is not None:
+            return self.max_series
+        return math.prod(len(LABELS[lab].values or ()) or 1 for lab in self.labels)
+
+
+def _g(name, unit, help, when="sample", labels=(), doc="", max_series=None) -> Metric:
+    return Metric(name, "gauge", tuple(labels), unit, help, when, doc, max_series)
+
+
+def _c(name, unit, help, when="always", labels=(), doc="", max_series=None) -> Metric:
+    return Metric(name, "counter", tuple(labels), unit, help, when, doc, max_series)
+
+
+_P = ("param",)
+CATALOGUE: tuple[Metric, ...] = (
+    # --- run info ---------------------------------------------------------------------------
+    _g("distgrad_info", "1", "Static run information.", "always", ("engine", "zero_stage", "dtype", "version"),
+       doc="static run info (value 1)"),
+    _g("distgrad_world_size", "ranks", "Number of ranks.", "always"),
+    # --- global statistics --------------------------------------------------------------------
+    _g("distgrad_grad_norm", "grad", "Global L2 norm of the reduced gradient (NaN when non-finite).",
+       doc="global L2 norm of the reduced gradient; NaN when non-finite"),
+    _g("distgrad_optimizer_step", "steps", "Optimizer step of the last sample."),
+    _g("distgrad_last_sample_timestamp_seconds", "seconds", "Unix time of the last sample."),
+    _g("distgrad_last_step_timestamp_seconds", "seconds", "Unix time of the last optimizer step (sampled or not).",
+       "step", doc="Unix time of the last optimizer step, sampled or not (the stall alert's input)"),
+    _g("distgrad_loss", "loss", "Training loss averaged over ranks and micro-batches.", "loss",
+       doc="training loss averaged over ranks and micro-batches of the step"),
+    # --- counters ---------------------------------------------------------------------------
+    _c("distgrad_nonfinite_steps_total", "steps", "Sampled optimizer steps with any NaN/Inf gradient element."),
+    _c("distgrad_sampled_steps_total", "steps", "Sampled optimizer steps."),
+    _c("distgrad_internal_errors_total", "errors", "Failures inside distgrad; training continued."),
+    _c("distgrad_replica_mismatch_total", "steps", "Sampled steps where replicated gradients differed across ranks."),
+    _c("distgrad_overflow_steps_total", "steps", "fp16 optimizer steps whose gradients overflowed.", "loss_scaler"),
+    _c("distgrad_skipped_steps_total", "steps", "Optimizer steps the engine did not apply."),
+    _c("distgrad_samples_total", "samples", "Training samples consumed (engine's count).", "samples",
+       doc="training samples consumed (engine's global_samples)"),
+    _c("distgrad_sink_errors_total", "errors", "Failures of one sink (the others and training went on).",
+       labels=("sink",), doc="failures of one sink (exported at 0 for every configured sink)"),
+    # --- per parameter ------------------------------------------------------------------------
+    _g("distgrad_param_grad_norm", "grad", "Per-parameter L2 norm of the reduced gradient.", "per_param", _P),
+    _g("distgrad_param_grad_mean", "grad", "Per-parameter mean gradient element.", "per_param", _P),
+    _g("distgrad_param_grad_std", "grad", "Per-parameter population std (correction=0) of gradient elements.",
+       "per_param", _P),
+    _g("distgrad_param_grad_min", "grad", "Per-parameter minimum gradient element.", "per_param", _P),
+    _g("distgrad_param_grad_max", "grad", "Per-parameter maximum gradient element.", "per_param", _P),
+    _g("distgrad_param_grad_abs_max", "grad", "Per-parameter maximum absolute gradient element.", "per_param", _P),
+    _g("distgrad_param_grad_zero_ratio", "ratio", "Per-parameter fraction of gradient elements exactly 0.",
+       "per_param", _P),
+    _g("distgrad_param_grad_nonfinite", "elements", "Non-finite gradient elements in the last sampled step.",
+       "per_param", ("param", "kind")),
+    _g("distgrad_param_grad_headroom_ratio", "ratio", "max |g| over the largest finite value of the training dtype.",
+       "per_param", _P, doc="abs max / largest finite value of the training dtype (1 = overflow)"),
+    _g("distgrad_param_update_ratio", "ratio", "||dw|| / ||w|| of the last applied step.", "update_ratio", _P),
+    # --- per layer / module kind ------------------------------------------------------------
+    _g("distgrad_layer_grad_norm", "grad", "Root-sum-square of the layer's parameter grad norms.", labels=("layer",)),
+    _g("distgrad_layer_grad_nonfinite", "elements", "NaN+Inf gradient elements in the layer.", labels=("layer",)),
+    _g("distgrad_layer_grad_zero_ratio", "ratio", "Fraction of exact-zero elements in the layer.", labels=("layer",)),
+    _g("distgrad_layer_grad_headroom_ratio", "ratio", "Max headroom ratio over the layer.", labels=("layer",)),
+    _g("distgrad_module_kind_grad_norm", "grad", "Root-sum-square grad norm over all parameters of a module kind.",
+       labels=("module_kind",)),
+    # --- non-finite events ----------------------------------------------------------------------
+    _g("distgrad_nonfinite_params", "elements",
+       "First step of the last non-finite streak: NaN/Inf elements per (param, rank shard).", "nonfinite",
+       ("param", "rank"), max_series=20,
+       doc="first step of the last non-finite streak (where it started, before it spread): NaN+Inf "
+           "elements per (param, rank shard); at most 20 series"),
+    _g("distgrad_nonfinite_origin_step", "steps",
+       "Optimizer step where the last non-finite streak started, labelled with its probable origin "
+       "(the non-finite parameter last in forward order).", "nonfinite", ("param", "layer"), max_series=1),
+    # --- replicas, fp16, clipping ---------------------------------------------------------------
+    _g("distgrad_replica_mismatch_rank", "rank", "Rank that disagreed on the last replica mismatch, -1 if none.",
+       "replicated"),
+    _g("distgrad_loss_scale", "1", "fp16 dynamic loss scale.", "loss_scaler"),
+    _g("distgrad_loss_scale_at_minimum", "1", "1 when the loss scale sits at its minimum.", "loss_scaler"),
+    _g("distgrad_consecutive_overflow_steps", "steps", "Current fp16 overflow streak.", "loss_scaler"),
+    _g("distgrad_clip_ratio", "ratio", "min(1, max_norm / grad_norm).", "clip"),
+    _g("distgrad_post_clip_norm", "grad", "Global grad norm after clipping.", "clip"),
+    # --- diagnostics ------------------------------------------------------------------------------
+    _g("distgrad_grad_norm_zscore", "1", "Spike score of the last grad_norm.", labels=("detector",)),
+    _g("distgrad_loss_zscore", "1", "Spike score of the last loss.", labels=("detector",),
+       doc="spike score of the last loss (NaN while no loss is observed)"),
+    _c("distgrad_grad_norm_spikes_total", "spikes", "Detected grad_norm spikes.", "sample", ("detector",)),
+    _c("distgrad_loss_spikes_total", "spikes", "Detected loss spikes.", "sample", ("detector",)),
+    _g("distgrad_vanishing_params", "params", "Parameters currently flagged as vanishing."),
+    _g("distgrad_exploding_params", "params", "Parameters currently flagged as exploding."),
+)
+
+_BY_NAME: dict[str, Metric] = {}
+for _m in CATALOGUE:
+    for _k in {_m.name, _m.family}:
+        if _k in _BY_NAME:
+            raise ValueError(f"metric {_k} declared twice")
+        _BY_NAME[_k] = _m
+
+
+def by_name(name: str) -> Metric:
+    """The declared metric called ``name`` (the queried name, or a counter's family name
+    without ``_total``). Raises KeyError naming the metric when it is not declared."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"{name} is not in distgrad's metric catalogue (distgrad/metrics.py)") from None
+
+
+def names(when: Iterable[str] | None = None) -> list[str]:
+    """Names of the declared metrics, in catalogue order; only those whose condition is in
+    ``when`` when given."""
+    keep = None if when is None else set(when)
+    return [m.name for m in CATALOGUE if keep is None or m.when in keep]
+
+
+def family(name: str, value: float | None = None, labels: Iterable[str] | None = None) -> Any:
+    """A prometheus_client metric family for the declared metric ``name`` (help, type, label
+    names from the catalogue): ``GaugeMetricFamily`` or ``CounterMetricFamily``. With
+    ``value``, an unlabelled family holding that one sample. ``labels`` overrides the label
+    names only for ``distgrad_info``-like metrics whose names are run-constant.
+
+    Raises:
+        KeyError: ``name`` is not declared.
+    """
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    m = by_name(name)
+    cls = CounterMetricFamily if m.type == "counter" else GaugeMetricFamily
+    if value is not None:
+        return cls(m.family, m.help, value=value)
+    return cls(m.family, m.help, labels=list(labels if labels is not None else m.labels))
+
+
+def series_per(scope: str | None, *, when: Iterable[str] | None = None, exclude: Iterable[str] = ()) -> int:
+    """Series of the declared metrics of ``scope`` (``"param"``, ``"layer"``, ``"module_kind"``,
+    or None for the fixed/capped ones), summed, restricted to conditions ``when`` (default all)
+    minus ``exclude``: e.g. ``series_per("param", exclude=["update_ratio"])`` = 10."""
+    keep, drop = (None if when is None else set(when)), set(exclude)
+    return sum(m.series() for m in CATALOGUE
+               if m.scope == scope and m.when not in drop and (keep is None or m.when in keep))
+
+
+# ---------------------------------------------------------------------------------------------
+_INTRO = """\
+# distgrad metric catalogue
+
+<!-- generated by `python -m distgrad.metrics --markdown > docs/metrics.md` from
+distgrad/metrics.py: edit that file, not this one -->
+
+Served by global rank 0 only (default `127.0.0.1:9400/metrics`). Values are those of the last
+sampled optimizer step. Counters are exported at 0 from `instrument()` on, so that
+`increase()` sees the first event. Units are base units; `grad` is the unit of the gradient
+itself, `1` a dimensionless number.
+
+## Labels
+
+| label | values |
+|---|---|
+"""
+
+
+def markdown() -> str:
+    """The text of ``docs/metrics.md`` (labels, then one table row per metric)."""
+    out = [_INTRO]
+    for lab in LABELS.values():
+        vals = " \\| ".join(f"`{v}`" for v in lab.values) if lab.values else ""
+        out.append(f"| `{lab.name}` | {lab.doc}{': ' + vals if vals else ''} |\n")
+    out.append("\n## Metrics\n\n| name | type | labels | unit | exists | meaning |\n|---|---|---|---|---|---|\n")
+    for m in CATALOGUE:
+        cap = f"; at most {m.max_series} series" if m.max_series and m.max_series > 1 else ""
+        meaning = (m.doc or m.help.rstrip(".")) + ("" if m.doc else cap)
+        out.append(f"| `{m.name}` | {m.type} | {', '.join(m.labels)} | {m.unit} | {CONDITIONS[m.when]} | "
+                   f"{meaning} |\n")
+    return "".join(out)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m distgrad.metrics", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--markdown", action="store_true", help="print docs/metrics.md")
+    args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown(), end="")
+    else:
+        for m in CATALOGUE:
+            print(f"{m.name}\t{m.type}\t{','.join(m.labels)}\t{m.when}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
