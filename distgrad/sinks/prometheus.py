@@ -1,9 +1,11 @@
 """Prometheus exporter for global rank 0, built on ``prometheus_client``.
 
 A custom collector (prometheus_client's documented pattern for values computed elsewhere)
-renders the latest :class:`~distgrad.record.StepRecord` on every scrape. The record is swapped
-atomically by the training thread, so a scrape sees one step's values, never a mix; label
-sets of parameters that leave the exported set (top-k changes) disappear with it.
+renders the latest :class:`~distgrad.record.StepRecord`. The record is swapped atomically by
+the training thread, so a scrape sees one step's values, never a mix; label sets of parameters
+that leave the exported set (top-k changes) disappear with it. The families are rendered once
+per change and served by a helper process (:mod:`distgrad.sinks.exporter`,
+:mod:`distgrad.sinks.http_server`): a scrape costs the training process nothing.
 Metric names, types, labels and meanings: :mod:`distgrad.metrics` (rendered as ``docs/metrics.md``).
 """
 
@@ -13,7 +15,7 @@ import errno
 import logging
 import socket
 import threading
-from typing import Iterable
+from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
@@ -22,6 +24,7 @@ from prometheus_client.registry import Collector
 from distgrad import metrics
 from distgrad.record import StepRecord
 from distgrad.sinks.base import Sink
+from distgrad.sinks.exporter import ExporterProcess, PageCache
 
 log = logging.getLogger("distgrad")
 
@@ -70,8 +73,7 @@ class DistgradCollector(Collector):
         self._lock = threading.Lock()
         self._record: StepRecord | None = None
         self._last_nonfinite: tuple[list[dict], dict] = ([], {})
-        #: Unix time of the last optimizer-step boundary, sampled or not (set by the instrument)
-        self.step_time: float | None = None
+        self._step_time: float | None = None
         self.has_loss_scaler, self.has_samples = has_loss_scaler, has_samples
         self._counters: dict[str, int] = {k: 0 for k in COUNTERS
                                           if (has_loss_scaler or k != "overflow_steps")
@@ -79,6 +81,28 @@ class DistgradCollector(Collector):
         self._labeled_counters: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {}
         self.static = dict(static)
         self.world_size = world_size
+        #: change counters of the served state: ``head`` (counters, step time, run info) and
+        #: ``body`` (the record's families); the exporter re-renders a part when its version moves
+        self.head_version = 0
+        self.body_version = 0
+        #: called (outside the lock) after every change, e.g. to publish the versions
+        self.listener: Callable[[], None] | None = None
+
+    def _changed(self) -> None:
+        if self.listener is not None:
+            self.listener()
+
+    @property
+    def step_time(self) -> float | None:
+        """Unix time of the last optimizer-step boundary, sampled or not (set by the instrument)."""
+        return self._step_time
+
+    @step_time.setter
+    def step_time(self, t: float | None) -> None:
+        with self._lock:
+            self._step_time = t
+            self.head_version += 1
+        self._changed()
 
     def update(self, record: StepRecord | None, counters: dict[str, int]) -> None:
         """Swap in the latest record (None keeps the current one) and the counter totals."""
@@ -88,7 +112,12 @@ class DistgradCollector(Collector):
                 event = record.extra.get("nonfinite_event")
                 if event:  # the first step of the last non-finite streak, kept after it ends
                     self._last_nonfinite = (list(event["rows"]), event["provenance"])
-            self._counters.update({k: int(v) for k, v in counters.items() if k in self._counters})
+                self.body_version += 1
+            new = {k: int(v) for k, v in counters.items() if k in self._counters}
+            if any(self._counters[k] != v for k, v in new.items()):
+                self._counters.update(new)
+                self.head_version += 1
+        self._changed()
 
     def inc_labeled(self, name: str, labels: dict[str, str], by: int = 1) -> None:
         """Add ``by`` to the labelled counter ``name{labels}`` (a catalogue counter, with or
@@ -100,6 +129,8 @@ class DistgradCollector(Collector):
         key = (metrics.by_name(name).name, tuple(sorted(labels.items())))
         with self._lock:
             self._labeled_counters[key] = self._labeled_counters.get(key, 0) + by
+            self.head_version += 1
+        self._changed()
 
     def describe(self) -> Iterable[Metric]:
         """Every family this collector may serve (prometheus_client's registry uses it to route
@@ -111,40 +142,50 @@ class DistgradCollector(Collector):
                 yield metrics.family(m.name)
 
     def collect(self) -> Iterable[Metric]:
-        """Every served family, from the latest record and counters (one consistent snapshot)."""
+        """Every served family, from the latest record and counters."""
+        yield from self.snapshot_head()[1]
+        yield from self.snapshot_body()[1]
+
+    def snapshot_head(self) -> tuple[int, list[Metric]]:
+        """``(head_version, families)``: run info, step time and counters, one consistent state."""
         with self._lock:
-            rec, counters = self._record, dict(self._counters)
-            nonfinite_rows, provenance = self._last_nonfinite
-            labeled = dict(self._labeled_counters)
+            version, step_time = self.head_version, self._step_time
+            counters, labeled = dict(self._counters), dict(self._labeled_counters)
         info = metrics.family("distgrad_info", labels=sorted(self.static))
         info.add_metric([self.static[k] for k in sorted(self.static)], 1.0)
-        yield info
-        yield metrics.family("distgrad_world_size", value=self.world_size)
-        if self.step_time is not None:
-            yield metrics.family("distgrad_last_step_timestamp_seconds", value=self.step_time)
+        out = [info, metrics.family("distgrad_world_size", value=self.world_size)]
+        if step_time is not None:
+            out.append(metrics.family("distgrad_last_step_timestamp_seconds", value=step_time))
         for key, name in COUNTERS.items():
             if key in counters:
-                yield metrics.family(name, value=counters[key])
+                out.append(metrics.family(name, value=counters[key]))
         by_name: dict[str, Metric] = {}
         for (name, labels), v in sorted(labeled.items()):
             fam = by_name.get(name)
             if fam is None:
                 fam = by_name[name] = metrics.family(name)
             fam.add_metric([v for _, v in labels], v)
-        yield from by_name.values()
+        return version, out + list(by_name.values())
+
+    def snapshot_body(self) -> tuple[int, list[Metric]]:
+        """``(body_version, families)`` of the latest record (none before the first sample)."""
+        with self._lock:
+            version, rec = self.body_version, self._record
+            nonfinite_rows, provenance = self._last_nonfinite
         if rec is None:
-            return
-        yield from _record_metrics(rec)
+            return version, []
+        out = list(_record_metrics(rec))
         if nonfinite_rows:  # the last non-finite event stays visible after healthy steps
             fam = metrics.family("distgrad_nonfinite_params")
             for row in nonfinite_rows[:metrics.by_name("distgrad_nonfinite_params").max_series]:
                 fam.add_metric([row["param"], str(row["rank"])], float(row["count"]))
-            yield fam
+            out.append(fam)
         if provenance.get("first_param"):
             fam = metrics.family("distgrad_nonfinite_origin_step")
             fam.add_metric([provenance["first_param"], str(provenance.get("first_layer", ""))],
                            float(provenance.get("step", -1)))
-            yield fam
+            out.append(fam)
+        return version, out
 
 
 def _record_metrics(rec: StepRecord) -> Iterable[Metric]:
@@ -218,16 +259,25 @@ def check_port_free(host: str, port: int) -> None:
 
 
 class PrometheusSink(Sink):
-    """Serves ``/metrics`` over HTTP from a daemon thread (``prometheus_client.start_http_server``).
+    """Serves ``/metrics`` over HTTP from a helper process (:mod:`distgrad.sinks.http_server`:
+    one selector loop, bounded connections with timeouts, ``name[]`` filter, OpenMetrics and
+    gzip negotiation) with pages rendered here once per change (:mod:`distgrad.sinks.exporter`).
 
     Args:
         host: bind address (default loopback).
         port: TCP port; 0 picks a free one, available afterwards as ``self.port``.
         static: labels of ``distgrad_info``.
         world_size: value of ``distgrad_world_size``.
+        serve: start the HTTP server (False: only ``self.registry``, for tests and embedding).
         has_loss_scaler: export ``distgrad_overflow_steps_total`` (fp16 with a loss scaler only;
             under bf16/fp32 no loss-scale or overflow series exist).
         has_samples: export ``distgrad_samples_total`` (engines that count samples: DeepSpeed).
+        timeout_s: connections without a whole request / not taking their response for this
+            many seconds are closed (default 10).
+        max_connections: open connections kept at most (default 256; a new one replaces the
+            least recently active idle one).
+        refresh_s: the page is re-rendered at most this often (default 1 s; a scrape shows
+            the state of at most ``refresh_s`` ago); 0 re-renders on every change.
 
     Raises:
         OSError: the address cannot be bound; the message says how to fix it.
@@ -236,27 +286,36 @@ class PrometheusSink(Sink):
     name = "prometheus"
 
     def __init__(self, host: str, port: int, static: dict[str, str], world_size: int,
-                 serve: bool = True, has_loss_scaler: bool = True, has_samples: bool = True) -> None:
-        from prometheus_client import start_http_server
-
+                 serve: bool = True, has_loss_scaler: bool = True, has_samples: bool = True,
+                 timeout_s: float = 10.0, max_connections: int = 256, refresh_s: float = 1.0) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = DistgradCollector(static, world_size, has_loss_scaler, has_samples)
         self.registry.register(self.collector)
-        self._server = None
+        c = self.collector
+        self.cache = PageCache({"head": (lambda: c.head_version, c.snapshot_head),
+                                "body": (lambda: c.body_version, c.snapshot_body)})
+        self._server: ExporterProcess | None = None
         self.host, self.port = host, port
         if serve:
             check_port_free(host, port)
             try:
-                self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+                self._server = ExporterProcess(host, port, self.cache, timeout_s, max_connections, refresh_s)
             except OSError as e:
                 raise OSError(f"distgrad cannot serve metrics on {host}:{port}: {e}; pass port=0 "
                               f"or another port") from e
-            self.port = int(self._server.server_address[1])
+            c.listener = self._server.notify
+            self.port = self._server.port
             (log.warning if port == 0 else log.info)(  # a picked port must be seen to be found
                 "distgrad: serving Prometheus metrics on http://%s:%d/metrics", host, self.port)
 
+    @property
+    def server(self) -> ExporterProcess | None:
+        """The HTTP helper process (None when not serving or closed)."""
+        return self._server
+
     def write(self, record: StepRecord) -> None:
-        """Serve ``record`` from now on (atomic swap)."""
+        """Serve ``record`` from now on (atomic swap; rendered by the exporter thread at the
+        next scrape, once)."""
         self.collector.update(record, record.counters)
 
     def set_counters(self, counters: dict[str, int]) -> None:
@@ -266,8 +325,8 @@ class PrometheusSink(Sink):
     def close(self) -> None:
         """Stop the HTTP server and release the port."""
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self.collector.listener = None
+            self._server.close()
             self._server = None
 
 

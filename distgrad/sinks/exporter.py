@@ -1,0 +1,209 @@
+"""The training-process side of rank 0's exporter: render the served families once per change,
+hand them to the HTTP helper process (:mod:`distgrad.sinks.http_server`) when it asks.
+
+Per *change* of the served state (a sampled step's record, counters, the step time) the
+collector bumps a version, which :class:`ExporterProcess` publishes in a 16-byte shared memory
+map (a ``struct.pack_into``, no system call). Per *scrape* the training process does nothing:
+the helper answers from its copy, and only when the version moved does it ask (one line on a
+pipe) for the new families, which a daemon thread here renders (:class:`PageCache`: each part,
+*head* = run info and counters and *body* = the record's families, at most once per version and
+format) and sends back. So rendering happens at most once per change and only while someone
+scrapes, and at most once per ``refresh_s`` (1 s) and format however many scrape: a flood of
+scrapers costs the training process nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from prometheus_client.exposition import generate_latest
+from prometheus_client.openmetrics import exposition as om
+
+from distgrad.sinks import http_server
+from distgrad.sinks.http_server import OM_EOF, OPENMETRICS, TEXT, VERSIONS
+
+log = logging.getLogger("distgrad")
+
+Part = tuple[Callable[[], int], Callable[[], tuple[int, list]]]
+
+
+class _One:
+    """A registry holding given families (what prometheus_client's generators iterate)."""
+
+    __slots__ = ("fams",)
+
+    def __init__(self, fams: list) -> None:
+        self.fams = fams
+
+    def collect(self) -> list:
+        return self.fams
+
+
+def render_families(fams: Iterable[Any], fmt: str) -> list[tuple[frozenset[str], bytes]]:
+    """Render each family alone with prometheus_client's own generators: ``[(names, bytes)]``
+    with ``names`` the family name and its sample names (what ``name[]`` matches). OpenMetrics
+    chunks carry no ``# EOF`` (added once per page)."""
+    out = []
+    for fam in fams:
+        names = frozenset({fam.name, *(s.name for s in fam.samples)})
+        if fmt == TEXT:
+            out.append((names, generate_latest(_One([fam]))))
+        else:
+            out.append((names, om.generate_latest(_One([fam]))[: -len(OM_EOF)]))
+    return out
+
+
+class PageCache:
+    """Rendered families of the latest state, re-rendered only when a part's version moves.
+
+    Args:
+        parts: ``{name: (version, snapshot)}`` in page order: ``version()`` a cheap int that
+            changes with the part's state, ``snapshot()`` returning ``(version, families)``
+            consistently (under the collector's lock).
+
+    Attributes:
+        renders: number of part renders so far (tests: once per change, not per scrape).
+    """
+
+    def __init__(self, parts: dict[str, Part]) -> None:
+        self._parts = parts
+        self._cache: dict[tuple[str, str], tuple[int, list]] = {}
+        self._lock = threading.Lock()
+        self.renders = 0
+
+    def versions(self) -> tuple[int, ...]:
+        """Current version of every part."""
+        return tuple(v() for v, _ in self._parts.values())
+
+    def chunks(self, fmt: str) -> tuple[tuple[int, ...], list[tuple[frozenset[str], bytes]]]:
+        """``(versions, chunks)`` of the whole page in ``fmt``, every part of one state (a part
+        that changed while another was rendered is rendered again, up to 3 times)."""
+        with self._lock:
+            for _ in range(3):
+                got = []
+                for name, (version, snapshot) in self._parts.items():
+                    hit = self._cache.get((name, fmt))
+                    if hit is None or hit[0] != version():
+                        v, fams = snapshot()
+                        hit = self._cache[(name, fmt)] = (v, render_families(fams, fmt))
+                        self.renders += 1
+                    got.append(hit)
+                key = tuple(v for v, _ in got)
+                if key == self.versions():
+                    break
+            return key, [c for _, chunks in got for c in chunks]
+
+    def page(self, fmt: str = TEXT, names: frozenset[str] | None = None) -> bytes:
+        """The page as the helper serves it (uncompressed), for in-process use and tests."""
+        _, chunks = self.chunks(fmt)
+        return (http_server.assemble(chunks, fmt, names) if names else None) or \
+            http_server.assemble(chunks, fmt, None)
+
+
+class ExporterProcess:
+    """Start the HTTP helper process for ``cache`` and answer its page requests.
+
+    Args:
+        host, port: address to bind (port 0: any free port; the bound one is ``self.port``).
+        cache: the pages to serve; its part versions must reach the helper through
+            :meth:`notify`, called after every change (the collector's listener).
+        timeout_s: connection timeout of the helper (seconds).
+        max_connections: connections the helper keeps open at most.
+        refresh_s: the helper asks for a new rendering at most this often (seconds; 0: on
+            every change).
+
+    Raises:
+        OSError: the helper could not bind ``host:port`` (its message) or did not start.
+    """
+
+    def __init__(self, host: str, port: int, cache: PageCache, timeout_s: float = 10.0,
+                 max_connections: int = 256, refresh_s: float = 1.0) -> None:
+        self.cache = cache
+        shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self._shm_file = tempfile.TemporaryFile(dir=shm_dir)
+        self._shm_file.write(b"\0" * VERSIONS.size)
+        self._shm_file.flush()
+        self._shm = mmap.mmap(self._shm_file.fileno(), VERSIONS.size)
+        self.notify()
+        fd = self._shm_file.fileno()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(Path(http_server.__file__)), host, str(port), str(timeout_s),
+             str(max_connections), str(fd), str(refresh_s)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,), bufsize=0, close_fds=True,
+            # its own session: with the kernel's autogroup scheduling, serving scrapes then does
+            # not come out of the training job's CPU share (it exits when our pipe closes)
+            start_new_session=True)
+        line = self._proc.stdout.readline().decode().strip()
+        if not line.startswith("OK "):
+            self._proc.stdin.close()
+            self._proc.wait(5)
+            self._shm.close()
+            self._shm_file.close()
+            raise OSError(line[4:] if line.startswith("ERR ") else f"the exporter process did not start ({line!r})")
+        self.port = int(line.split()[1])
+        self.pid = self._proc.pid
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="distgrad-exporter", daemon=True)
+        self._thread.start()
+
+    def notify(self) -> None:
+        """Publish the current versions to the helper (training thread: a memory write)."""
+        v = self.cache.versions()
+        try:
+            VERSIONS.pack_into(self._shm, 0, v[0], v[-1])
+        except ValueError:  # closed: nothing to tell
+            pass
+
+    def _serve(self) -> None:
+        r, w = self._proc.stdout, self._proc.stdin
+        while True:
+            line = r.readline()
+            if not line:
+                if not self._closed:
+                    log.error("distgrad: the metrics exporter process exited (code %s); /metrics is down",
+                              self._proc.poll())
+                return
+            fmt = line.decode().strip()
+            try:
+                key, chunks = self.cache.chunks(fmt if fmt in (TEXT, OPENMETRICS) else TEXT)
+                data = pickle.dumps((fmt, (key[0], key[-1]), chunks),
+                                    protocol=pickle.HIGHEST_PROTOCOL)
+                w.write(struct.pack("<Q", len(data)) + data)
+            except (BrokenPipeError, ValueError, OSError):
+                return  # closed under us
+            except Exception:  # noqa: BLE001  a failing render must not end serving
+                log.exception("distgrad: rendering the metrics page failed")
+                data = pickle.dumps((fmt, None, None))  # the helper keeps its copy or answers 503
+                try:
+                    w.write(struct.pack("<Q", len(data)) + data)
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        """Stop the helper (EOF on its stdin), release the port and the shared map (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(5)
+        self._proc.stdout.close()
+        self._thread.join(5)
+        self._shm.close()
+        self._shm_file.close()

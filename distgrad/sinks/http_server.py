@@ -1,0 +1,390 @@
+"""The HTTP server of rank 0's exporter, run as a separate helper process (standard library only).
+
+Why a process: ``prometheus_client.start_http_server`` starts one thread per connection, with no
+timeout, and renders the exposition in Python on every scrape, inside the training process.
+Any Python work per scrape there competes with the training thread for the GIL (on a busy
+machine each hand-over of the GIL also waits for the OS to reschedule the training thread):
+a flood of 32 scrapers halved the step rate and 1,000 idle connections made 1,000 threads
+(issue 14). Serving from another process leaves the training process one thing to do per
+*change* of the served state (render it, :mod:`distgrad.sinks.exporter`) and nothing per scrape.
+
+The helper (``python http_server.py HOST PORT TIMEOUT MAX_CONN SHM_FD REFRESH_S``, started by
+:class:`distgrad.sinks.exporter.ExporterProcess`):
+
+* binds ``HOST:PORT`` and writes ``OK <port>`` (or ``ERR <message>``) on stdout;
+* runs one :mod:`selectors` loop (epoll) over non-blocking sockets: no thread per connection,
+  at most ``MAX_CONN`` connections (a new one over the cap closes the least recently active
+  connection that is not being answered, so idle or half-sent floods cannot lock scrapers
+  out); a connection without a whole request, or not taking its response, for ``TIMEOUT``
+  seconds since its last progress is closed;
+* keeps the rendered families per format (text 0.0.4; OpenMetrics 1.0.0 once asked for) with
+  the version of the state they show; the training process publishes the current version in a
+  shared 16-byte memory map (``SHM_FD``); a scrape that finds its copy out of date asks the
+  training process for the families (one line on stdout, a length-prefixed pickle back on
+  stdin), else is answered from the copy: the full page and its gzip are cached per version;
+  a copy younger than ``REFRESH_S`` (default 1 s) is served even when the state has moved on,
+  so a flood makes the training process render at most once per second and format (a scrape
+  sees the state of at most ``REFRESH_S`` ago; Prometheus scrapes every 15 s or so);
+* honours Prometheus' ``name[]`` query parameter by selecting the families whose name or
+  sample names are requested; when none is served the full page is returned (never an empty
+  200, which a scraper would read as "target up, no data");
+* exits when its stdin closes (the training process ended or closed the exporter).
+
+HTTP/1.0 and 1.1 (keep-alive), ``GET`` and ``HEAD``; any path but ``/favicon.ico`` serves the
+metrics (as prometheus_client does).
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import mmap
+import os
+import pickle
+import select
+import selectors
+import socket
+import struct
+import sys
+import time
+from typing import Any
+from urllib.parse import parse_qs
+
+log = logging.getLogger("distgrad")
+
+TEXT, OPENMETRICS = "text", "openmetrics"
+CONTENT_TYPE = {TEXT: "text/plain; version=0.0.4; charset=utf-8",
+                OPENMETRICS: "application/openmetrics-text; version=1.0.0; charset=utf-8"}
+OM_EOF = b"# EOF\n"
+VERSIONS = struct.Struct("<qq")  # (head, body) versions of the served state, in the shared map
+_MAX_HEADER = 16 << 10
+Chunks = list  # [(frozenset of names, bytes)], one per family, in page order
+
+
+def choose_format(accept: str) -> str:
+    """OpenMetrics when the Accept header lists ``application/openmetrics-text`` without a
+    version or with version >= 1 (Prometheus asks for it first), else text 0.0.4."""
+    for part in accept.split(","):
+        toks = [t.strip() for t in part.split(";")]
+        if toks[0] != "application/openmetrics-text":
+            continue
+        version = next((t.split("=", 1)[1] for t in toks[1:] if t.startswith("version=")), "")
+        major = version.split(".")[0]
+        if not version or (major.isdigit() and int(major) >= 1):
+            return OPENMETRICS
+    return TEXT
+
+
+def assemble(chunks: Chunks, fmt: str, names: frozenset[str] | None) -> bytes | None:
+    """The page of the families matching ``names`` (all when ``names`` is None); None when
+    ``names`` matches none."""
+    sel = [b for n, b in chunks if names is None or n & names]
+    if names is not None and not sel:
+        return None
+    return b"".join(sel) + (OM_EOF if fmt == OPENMETRICS else b"")
+
+
+class Unavailable(Exception):
+    """The training process has not provided the page (yet)."""
+
+
+class RemotePages:
+    """The helper's copy of the rendered families, refreshed from the training process when
+    the shared version map says it is out of date (module docstring).
+
+    Args:
+        versions: the shared map holding :data:`VERSIONS` of the current state.
+        rfd: descriptor of the pipe from the training process (replies).
+        wfile: unbuffered binary file of the pipe to it (requests: one format name per line).
+        wait_s: how long a scrape waits for a refresh before it is answered from the old copy
+            (or 503 when there is none).
+        refresh_s: a copy younger than this is served even when the state has moved on, so
+            that the training process renders at most once per ``refresh_s`` however many
+            scrapers flood it (0: always the latest state).
+    """
+
+    def __init__(self, versions: mmap.mmap, rfd: int, wfile: Any, wait_s: float, refresh_s: float = 0.0) -> None:
+        self._versions, self._rfd, self._w, self._wait = versions, rfd, wfile, wait_s
+        self._refresh = refresh_s
+        self._fetched: dict[str, float] = {}
+        self._chunks: dict[str, tuple[tuple[int, int], Chunks]] = {}
+        self._full: dict[tuple[str, bool], tuple[tuple[int, int], bytes]] = {}
+        self._pending: list[str] = []
+
+    def receive(self) -> None:
+        """Read one reply ``(fmt, key, chunks)``; EOFError when the training process is gone."""
+        n = struct.unpack("<Q", _read_exact(self._rfd, 8))[0]
+        fmt, key, chunks = pickle.loads(_read_exact(self._rfd, n))
+        if fmt in self._pending:
+            self._pending.remove(fmt)
+        if chunks is not None:  # None: rendering failed in the training process (logged there)
+            self._chunks[fmt] = (tuple(key), chunks)
+
+    def on_readable(self) -> None:
+        """The reply pipe is readable outside a scrape: a late reply, or EOF (raises EOFError)."""
+        if not self._pending:
+            raise EOFError("the training process closed the exporter")
+        self.receive()
+
+    def _fetch(self, fmt: str) -> tuple[tuple[int, int], Chunks]:
+        current = VERSIONS.unpack_from(self._versions, 0)
+        hit = self._chunks.get(fmt)
+        now = time.monotonic()
+        if hit is not None and (hit[0] == current or now - self._fetched.get(fmt, 0.0) < self._refresh):
+            return hit
+        if fmt not in self._pending:
+            self._w.write(f"{fmt}\n".encode())
+            self._pending.append(fmt)
+            self._fetched[fmt] = now
+        deadline = time.monotonic() + self._wait
+        while fmt in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._rfd], [], [], left)[0]:
+                break  # too slow: the copy we have (one state older) or 503
+            self.receive()
+        hit = self._chunks.get(fmt)
+        if hit is None:
+            raise Unavailable("the training process has not rendered the metrics in time")
+        return hit
+
+    def page(self, fmt: str, names: frozenset[str] | None, gz: bool) -> bytes:
+        """Bytes to serve for ``fmt`` (``names``: the ``name[]`` filter), gzip-compressed if ``gz``."""
+        key, chunks = self._fetch(fmt)
+        if names:
+            data = assemble(chunks, fmt, names)
+            if data is not None:
+                return gzip.compress(data, 6) if gz else data
+        hit = self._full.get((fmt, gz))
+        if hit is None or hit[0] != key:
+            data = assemble(chunks, fmt, None)
+            hit = self._full[(fmt, gz)] = (key, gzip.compress(data, 6) if gz else data)
+        return hit[1]
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        b = os.read(fd, n - got)
+        if not b:
+            raise EOFError("the training process closed the exporter")
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
+
+
+class _Conn:
+    __slots__ = ("sock", "inbuf", "out", "sent", "last", "close_after")
+
+    def __init__(self, sock: socket.socket, now: float) -> None:
+        self.sock = sock
+        self.inbuf = b""
+        self.out: memoryview | None = None
+        self.sent = 0
+        self.last = now
+        self.close_after = False
+
+
+class HttpServer:
+    """The selector loop (module docstring), run by :func:`main` in the helper process.
+
+    Args:
+        sock: a bound, listening TCP socket (ownership passes to the server).
+        pages: has ``page(fmt, names, gz) -> bytes``.
+        stop_fd: the pipe from the training process: readable outside a scrape means a late
+            reply (``pages.on_readable()``) or EOF, which ends :meth:`run`.
+        timeout_s: a connection without a whole request, or with a response not taken, for
+            this many seconds since its last progress is closed (default 10 s, Prometheus'
+            default scrape timeout).
+        max_connections: open connections kept at most (default 256).
+
+    Attributes:
+        stats: counters for tests and debugging: ``requests``, ``errors`` (malformed
+            requests answered 4xx), ``timeouts``, ``evicted``.
+    """
+
+    def __init__(self, sock: socket.socket, pages: Any, stop_fd: int, timeout_s: float = 10.0,
+                 max_connections: int = 256) -> None:
+        self._lsock = sock
+        self._lsock.setblocking(False)
+        self.pages = pages
+        self.timeout_s, self.max_connections = float(timeout_s), int(max_connections)
+        self.stats = {"requests": 0, "errors": 0, "timeouts": 0, "evicted": 0}
+        self._conns: dict[int, _Conn] = {}
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._lsock, selectors.EVENT_READ, "listen")
+        self._sel.register(stop_fd, selectors.EVENT_READ, "stop")
+
+    def run(self) -> None:
+        """Serve until the stop descriptor becomes readable (EOF of the training process's pipe)."""
+        next_sweep = time.monotonic() + 0.5
+        while True:
+            try:
+                events = self._sel.select(0.5)
+                now = time.monotonic()
+                for key, mask in events:
+                    if key.data == "listen":
+                        self._accept(now)
+                    elif key.data == "stop":
+                        self.pages.on_readable()  # a late reply; EOFError when the trainer is gone
+                    else:
+                        c = key.data
+                        if mask & selectors.EVENT_READ:
+                            self._read(c, now)
+                        if mask & selectors.EVENT_WRITE and c.out is not None:
+                            self._write(c, now)
+                if now >= next_sweep:
+                    next_sweep = now + 0.5
+                    for c in [c for c in self._conns.values() if now - c.last > self.timeout_s]:
+                        self.stats["timeouts"] += 1
+                        self._drop(c)
+            except EOFError:
+                return
+            except Exception:  # noqa: BLE001  the server must outlive any one bad request
+                log.exception("distgrad: metrics exporter error (serving goes on)")
+                time.sleep(0.01)
+
+    def _accept(self, now: float) -> None:
+        while True:
+            try:
+                sock, _ = self._lsock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # EMFILE and the like: shed the oldest idle connection
+                log.warning("distgrad: metrics exporter cannot accept: %s", e)
+                self._evict_one()
+                return
+            if len(self._conns) >= self.max_connections and not self._evict_one():
+                sock.close()
+                continue
+            sock.setblocking(False)
+            c = _Conn(sock, now)
+            self._conns[sock.fileno()] = c
+            self._sel.register(sock, selectors.EVENT_READ, c)
+
+    def _evict_one(self) -> bool:
+        idle = [c for c in self._conns.values() if c.out is None]
+        if not idle:
+            return False
+        self.stats["evicted"] += 1
+        self._drop(min(idle, key=lambda c: c.last))
+        return True
+
+    def _drop(self, c: _Conn) -> None:
+        self._conns.pop(c.sock.fileno(), None)
+        try:
+            self._sel.unregister(c.sock)
+        except (KeyError, ValueError):
+            pass
+        c.sock.close()
+
+    def _read(self, c: _Conn, now: float) -> None:
+        try:
+            data = c.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(c)
+            return
+        c.inbuf += data
+        c.last = now
+        if c.out is None:
+            self._maybe_respond(c, now)
+
+    def _maybe_respond(self, c: _Conn, now: float) -> None:
+        end = c.inbuf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(c.inbuf) > _MAX_HEADER:
+                self._respond(c, 431, "Request Header Fields Too Large", b"headers too large\n", close=True)
+            return
+        head, c.inbuf = c.inbuf[:end].decode("latin-1"), c.inbuf[end + 4:]
+        self.stats["requests"] += 1
+        lines = head.split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            self._respond(c, 400, "Bad Request", b"malformed request line\n", close=True)
+            return
+        method, target, version = parts
+        headers = {}
+        for line in lines[1:]:
+            k, _, v = line.partition(":")
+            headers[k.strip().lower()] = v.strip()
+        conn_hdr = headers.get("connection", "").lower()
+        close = "close" in conn_hdr if version == "HTTP/1.1" else "keep-alive" not in conn_hdr
+        if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
+            self._respond(c, 400, "Bad Request", b"request bodies are not accepted\n", close=True)
+            return
+        if method not in ("GET", "HEAD"):
+            self._respond(c, 405, "Method Not Allowed", b"GET or HEAD\n", close=close, extra="Allow: GET, HEAD\r\n")
+            return
+        path, _, query = target.partition("?")
+        if path == "/favicon.ico":
+            self._respond(c, 404, "Not Found", b"", close=close, head_only=method == "HEAD")
+            return
+        names = frozenset(parse_qs(query).get("name[]", ())) if query else None
+        fmt = choose_format(headers.get("accept", ""))
+        gz = any(e.split(";")[0].strip().lower() == "gzip" for e in headers.get("accept-encoding", "").split(","))
+        try:
+            body = self.pages.page(fmt, names, gz)
+        except Unavailable as e:
+            self._respond(c, 503, "Service Unavailable", f"{e}\n".encode(), close=close)
+            return
+        self._respond(c, 200, "OK", body, close=close, head_only=method == "HEAD", ctype=CONTENT_TYPE[fmt],
+                      extra="Content-Encoding: gzip\r\n" if gz else "")
+
+    def _respond(self, c: _Conn, code: int, reason: str, body: bytes, *, close: bool, head_only: bool = False,
+                 ctype: str = "text/plain; charset=utf-8", extra: str = "") -> None:
+        if code >= 400:
+            self.stats["errors"] += 1
+        hdr = (f"HTTP/1.1 {code} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n{extra}"
+               f"{'Connection: close' + chr(13) + chr(10) if close else ''}\r\n").encode("latin-1")
+        c.out, c.sent, c.close_after = memoryview(hdr if head_only else hdr + body), 0, close
+        self._write(c, time.monotonic())
+
+    def _write(self, c: _Conn, now: float) -> None:
+        try:
+            n = c.sock.send(c.out[c.sent:])
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError:
+            self._drop(c)
+            return
+        if n:
+            c.sent += n
+            c.last = now
+        if c.sent < len(c.out):
+            self._sel.modify(c.sock, selectors.EVENT_WRITE, c)
+            return
+        c.out = None
+        if c.close_after:
+            self._drop(c)
+            return
+        self._sel.modify(c.sock, selectors.EVENT_READ, c)
+        if c.inbuf:  # a pipelined request already received
+            self._maybe_respond(c, now)
+
+
+def main(argv: list[str]) -> int:
+    """Helper process entry: ``HOST PORT TIMEOUT_S MAX_CONNECTIONS SHM_FD REFRESH_S`` (module docstring)."""
+    host, port, timeout_s, max_conn, shm_fd = argv[0], int(argv[1]), float(argv[2]), int(argv[3]), int(argv[4])
+    refresh_s = float(argv[5])
+    logging.basicConfig(format="%(message)s")
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb", buffering=0)
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as e:
+        out.write(f"ERR {e}\n".encode())
+        return 1
+    versions = mmap.mmap(shm_fd, VERSIONS.size, access=mmap.ACCESS_READ)
+    out.write(f"OK {sock.getsockname()[1]}\n".encode())
+    pages = RemotePages(versions, sys.stdin.fileno(), out, min(3.0, timeout_s / 2), refresh_s)
+    HttpServer(sock, pages, sys.stdin.fileno(), timeout_s, max_conn).run()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
