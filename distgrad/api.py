@@ -46,9 +46,10 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
         OSError: rank 0 cannot bind the Prometheus port (the message says how to fix it).
         RuntimeError: set-up failed on another rank, or ranks disagree on the model.
     """
-    from distgrad.engines.deepspeed import DeepSpeedSource, attach_deepspeed, is_deepspeed_engine
-
     import torch
+
+    from distgrad.engines.deepspeed import DeepSpeedSource, attach_deepspeed, is_deepspeed_engine
+    from distgrad.engines.torch_native import attach_torch
 
     if isinstance(config, torch.optim.Optimizer):
         raise TypeError("distgrad.instrument(model, opt): the second argument is the config; pass the "
@@ -66,22 +67,36 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
     if overrides:
         cfg = DistgradConfig.from_dict({**cfg.to_dict(), **overrides})
 
-    if is_deepspeed_engine(engine):
+    deepspeed = is_deepspeed_engine(engine)
+    if deepspeed:
         if optimizer is not None or scaler is not None:
             raise TypeError("optimizer= and scaler= are for PyTorch models: a DeepSpeed engine owns its "
                             "optimizer and loss scaler; call distgrad.instrument(engine)")
         source = DeepSpeedSource(engine)
-        inst = Instrument(source, cfg)
-        if not cfg.enabled:  # the off switch: no exporter, no hooks, no collectives
-            return inst
-        inst._start_sinks()
-        clip = float(engine.gradient_clipping() or 0.0)
-        inst.attach_diagnostics(engine.module, clip if clip > 0 else None)
-        attach_deepspeed(inst, engine, source)
-        _mark(inst, engine)
+    else:
+        source = _torch_source(engine, optimizer, scaler)
+    inst = Instrument(source, cfg, group=source.group)
+    if not cfg.enabled:  # the off switch: no exporter, no hooks, no collectives
+        if not deepspeed:
+            _mark(inst, engine, optimizer)
         return inst
-    inst = _instrument_torch(engine, cfg, optimizer, scaler)
-    _mark(inst, engine, optimizer)
+    # the one failure path: whatever fails after the exporter started closes the instrument
+    # (port released, hooks removed, wrapped methods restored) before the error propagates
+    try:
+        inst.start()
+        if deepspeed:
+            clip = float(engine.gradient_clipping() or 0.0)
+            inst.attach_diagnostics(engine.module, clip if clip > 0 else None)
+            attach_deepspeed(inst, engine, source)
+            _mark(inst, engine)
+        else:
+            # torch loops clip in user code (clip_grad_norm_): the clip ratio uses config.max_grad_norm
+            inst.attach_diagnostics(source.user_module(engine), None)
+            attach_torch(inst, source, engine, optimizer, scaler)
+            _mark(inst, engine, optimizer)
+    except BaseException:
+        inst.close()
+        raise
     return inst
 
 
@@ -91,17 +106,18 @@ def _mark(inst: Instrument, *objs: Any) -> None:
     for o in objs:
         try:
             setattr(o, "_distgrad_instrument", inst)
-            inst._restore.append(lambda o=o: setattr(o, "_distgrad_instrument", None))
+            inst.on_close(lambda o=o: setattr(o, "_distgrad_instrument", None))
         except (AttributeError, TypeError):
             pass
 
 
-def _instrument_torch(model: Any, cfg: DistgradConfig, optimizer: Any, scaler: Any) -> Instrument:
-    """DDP / FSDP1 / FSDP2 / plain module: boundary = the optimizer's step hooks (and
-    ``scaler.step`` with a GradScaler), see :class:`distgrad.engines.torch_native.OptimizerBoundary`."""
+def _torch_source(model: Any, optimizer: Any, scaler: Any) -> Any:
+    """The adapter of a DDP / FSDP1 / FSDP2 / plain-module model after checking ``optimizer=`` and
+    ``scaler=``; its boundary is the optimizer's step hooks (and ``scaler.step`` with a
+    GradScaler), see :class:`distgrad.engines.optimizer_boundary.OptimizerBoundary`."""
     import torch
 
-    from distgrad.engines.torch_native import SUPPORTED, attach_torch, check_boundary_args, torch_source
+    from distgrad.engines.torch_native import SUPPORTED, check_boundary_args, torch_source
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
@@ -119,18 +135,7 @@ def _instrument_torch(model: Any, cfg: DistgradConfig, optimizer: Any, scaler: A
     check_boundary_args(model, optimizer, scaler)
     source = torch_source(model)
     source.scaler = scaler  # before the sinks start: they export overflow series only with a scaler
-    inst = Instrument(source, cfg, group=source.group)
-    if not cfg.enabled:  # the off switch: no exporter, no hooks, no collectives
-        return inst
-    inst._start_sinks()
-    try:
-        # torch loops clip in user code (clip_grad_norm_): the clip ratio uses config.max_grad_norm
-        inst.attach_diagnostics(source.user_module(model), None)
-        attach_torch(inst, source, model, optimizer, scaler)
-    except BaseException:
-        inst.close()
-        raise
-    return inst
+    return source
 
 
 __all__ = ["instrument", "ConfigError", "DistgradConfig", "Instrument"]

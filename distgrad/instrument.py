@@ -25,6 +25,7 @@ from distgrad.config import DistgradConfig
 from distgrad.engines.base import GradSource, slice_for_rank
 from distgrad.record import StepRecord
 from distgrad.sinks.base import Sink
+from distgrad.step import StepOutcome, StepToken
 from distgrad.stats import (RANK_COLS, SUM_COLS, Layout, error_blocks, global_norm, pack_local,
                             reduce_blocks, replica_outliers, unpack)
 
@@ -65,6 +66,8 @@ class Instrument:
         self.port: int | None = None
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
+        self._auto_loss = True  # automatic loss capture on, until the first explicit observe_loss
+        self._auto_seen = False  # an automatically captured loss is in _loss_sum
         self._consecutive_overflow = 0
         self._replica_mismatch_rank = -1
         self._restore: list[Callable[[], None]] = []
@@ -83,122 +86,26 @@ class Instrument:
 
     # ----------------------------------------------------------------------------------
     # set-up
-    def _start_sinks(self) -> None:
-        """Create rank 0's sinks, then agree across ranks that set-up succeeded (one small
-        all-reduce at ``instrument()`` time), so that a port in use on rank 0 raises on every
-        rank instead of leaving the others to hang in the first sampled step."""
-        err: BaseException | None = None
-        if self.global_rank == 0 and self.config.prometheus:
-            from distgrad.sinks.prometheus import PrometheusSink
+    def start(self) -> None:
+        """Create rank 0's sinks (exporter, files), then agree across ranks that set-up succeeded
+        and that every rank has the same parameters and collective-deciding settings (one small
+        all-reduce), so that a port in use on rank 0 raises on every rank instead of leaving the
+        others to hang in the first sampled step. Call once, on every rank, before the first
+        boundary (``distgrad.instrument()`` does).
 
-            static = {"engine": self.source.engine_name,
-                      "zero_stage": "" if self.source.zero_stage is None else str(self.source.zero_stage),
-                      "dtype": _DTYPE_NAMES.get(self.source.compute_dtype, str(self.source.compute_dtype)),
-                      "version": __version__}
-            try:
-                self.prometheus = PrometheusSink(self.config.host, self.config.port, static, self.world_size,
-                                                 has_loss_scaler=self.source.has_loss_scaler(),
-                                                 has_samples=self.source.samples() is not None)
-                self.port = self.prometheus.port
-                self.sinks.append(self.prometheus)
-                if self.config.file_sd_path:
-                    self._write_file_sd()
-            except OSError as e:
-                err = e
-        if self.global_rank == 0 and err is None:
-            err = self._start_file_sinks()
-        if self.prometheus is not None:
-            for sink in self.sinks:  # labelled counters at 0 from the start, like the others
-                self.prometheus.collector.inc_labeled("distgrad_sink_errors", {"sink": sink.name}, 0)
-        if _dist_ready() and self.world_size > 1:
-            h = float(self._collective_settings_hash())
-            flag = torch.tensor([1.0 if err else 0.0, float(self.layout.n_params), -float(self.layout.n_params),
-                                 h, -h], dtype=torch.float64, device=self.source.device())
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            f = flag.cpu().tolist()
-            if err is None and f[0] > 0:
-                err = RuntimeError("distgrad set-up failed on global rank 0 (see its error above)")
-            if err is None and f[1] != -f[2]:
-                err = RuntimeError(
-                    f"ranks disagree on the number of trainable parameters ({int(-f[2])}..{int(f[1])}): "
-                    "every rank must instrument the same model with the same requires_grad settings")
-            if err is None and f[3] != -f[4]:
-                err = RuntimeError(
-                    "ranks disagree on distgrad settings that decide its collectives (interval, "
-                    "replica_check, update_ratio, enabled): every rank must call distgrad.instrument() "
-                    "with the same config, or the job would deadlock at the first sampled step")
-        if err is not None:
-            self.close()
-            raise err
+        Raises:
+            OSError: rank 0 cannot bind the Prometheus port.
+            ConfigError: a file sink's path cannot be used (the key is named).
+            RuntimeError: set-up failed on another rank, or ranks disagree.
 
-    def _collective_settings_hash(self) -> int:
-        """Settings that decide which collectives a rank makes, hashed to an integer exactly
-        representable in float64 (for the set-up agreement all-reduce)."""
-        import hashlib
+        The instrument is closed before any of these is raised."""
+        from distgrad.startup import start
 
-        c = self.config
-        key = repr((c.enabled, c.interval, c.replica_check, c.update_ratio)).encode()
-        return int.from_bytes(hashlib.sha256(key).digest()[:6], "big")
-
-    def _write_file_sd(self) -> None:
-        """Write rank 0's exporter as a Prometheus file_sd target (atomically: write + rename)."""
-        import json
-        import os
-        import socket
-
-        host = self.config.advertise_host or (
-            self.config.host if self.config.host not in ("0.0.0.0", "::", "") else socket.getfqdn())
-        entry: dict[str, Any] = {"targets": [f"{host}:{self.port}"]}
-        if self.config.run_name:
-            entry["labels"] = {"run": self.config.run_name}
-        path = str(self.config.file_sd_path)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump([entry], f)
-        os.replace(tmp, path)
-
-        def remove() -> None:
-            if os.path.exists(path):
-                os.remove(path)
-        self._restore.append(remove)
-
-    def _start_file_sinks(self) -> BaseException | None:
-        """Open rank 0's file outputs now, so that an unwritable path fails at ``instrument()``
-        time with the config key named."""
-        from distgrad.config import ConfigError
-
-        key = ""
-        try:
-            if self.config.jsonl_path:
-                from distgrad.sinks.jsonl import JsonlSink
-
-                key = "jsonl_path"
-                self.sinks.append(JsonlSink(self.config.jsonl_path, max_bytes=self.config.jsonl_max_bytes,
-                                            backups=self.config.jsonl_backups))
-            if self.config.tensorboard_dir:
-                from distgrad.sinks.tensorboard import TensorBoardSink
-
-                key = "tensorboard_dir"
-                self.sinks.append(TensorBoardSink(self.config.tensorboard_dir))
-            if self.config.flight_recorder_dir:
-                import os
-                import tempfile
-
-                key = "flight_recorder_dir"
-                os.makedirs(self.config.flight_recorder_dir, exist_ok=True)
-                with tempfile.NamedTemporaryFile(dir=self.config.flight_recorder_dir):
-                    pass
-        except Exception as e:  # noqa: BLE001 - reported at instrument() time
-            err = ConfigError(f"distgrad config: '{key}' = {getattr(self.config, key)!r} cannot be used: "
-                              f"{type(e).__name__}: {e}; choose a writable path or set it to null")
-            err.__cause__ = e
-            return err
-        return None
+        start(self)
 
     # ----------------------------------------------------------------------------------
     # user-facing
-    def observe_loss(self, loss: "torch.Tensor | float") -> None:
+    def observe_loss(self, loss: "torch.Tensor | float", *, automatic: bool = False) -> None:
         """Record one micro-batch's training loss on this rank (no host sync, no collective).
 
         The losses observed since the last optimizer-step boundary are summed on the device and
@@ -208,12 +115,23 @@ class Instrument:
 
         Args:
             loss: 0-d tensor (any float dtype, any device) or a Python float.
+            automatic: for boundaries that pick the loss out of the model's output (the PyTorch
+                boundary's forward hook). The first call with ``automatic=False`` (the user's
+                own) switches automatic capture off for the rest of the run and drops the
+                automatic losses of the current step, so the two are never mixed.
         """
+        if automatic and not self._auto_loss:
+            return
+        if not automatic and self._auto_loss:
+            self._auto_loss = False
+            if self._auto_seen:
+                self._loss_sum, self._loss_count = None, 0
         try:
             t = loss.detach().reshape(()).to(torch.float64) if isinstance(loss, torch.Tensor) \
                 else torch.tensor(float(loss), dtype=torch.float64)
             self._loss_sum = t if self._loss_sum is None else self._loss_sum + t.to(self._loss_sum.device)
             self._loss_count += 1
+            self._auto_seen = self._auto_seen or automatic
         except Exception:  # noqa: BLE001 - never break training
             self._internal_error("observe_loss")
 
@@ -221,8 +139,15 @@ class Instrument:
         """Call ``fn(record)`` on every rank after each sampled step (exceptions are counted)."""
         self._hooks.append(fn)
 
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` at :meth:`close` (callbacks run in reverse order of registration;
+        their exceptions are ignored): how a boundary removes its hooks and restores the
+        methods it wrapped."""
+        self._restore.append(fn)
+
     def close(self) -> None:
-        """Stop the exporter, close the sinks and restore the engine's wrapped methods."""
+        """Stop the exporter, close the sinks and run the :meth:`on_close` callbacks (which
+        restore the engine's wrapped methods). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -244,10 +169,46 @@ class Instrument:
         self.close()
 
     # ----------------------------------------------------------------------------------
-    # the boundary
+    # the boundary: every engine boundary and integration uses begin_step / end_step,
+    # observe_loss, after_micro_batch, on_close and count_error, nothing else
     def is_sampled(self, step: int) -> bool:
         """Whether optimizer step ``step`` (0-based, engine counter) is sampled."""
         return self.config.enabled and step % self.config.interval == 0
+
+    def begin_step(self, step: int) -> StepToken:
+        """Open optimizer step ``step`` at the boundary: after the gradient reduction (and
+        accumulation) has completed, before the optimizer consumes the gradients.
+
+        Decides sampling from ``step`` alone (so all ranks agree); on a sampled step reads this
+        rank's gradient pieces, computes their statistics, makes the two collectives (SUM, MAX)
+        and one host copy (:meth:`collect`). Must be called on every rank, for every optimizer
+        step, skipped ones included, with the same ``step``. Never raises (failures are
+        counted). Pair it with exactly one :meth:`end_step`.
+
+        Args:
+            step: the optimizer step, 0-based, counting every step the loop attempts.
+
+        Returns:
+            The :class:`~distgrad.step.StepToken` to hand to :meth:`end_step`.
+        """
+        sampled = self.is_sampled(step)
+        return StepToken(int(step), sampled, self.collect(step) if sampled else None)
+
+    def end_step(self, token: StepToken, outcome: StepOutcome) -> StepRecord | None:
+        """Close the step opened by :meth:`begin_step`, after the optimizer ran (or was
+        skipped): account overflow / skipped steps / samples, and on a sampled step build the
+        :class:`StepRecord`, run the diagnostics and hooks and publish it to the sinks
+        (:meth:`finish`); the losses observed for the step are then dropped. Never raises.
+
+        Returns:
+            The record of a sampled step, else None (also when the step's statistics could not
+            be computed on some rank: counted in ``internal_errors``).
+        """
+        if token.sampled:
+            return self.finish(token.step, outcome.micro_step, token.host, outcome.grad_scale,
+                               outcome.loss_scale, outcome.overflow, outcome.step_applied, outcome.samples)
+        self.skip(outcome.overflow, outcome.step_applied, outcome.samples)
+        return None
 
     def collect(self, step: int) -> np.ndarray | None:
         """Local statistics + the two collectives + one host copy, for a sampled step.
@@ -474,8 +435,13 @@ class Instrument:
         if self.prometheus is not None:
             self.prometheus.set_counters(self.counters)
 
-    def _internal_error(self, where: str) -> None:
+    def count_error(self, where: str) -> None:
+        """Count and log a failure of distgrad's own work (``distgrad_internal_errors_total``)
+        with the current traceback; call from an ``except`` block of a boundary or an
+        integration, then carry on: training must not stop for distgrad."""
         self.counters["internal_errors"] += 1
         log.error("distgrad: internal error in %s (training continues; counted in "
                   "distgrad_internal_errors_total):\n%s", where, traceback.format_exc())
         self._publish_counters()
+
+    _internal_error = count_error

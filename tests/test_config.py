@@ -63,7 +63,7 @@ def test_file_sd_target_written_by_rank0_and_removed_at_close(tmp_path):
     path = tmp_path / "targets" / "run1.json"
     cfg = DistgradConfig(port=0, file_sd_path=str(path), advertise_host="node17", run_name="run1")
     inst = Instrument(NoGrads(), cfg)
-    inst._start_sinks()
+    inst.start()
     try:
         assert json.loads(path.read_text()) == [{"targets": [f"node17:{inst.port}"], "labels": {"run": "run1"}}]
     finally:

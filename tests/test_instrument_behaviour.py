@@ -40,6 +40,18 @@ def test_port_in_use_raises_on_every_rank_at_instrument_time(ds_results):
     assert msg is not None and msg.startswith("OSError") and "port=0" in msg
 
 
+@pytest.mark.multirank
+def test_failure_while_attaching_to_deepspeed_frees_the_port(ds_results):
+    """The attach is made to fail after rank 0 bound its port: instrument() raises on every rank
+    and has closed the instrument, so the same port can be bound at once (by a plain socket and
+    by a new instrument) and the engine is neither left wrapped nor marked as instrumented."""
+    a = ds_results["special"]["attach_failure"]
+    assert a["error"] is not None and "injected failure while attaching" in a["error"]
+    assert a["rebound"] is True, a["rebound"]
+    assert a["port"] > 0 and a["served"] == a["port"]
+    assert a["restored"] and a["unmarked"]
+
+
 def test_unsupported_engine_is_named_with_the_fix():
     with pytest.raises(TypeError, match=r"got a builtins\.object.*supported"):
         distgrad.instrument(object())
@@ -101,7 +113,7 @@ def test_failing_sink_is_counted_and_others_still_get_the_record():
             self.records.append(record)
 
     inst = Instrument(Two(), DistgradConfig(port=0))
-    inst._start_sinks()
+    inst.start()
     from prometheus_client import generate_latest
 
     assert 'distgrad_sink_errors_total{sink="prometheus"} 0.0' in generate_latest(inst.prometheus.registry).decode()

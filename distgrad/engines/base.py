@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import re
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -39,6 +39,9 @@ class GradSource(abc.ABC):
             the core then splits each gradient into W slices and each rank reads only its own
             slice, so nothing is counted twice and the work is divided by W.
         grad_dtype: dtype the gradients are held in (for headroom to its largest finite value).
+        group: the process group the gradients are reduced over, whose ranks the
+            :class:`~distgrad.instrument.Instrument` combines statistics over (None: the
+            default group, or one process).
     """
 
     engine_name: str = "unknown"
@@ -48,6 +51,7 @@ class GradSource(abc.ABC):
     replicated: bool = False
     grad_dtype: torch.dtype = torch.float32
     compute_dtype: torch.dtype = torch.float32
+    group: Any = None
 
     @abc.abstractmethod
     def local_pieces(self) -> Sequence[torch.Tensor | None]:

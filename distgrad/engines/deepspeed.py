@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from distgrad.engines.base import GradSource, clean_name
+from distgrad.step import StepOutcome
 
 
 def is_deepspeed_engine(obj: object) -> bool:
@@ -213,32 +214,31 @@ class DeepSpeedSource(GradSource):
 
 
 def attach_deepspeed(inst: Any, engine: Any, source: DeepSpeedSource) -> None:
-    """Wrap ``engine._take_model_step`` (the boundary) and ``engine.backward`` (loss capture)
-    on this engine instance only; :meth:`Instrument.close` restores them."""
+    """The DeepSpeed boundary: wrap ``engine._take_model_step`` (called once per optimizer step,
+    after the reduction, before clipping and the update; see the module docstring) and
+    ``engine.backward`` (loss capture) on this engine instance only, through the
+    :class:`~distgrad.Instrument` boundary API; :meth:`Instrument.close` restores them."""
     take = engine._take_model_step
     backward = engine.backward
 
     def _take_model_step(*args: Any, **kwargs: Any) -> Any:
         step, micro = int(engine.global_steps), int(engine.micro_steps)
-        sampled = inst.is_sampled(step)
-        host, gscale = None, 1.0
-        if sampled:
+        gscale = 1.0
+        if inst.is_sampled(step):
             try:
                 gscale = source.grad_scale()
             except Exception:  # noqa: BLE001
-                inst._internal_error("reading the loss scale")
-            host = inst.collect(step)
+                inst.count_error("reading the loss scale")
+        token = inst.begin_step(step)
         out = take(*args, **kwargs)
         try:
-            overflow, applied = source.overflow(), bool(engine.was_step_applied())
-            loss_scale, samples = source.loss_scale(), source.samples()
+            outcome = StepOutcome(overflow=source.overflow(), step_applied=bool(engine.was_step_applied()),
+                                  loss_scale=source.loss_scale(), samples=source.samples())
         except Exception:  # noqa: BLE001
-            inst._internal_error("reading the optimizer state")
-            overflow, applied, loss_scale, samples = None, True, None, None
-        if sampled:
-            inst.finish(step, micro, host, gscale, loss_scale, overflow, applied, samples)
-        else:
-            inst.skip(overflow, applied, samples)
+            inst.count_error("reading the optimizer state")
+            outcome = StepOutcome(overflow=None, step_applied=True)
+        outcome.grad_scale, outcome.micro_step = gscale, micro
+        inst.end_step(token, outcome)
         return out
 
     def _backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
@@ -254,4 +254,4 @@ def attach_deepspeed(inst: Any, engine: Any, source: DeepSpeedSource) -> None:
         engine._take_model_step = take
         engine.backward = backward
 
-    inst._restore.append(restore)
+    inst.on_close(restore)

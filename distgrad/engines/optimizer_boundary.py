@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from distgrad.engines.torch_base import TorchSource, _unwrap_compiled
+from distgrad.step import StepOutcome
 
 log = logging.getLogger("distgrad")
 
@@ -17,13 +18,14 @@ log = logging.getLogger("distgrad")
 class OptimizerBoundary:
     """The optimizer-step boundary for PyTorch-native engines.
 
-    Installs on ``optimizer``: a step pre-hook that reads the reduced gradients of sampled
-    steps (``Instrument.collect``: local statistics + 2 collectives + 1 host copy) and a step
-    post-hook that publishes (``Instrument.finish``) or accounts (``Instrument.skip``) the step;
+    Installs on ``optimizer``: a step pre-hook that opens the step (``Instrument.begin_step``:
+    on sampled steps local statistics + 2 collectives + 1 host copy) and a step post-hook that
+    closes it (``Instrument.end_step``: publishes a sampled step, accounts any step);
     on ``model``: a forward hook counting micro-batches (forward passes with grad enabled) and
     capturing the loss when the forward returns one (a 0-d floating tensor, or an object /
-    dict with a 0-d ``loss``, as Hugging Face models return). The first explicit
-    ``inst.observe_loss(...)`` call switches the automatic capture off. With a
+    dict with a 0-d ``loss``, as Hugging Face models return; ``observe_loss(loss,
+    automatic=True)``). The first explicit ``inst.observe_loss(...)`` call switches the
+    automatic capture off. With a
     ``GradScaler``, ``scaler.step`` is wrapped on the instance (see the module docstring):
 
     - non-fused optimizers: gradients are unscaled when the pre-hook runs (``scaler.step``
@@ -51,30 +53,18 @@ class OptimizerBoundary:
         self.inst, self.source, self.optimizer, self.scaler = inst, source, optimizer, scaler
         self.step = 0
         self.micro = 0
-        self._pending: tuple | None = None  # (step, sampled, host, grad_scale, fused_overflow)
+        self._pending: tuple | None = None  # (StepToken, grad_scale, fused_overflow)
         self._in_scaler = False
         self._fired = False
-        self._auto_loss = True
         self._handles = [optimizer.register_step_pre_hook(self._pre),
                          optimizer.register_step_post_hook(self._post),
                          model.register_forward_hook(self._forward)]
-        observe = inst.observe_loss
-
-        def observe_loss(loss: Any) -> None:  # explicit losses replace the automatic capture
-            if self._auto_loss:
-                self._auto_loss = False
-                inst._loss_sum, inst._loss_count = None, 0
-            observe(loss)
-
-        observe_loss.__doc__ = observe.__doc__
-        self._observe = observe
-        inst.observe_loss = observe_loss
         self._scaler_step: Callable | None = None
         self._scaler_own_step = scaler is not None and "step" in vars(scaler)
         if scaler is not None:
             self._scaler_step = scaler.step
             scaler.step = self._wrapped_scaler_step  # on this instance only
-        inst._restore.append(self.remove)
+        inst.on_close(self.remove)
 
     def remove(self) -> None:
         """Remove the hooks and restore ``scaler.step`` (called by ``Instrument.close``)."""
@@ -87,21 +77,19 @@ class OptimizerBoundary:
             else:
                 vars(self.scaler).pop("step", None)
             self._scaler_step = None
-        self.inst.__dict__.pop("observe_loss", None)
 
     # -- hooks ------------------------------------------------------------------------------
     def _forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
         self.micro += 1
-        if self._auto_loss:
-            loss = output
-            if isinstance(output, dict):
-                loss = output.get("loss")
-            elif not isinstance(output, torch.Tensor):
-                loss = getattr(output, "loss", None)
-            if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point():
-                self._observe(loss)
+        loss = output
+        if isinstance(output, dict):
+            loss = output.get("loss")
+        elif not isinstance(output, torch.Tensor):
+            loss = getattr(output, "loss", None)
+        if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point():
+            self.inst.observe_loss(loss, automatic=True)  # ignored once the user observes losses
         self.inst.after_micro_batch()  # writes the forward tracer's report once it has run
 
     def _begin(self) -> None:
@@ -109,10 +97,8 @@ class OptimizerBoundary:
         self.inst.after_micro_batch()  # the tracer report of the last micro-batch, if it ran
         if self._pending is not None:  # the previous optimizer.step raised after its pre-hook
             log.warning("distgrad: optimizer.step() at step %d did not complete; recorded as not applied",
-                        self._pending[0])
+                        self._pending[0].step)
             self._end(None, False, None)
-        step = self.step
-        sampled = self.inst.is_sampled(step)
         gscale, fused_overflow = 1.0, None
         if self._in_scaler:
             try:
@@ -122,18 +108,15 @@ class OptimizerBoundary:
                     gs = getattr(self.optimizer, "grad_scale", None)
                     gscale = float(gs) if gs is not None else 1.0
             except Exception:  # noqa: BLE001
-                self.inst._internal_error("reading the GradScaler state")
-        host = self.inst.collect(step) if sampled else None
-        self._pending = (step, sampled, host, gscale, fused_overflow)
+                self.inst.count_error("reading the GradScaler state")
+        self._pending = (self.inst.begin_step(self.step), gscale, fused_overflow)
 
     def _end(self, overflow: bool | None, applied: bool, loss_scale: float | None) -> None:
-        step, sampled, host, gscale, _ = self._pending
+        token, gscale, _ = self._pending
         self._pending = None
         self.step += 1
-        if sampled:
-            self.inst.finish(step, self.micro, host, gscale, loss_scale, overflow, applied, None)
-        else:
-            self.inst.skip(overflow, applied, None)
+        self.inst.end_step(token, StepOutcome(overflow=overflow, step_applied=applied, loss_scale=loss_scale,
+                                              grad_scale=gscale, micro_step=self.micro))
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._fired = True
@@ -152,14 +135,14 @@ class OptimizerBoundary:
             try:
                 loss_scale = float(self.scaler.get_scale())
             except Exception:  # noqa: BLE001
-                self.inst._internal_error("reading the loss scale")
+                self.inst.count_error("reading the loss scale")
         self._in_scaler, self._fired = True, False
         try:
             out = step_fn(optimizer, *args, **kwargs)
         finally:
             self._in_scaler = False
         if self._fired:
-            fused_overflow = self._pending[4] if self._pending is not None else None
+            fused_overflow = self._pending[2] if self._pending is not None else None
             overflow = bool(fused_overflow)
         else:  # GradScaler found Inf/NaN and skipped optimizer.step(): read the unscaled grads now
             overflow = True

@@ -261,6 +261,50 @@ def special_cases(rank: int, world: int) -> dict:
     holder.close()
     out["port_taken"] = msg
 
+    # 3b. a failure while attaching to DeepSpeed, after rank 0's exporter started: instrument()
+    # closes the instrument, so the port is free again and the engine is left as it was
+    import distgrad.engines.deepspeed as ds_adapter
+
+    probe = socket.socket()
+    port = 0
+    if rank == 0:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    probe.close()
+    t = torch.tensor([port])
+    tdist.broadcast(t, 0)
+    port = int(t.item())
+    take_before = engine._take_model_step
+    real_attach = ds_adapter.attach_deepspeed
+
+    def failing_attach(*a, **kw):
+        real_attach(*a, **kw)  # wraps the engine, then fails
+        raise RuntimeError("injected failure while attaching")
+    ds_adapter.attach_deepspeed = failing_attach
+    err = None
+    try:
+        distgrad.instrument(engine, port=port)
+    except RuntimeError as e:
+        err = str(e)
+    finally:
+        ds_adapter.attach_deepspeed = real_attach
+    rebound = None
+    if rank == 0:
+        again = socket.socket()
+        try:
+            again.bind(("127.0.0.1", port))
+            rebound = True
+        except OSError as e:
+            rebound = f"{type(e).__name__}: {e}"
+        finally:
+            again.close()
+    restored = engine._take_model_step == take_before
+    unmarked = getattr(engine, "_distgrad_instrument", None) is None
+    inst = distgrad.instrument(engine, port=port)  # distgrad itself can serve there again
+    out["attach_failure"] = {"error": err, "rebound": rebound, "port": port, "served": inst.port,
+                             "restored": restored, "unmarked": unmarked}
+    inst.close()
+
     # 4. a "distgrad" section inside the DeepSpeed config is picked up by instrument(engine)
     torch.manual_seed(0)
     model = TinyModel()

@@ -1,0 +1,128 @@
+"""Set-up of an :class:`~distgrad.instrument.Instrument` at ``instrument()`` time: rank 0's sinks
+(Prometheus exporter, file_sd target, JSONL / TensorBoard / flight-recorder paths) and the
+one all-reduce by which all ranks agree that set-up worked (see :meth:`Instrument.start`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distgrad import __version__
+from distgrad.instrument import _DTYPE_NAMES, _dist_ready
+
+
+def start(inst: Any) -> None:
+    """:meth:`Instrument.start` (documented there)."""
+    err: BaseException | None = None
+    if inst.global_rank == 0 and inst.config.prometheus:
+        from distgrad.sinks.prometheus import PrometheusSink
+
+        static = {"engine": inst.source.engine_name,
+                  "zero_stage": "" if inst.source.zero_stage is None else str(inst.source.zero_stage),
+                  "dtype": _DTYPE_NAMES.get(inst.source.compute_dtype, str(inst.source.compute_dtype)),
+                  "version": __version__}
+        try:
+            inst.prometheus = PrometheusSink(inst.config.host, inst.config.port, static, inst.world_size,
+                                             has_loss_scaler=inst.source.has_loss_scaler(),
+                                             has_samples=inst.source.samples() is not None)
+            inst.port = inst.prometheus.port
+            inst.sinks.append(inst.prometheus)
+            if inst.config.file_sd_path:
+                write_file_sd(inst)
+        except OSError as e:
+            err = e
+    if inst.global_rank == 0 and err is None:
+        err = start_file_sinks(inst)
+    if inst.prometheus is not None:
+        for sink in inst.sinks:  # labelled counters at 0 from the start, like the others
+            inst.prometheus.collector.inc_labeled("distgrad_sink_errors", {"sink": sink.name}, 0)
+    if _dist_ready() and inst.world_size > 1:
+        h = float(collective_settings_hash(inst))
+        flag = torch.tensor([1.0 if err else 0.0, float(inst.layout.n_params), -float(inst.layout.n_params),
+                             h, -h], dtype=torch.float64, device=inst.source.device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=inst.group)
+        f = flag.cpu().tolist()
+        if err is None and f[0] > 0:
+            err = RuntimeError("distgrad set-up failed on global rank 0 (see its error above)")
+        if err is None and f[1] != -f[2]:
+            err = RuntimeError(
+                f"ranks disagree on the number of trainable parameters ({int(-f[2])}..{int(f[1])}): "
+                "every rank must instrument the same model with the same requires_grad settings")
+        if err is None and f[3] != -f[4]:
+            err = RuntimeError(
+                "ranks disagree on distgrad settings that decide its collectives (interval, "
+                "replica_check, update_ratio, enabled): every rank must call distgrad.instrument() "
+                "with the same config, or the job would deadlock at the first sampled step")
+    if err is not None:
+        inst.close()
+        raise err
+
+
+def collective_settings_hash(inst: Any) -> int:
+    """Settings that decide which collectives a rank makes, hashed to an integer exactly
+    representable in float64 (for the set-up agreement all-reduce)."""
+    import hashlib
+
+    c = inst.config
+    key = repr((c.enabled, c.interval, c.replica_check, c.update_ratio)).encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:6], "big")
+
+
+def write_file_sd(inst: Any) -> None:
+    """Write rank 0's exporter as a Prometheus file_sd target (atomically: write + rename)."""
+    import json
+    import os
+    import socket
+
+    host = inst.config.advertise_host or (
+        inst.config.host if inst.config.host not in ("0.0.0.0", "::", "") else socket.getfqdn())
+    entry: dict[str, Any] = {"targets": [f"{host}:{inst.port}"]}
+    if inst.config.run_name:
+        entry["labels"] = {"run": inst.config.run_name}
+    path = str(inst.config.file_sd_path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump([entry], f)
+    os.replace(tmp, path)
+
+    def remove() -> None:
+        if os.path.exists(path):
+            os.remove(path)
+    inst.on_close(remove)
+
+
+def start_file_sinks(inst: Any) -> BaseException | None:
+    """Open rank 0's file outputs now, so that an unwritable path fails at ``instrument()``
+    time with the config key named."""
+    from distgrad.config import ConfigError
+
+    key = ""
+    try:
+        if inst.config.jsonl_path:
+            from distgrad.sinks.jsonl import JsonlSink
+
+            key = "jsonl_path"
+            inst.sinks.append(JsonlSink(inst.config.jsonl_path, max_bytes=inst.config.jsonl_max_bytes,
+                                        backups=inst.config.jsonl_backups))
+        if inst.config.tensorboard_dir:
+            from distgrad.sinks.tensorboard import TensorBoardSink
+
+            key = "tensorboard_dir"
+            inst.sinks.append(TensorBoardSink(inst.config.tensorboard_dir))
+        if inst.config.flight_recorder_dir:
+            import os
+            import tempfile
+
+            key = "flight_recorder_dir"
+            os.makedirs(inst.config.flight_recorder_dir, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=inst.config.flight_recorder_dir):
+                pass
+    except Exception as e:  # noqa: BLE001 - reported at instrument() time
+        err = ConfigError(f"distgrad config: '{key}' = {getattr(inst.config, key)!r} cannot be used: "
+                          f"{type(e).__name__}: {e}; choose a writable path or set it to null")
+        err.__cause__ = e
+        return err
+    return None
