@@ -143,10 +143,7 @@ def aggregate(stats: ParamStats, keys: Sequence[str]) -> ParamStats:
     out: dict[str, np.ndarray] = {}
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf -> NaN, as torch
         for f in _SUMMED:
-            a = getattr(stats, f)
-            acc = np.zeros(g, dtype=np.float64)
-            np.add.at(acc, inv, a)  # sequential, in parameter order; NaN/Inf propagate
-            out[f] = acc
+            out[f] = group_sums(inv, getattr(stats, f), g)
 
         present = stats.numel > 0
         gmin = np.full(g, np.inf)
@@ -158,6 +155,23 @@ def aggregate(stats: ParamStats, keys: Sequence[str]) -> ParamStats:
         gmax[empty] = np.nan
     out["min"], out["max"] = gmin, gmax
     return ParamStats(names=list(index), **{f: out[f] for f in STAT_FIELDS})
+
+
+def group_sums(inv: np.ndarray, values: np.ndarray, n_groups: int) -> np.ndarray:
+    """Per-group sums of per-parameter values: the one summation behind every layer, module and
+    kind aggregate (:func:`aggregate`, and the report's and TensorBoard sink's per-layer norms,
+    :meth:`distgrad.report.layers.LayerIndex.norms_and_nonfinite`).
+
+    Args:
+        inv: integer array ``[P]``, the group of each parameter, each in ``[0, n_groups)``.
+        values: float64 array ``[P]``.
+        n_groups: G.
+
+    Returns:
+        float64 array ``[G]``; each group's members added one by one in parameter order (the
+        same float64 result as ``np.add.at``), NaN/Inf propagating; 0 for a group without members.
+    """
+    return np.bincount(inv, weights=values, minlength=n_groups).astype(np.float64, copy=False)
 
 
 def group_keys(

@@ -9,9 +9,10 @@ string from a user rule).
 
 Classification of one name, in this order:
 
-1. **Canonical name.** Wrapper components are removed: ``_fsdp_wrapped_module``,
-   ``_checkpoint_wrapped_module`` and ``_orig_mod`` wherever they occur, then leading
-   ``module.`` (DDP / DeepSpeed, repeated) and a leading ``base_model.model.`` (PEFT).
+1. **Canonical name** (:func:`distgrad.canonical.clean_name`). Wrapper components are removed:
+   ``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``, ``_orig_mod`` and
+   ``_forward_module`` wherever they occur, then leading ``module.`` (DDP / DeepSpeed,
+   repeated) and a leading ``base_model.model.`` (PEFT).
    PEFT parts are removed and remembered: ``<m>.base_layer.<leaf>`` -> ``<m>.<leaf>``;
    ``<m>.lora_A.<adapter>.<leaf>`` (PEFT), ``<m>.lora_A.<leaf>`` (no adapter name) and
    ``<m>.lora_A`` (Microsoft loralib) -> ``<m>.<leaf>`` with ``lora="A"`` (``B`` likewise);
@@ -167,65 +168,9 @@ class ParamGroup:
     module: str
 
 
-# --------------------------------------------------------------------------------------------
-# Canonical names
-# --------------------------------------------------------------------------------------------
+from distgrad.canonical import _canonical, canonical_name  # noqa: E402 - re-exported
 
-_WRAPPER_COMPONENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
-
-_PEFT_RE = re.compile(
-    r"^(?P<mod>.+?)\."
-    r"(?:lora_(?P<ab>A|B)\.(?:[^.]+\.)?(?P<leaf>weight|bias)"
-    r"|lora_(?P<bare>A|B)"
-    r"|lora_embedding_(?P<eab>A|B)\.[^.]+"
-    r"|lora_magnitude_vector\.[^.]+(?:\.weight)?)$"
-)
-_PEFT_DROP_RE = re.compile(r"\.(?:base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
 _LEAF_RE = re.compile(r"\.(?:weight|bias)$")
-
-
-def _strip_wrappers(name: str) -> str:
-    parts = [p for p in name.split(".") if p not in _WRAPPER_COMPONENTS]
-    i = 0
-    while True:
-        if i < len(parts) - 1 and parts[i] == "module":
-            i += 1
-        elif i < len(parts) - 2 and parts[i] == "base_model" and parts[i + 1] == "model":
-            i += 2
-        else:
-            break
-    return ".".join(parts[i:])
-
-
-def _canonical(name: str) -> tuple[str, str | None]:
-    s = _strip_wrappers(name)
-    lora: str | None = None
-    m = _PEFT_RE.match(s)
-    if m is not None:
-        if m["ab"]:
-            lora, s = m["ab"], f"{m['mod']}.{m['leaf']}"
-        elif m["bare"]:  # loralib: the adapter matrices are parameters of the layer itself
-            lora, s = m["bare"], f"{m['mod']}.weight"
-        elif m["eab"]:
-            lora, s = f"embedding_{m['eab']}", f"{m['mod']}.weight"
-        else:
-            lora, s = "magnitude", f"{m['mod']}.weight"
-    s = _PEFT_DROP_RE.sub("", s)
-    return s, lora
-
-
-def canonical_name(name: str) -> str:
-    """Name with wrapper and PEFT components removed (step 1 of the module docstring).
-
-    Args:
-        name: parameter name as given by ``Module.named_parameters()`` of the (wrapped) model.
-
-    Returns:
-        e.g. ``"model.layers.0.self_attn.q_proj.weight"`` for
-        ``"module.base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"``.
-        LoRA/DoRA parameters map to ``<adapted module>.weight`` (``.bias`` for a LoRA bias).
-    """
-    return _canonical(name)[0]
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,28 +3,9 @@
 from __future__ import annotations
 
 import abc
-import re
 from typing import Any, Sequence
 
 import torch
-
-#: prefixes that wrappers add to parameter names; removed so users see their own names
-_WRAPPER_COMPONENTS = re.compile(
-    r"(^|\.)(_fsdp_wrapped_module|_orig_mod|_checkpoint_wrapped_module|_forward_module)\.")
-
-
-def clean_name(name: str) -> str:
-    """A parameter name as in the user's ``model.named_parameters()``: wrapper components
-    (``_fsdp_wrapped_module.``, ``_orig_mod.``, ``_checkpoint_wrapped_module.``) removed
-    wherever they occur, and leading ``module.`` (DDP / DeepSpeed) prefixes removed."""
-    prev = None
-    while prev != name:
-        prev = name
-        name = _WRAPPER_COMPONENTS.sub(r"\1", name)
-        if name.startswith("module."):
-            name = name[len("module."):]
-    return name
-
 
 class GradSource(abc.ABC):
     """Finds, on this rank, the local piece of each parameter's *reduced* gradient.

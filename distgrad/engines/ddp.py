@@ -7,7 +7,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from distgrad.engines.torch_base import TorchSource, _comm_device, _first_float_dtype, _unwrap_compiled, strip_wrappers
+from distgrad.canonical import clean_name
+from distgrad.engines.torch_base import TorchSource, _comm_device, _first_float_dtype, _unwrap_compiled
 
 
 class DDPSource(TorchSource):
@@ -40,7 +41,7 @@ class DDPSource(TorchSource):
                 skipped.append(name)
                 continue
             self._params.append(p)
-            self.names.append(strip_wrappers(name))
+            self.names.append(clean_name(name, strip_module=False))
             self.numels.append(p.numel())
         self._exclude_unmanaged(skipped, "not all-reduced by DDP")
         mp = getattr(ddp, "mixed_precision", None)

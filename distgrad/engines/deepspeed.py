@@ -24,7 +24,8 @@ from typing import Any, Sequence
 
 import torch
 
-from distgrad.engines.base import GradSource, clean_name
+from distgrad.canonical import clean_name
+from distgrad.engines.base import GradSource
 from distgrad.step import StepOutcome
 
 

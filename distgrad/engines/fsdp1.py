@@ -8,7 +8,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from distgrad.engines.torch_base import TorchSource, _comm_device, _first_float_dtype, _unwrap_compiled, strip_wrappers
+from distgrad.canonical import clean_name
+from distgrad.engines.torch_base import TorchSource, _comm_device, _first_float_dtype, _unwrap_compiled
 
 
 def _check_flat_layout(fp: Any, where: str) -> None:
@@ -128,10 +129,10 @@ class FSDP1Source(TorchSource):
             if not p.requires_grad:
                 continue
             if id(p) not in full:
-                skipped.append(strip_wrappers(name))
+                skipped.append(clean_name(name, strip_module=False))
                 continue
             self._params.append(p)
-            self.names.append(strip_wrappers(name))
+            self.names.append(clean_name(name, strip_module=False))
             self.numels.append(full[id(p)])
             self._offsets.append(where[id(p)])
         self._exclude_unmanaged(skipped, "not reduced by FSDP (ignored_modules?)")
@@ -143,7 +144,7 @@ class FSDP1Source(TorchSource):
             if not fp.requires_grad:
                 continue
             if not getattr(fp, "_is_flat_param", False):
-                skipped.append(strip_wrappers(pname))
+                skipped.append(clean_name(pname, strip_module=False))
                 continue
             prefix = pname[: -len("_flat_param")] if pname.endswith("_flat_param") else ""
             _check_flat_layout(fp, prefix.rstrip("."))
@@ -151,7 +152,7 @@ class FSDP1Source(TorchSource):
                     zip(fp._fqns, fp._numels, fp._shard_param_infos, fp._param_infos)):
                 where = (fp, int(info.offset_in_shard), int(info.numel_in_shard)) if info.in_shard else None
                 key = (order.get(id(pinfo.module), len(order)), i)
-                rows.append((key, strip_wrappers(prefix + fqn), int(numel), where,
+                rows.append((key, clean_name(prefix + fqn, strip_module=False), int(numel), where,
                              _intra(info, int(numel), self.replicated)))
         self._exclude_unmanaged(skipped, "not reduced by FSDP (ignored_modules?)")
         rows.sort(key=lambda r: r[0])

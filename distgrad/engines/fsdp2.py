@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distgrad.canonical import clean_name
 from distgrad.engines.torch_base import (TorchSource, _comm_device, _first_float_dtype, _fsdp2_module_type,
-    _unwrap_compiled, is_fsdp2, strip_wrappers)
+    _unwrap_compiled, is_fsdp2)
 
 
 class FSDP2Source(TorchSource):
@@ -37,7 +38,7 @@ class FSDP2Source(TorchSource):
             if not p.requires_grad:
                 continue
             if not isinstance(p, DTensor):
-                skipped.append(strip_wrappers(name))
+                skipped.append(clean_name(name, strip_module=False))
                 continue
             if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
                 raise ValueError(f"parameter {name!r} has placements {p.placements} on a "
@@ -49,7 +50,7 @@ class FSDP2Source(TorchSource):
                 raise ValueError("FSDP2 parameters live on different device meshes; distgrad "
                                  "needs one data-parallel mesh")
             self._params.append(p)
-            self.names.append(strip_wrappers(name))
+            self.names.append(clean_name(name, strip_module=False))
             self.numels.append(p.numel())  # DTensor.numel() is the global element count
         self._exclude_unmanaged(skipped, "plain tensors (not sharded by fully_shard; apply "
                                 "fully_shard to the root module)")

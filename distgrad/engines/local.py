@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distgrad.engines.torch_base import TorchSource, _first_float_dtype, _unwrap_compiled, strip_wrappers
+from distgrad.canonical import clean_name
+from distgrad.engines.torch_base import TorchSource, _first_float_dtype, _unwrap_compiled
 
 
 class LocalSource(TorchSource):
@@ -41,7 +42,7 @@ class LocalSource(TorchSource):
         for name, p in root.named_parameters():
             if p.requires_grad:
                 self._params.append(p)
-                self.names.append(strip_wrappers(name))
+                self.names.append(clean_name(name, strip_module=False))
                 self.numels.append(p.numel())
         self.grad_dtype = self.compute_dtype = _first_float_dtype(self._params)
         self._device = self._params[0].device if self._params else torch.device("cpu")

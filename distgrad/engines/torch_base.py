@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distgrad.engines.base import _WRAPPER_COMPONENTS, GradSource
+from distgrad.engines.base import GradSource
 
 log = logging.getLogger("distgrad")
 
@@ -21,19 +21,6 @@ SUPPORTED = ("torch.nn.parallel.DistributedDataParallel, "
              "FULL_SHARD / SHARD_GRAD_OP / NO_SHARD), a module sharded with "
              "torch.distributed.fsdp.fully_shard (FSDP2, 1-D mesh), a plain torch.nn.Module on one "
              "process (optionally torch.compile'd)")
-
-
-def strip_wrappers(name: str) -> str:
-    """Remove wrapper components (``_fsdp_wrapped_module.``, ``_orig_mod.``,
-    ``_checkpoint_wrapped_module.``) from a name relative to the user's module.
-
-    Unlike :func:`distgrad.engines.base.clean_name` it leaves a leading ``module.`` alone:
-    the adapters here start from the user's own module, where ``module`` is a real name."""
-    prev = None
-    while prev != name:
-        prev = name
-        name = _WRAPPER_COMPONENTS.sub(r"\1", name)
-    return name
 
 
 def _unwrap_compiled(model: Any) -> Any:

@@ -272,9 +272,7 @@ class RunAnalyzer:
 
         # ---- per-layer aggregates
         if L:
-            with np.errstate(invalid="ignore"):
-                lnorm = np.sqrt(np.bincount(idx, weights=p.sumsq, minlength=L))
-            lnf = np.bincount(idx, weights=nf, minlength=L)
+            lnorm, lnf = self._li.norms_and_nonfinite(p)
             if self._mask_src is not present or self._mask.size != L:
                 self._mask = np.zeros(L, bool)
                 self._mask[present] = True

@@ -8,6 +8,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from distgrad.grouping import group_sums
+from distgrad.record import ParamStats
+
 _INT_RE = re.compile(r"[./]")
 
 
@@ -92,6 +95,15 @@ class LayerIndex:
     def map(self, names: Sequence[str]) -> np.ndarray:
         """int64 array ``[len(names)]``: the layer column of each parameter."""
         return self._lookup(names)[0]
+
+    def norms_and_nonfinite(self, stats: ParamStats) -> tuple[np.ndarray, np.ndarray]:
+        """Per-layer gradient L2 norm (``sqrt`` of the members' summed ``sumsq``, as
+        ``grouping.aggregate(...).norm``) and NaN + Inf element count, float64 arrays ``[L]`` over
+        every layer seen so far; 0 for layers none of ``stats``' parameters belong to (see
+        :meth:`present`). Sums by :func:`distgrad.grouping.group_sums`."""
+        idx, L = self.map(stats.names), len(self.layers)
+        with np.errstate(invalid="ignore"):
+            return np.sqrt(group_sums(idx, stats.sumsq, L)), group_sums(idx, stats.nonfinite, L)
 
     def present(self, names: Sequence[str]) -> np.ndarray:
         """Sorted int64 array of the layer columns that ``names`` populate."""

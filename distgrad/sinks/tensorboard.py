@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from distgrad.record import StepRecord
-from distgrad.report import LayerIndex
+from distgrad.report.layers import LayerIndex
 from distgrad.sinks.base import Sink
 
 
@@ -134,10 +134,9 @@ class TensorBoardSink(Sink):
         L = len(layers)
         norms = p.norm
         if self.layer_scalars:
-            layer_sumsq = np.bincount(idx, weights=p.sumsq, minlength=L)
-            layer_nf = np.bincount(idx, weights=nonfinite, minlength=L)
+            layer_norm, layer_nf = self._layers.norms_and_nonfinite(p)
             for j in present:
-                scalar(f"layer_grad_norm/{layers[j]}", float(np.sqrt(layer_sumsq[j])))
+                scalar(f"layer_grad_norm/{layers[j]}", float(layer_norm[j]))
                 scalar(f"layer_grad_nonfinite/{layers[j]}", layer_nf[j])
         if self.histograms:
             order = np.argsort(idx, kind="stable")
