@@ -16,17 +16,13 @@ DIST = ROOT / "tests" / "dist"
 
 
 def load_grafana(name: str):
-    """The script ``grafana/<name>.py`` (build, queries: scripts, not a package) as a module,
-    loaded once per session."""
-    import importlib.util
+    """The module ``grafana.<name>`` of the monitoring mixin (build, alerts, config, queries,
+    dashboards...): a package at the repository root, not part of the installed distgrad."""
+    import importlib
 
-    mod_name = f"distgrad_grafana_{name}"
-    if mod_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(mod_name, ROOT / "grafana" / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = mod  # dataclasses look their module up there
-        spec.loader.exec_module(mod)
-    return sys.modules[mod_name]
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module(f"grafana.{name}")
 
 
 def free_port() -> int:

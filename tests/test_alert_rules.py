@@ -98,7 +98,23 @@ def test_rule_conventions():
         anchor = ann["runbook_url"].split("#", 1)[1]
         assert ann["runbook_url"] == f"https://github.com/distgrad/distgrad/blob/main/docs/runbook.md#{anchor}"
         assert anchor == r["alert"].lower() and anchor in anchors, f"docs/runbook.md lacks a section for {r['alert']}"
-        assert 'job=~"distgrad.*"' in r["expr"], r  # the selector of grafana/build.py's CONFIG
+        assert 'job=~"distgrad.*"' in r["expr"], r  # config.SELECTOR of grafana/config.py
+
+
+def test_runbook_links_come_from_one_transform():
+    alerts = load_grafana("alerts")
+    config = load_grafana("config")
+    written = alerts._groups()
+    assert all("runbook_url" not in r["annotations"] for g in written["groups"] for r in g["rules"])
+    linked = alerts.with_runbook_links(written)
+    rules = [r for g in linked["groups"] for r in g["rules"]]
+    assert len(rules) == len(config.ALERTS)
+    for r in rules:
+        assert r["annotations"]["runbook_url"] == f"{config.RUNBOOK_URL}#{r['alert'].lower()}"
+    assert all("runbook_url" not in r["annotations"] for g in written["groups"] for r in g["rules"])  # a copy
+    written["groups"][0]["rules"][0]["annotations"]["runbook_url"] = "https://example.invalid/"
+    with pytest.raises(ValueError, match="runbook_url is added by with_runbook_links"):
+        alerts.with_runbook_links(written)
 
 
 def test_rules_use_catalogue_metrics_only():

@@ -1,6 +1,6 @@
-"""Grafana dashboards (grafana/dashboards/*.json): generated fresh, type-checked against
-@grafana/schema with tsc (grafana/schema-check, needs node and npm), structurally sound, and
-their PromQL listable by grafana/queries.py for end-to-end tests.
+"""Grafana dashboards (grafana/dashboards/*.json): generated fresh by grafana-foundation-sdk,
+their generator type-checked against the SDK's types (mypy), structurally sound, and their
+PromQL listable by grafana/queries.py for end-to-end tests.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,6 @@ from conftest import load_grafana
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARDS = sorted((REPO / "grafana" / "dashboards").glob("*.json"))
-SCHEMA_CHECK = REPO / "grafana" / "schema-check"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 
 
@@ -137,36 +137,46 @@ def test_provisioning_files():
     assert prov["apiVersion"] == 1 and p["type"] == "file" and p["options"]["path"]
 
 
-# --- TypeScript check against @grafana/schema --------------------------------------------------
+# --- static type check of the generator against grafana-foundation-sdk's types --------------------
+#
+# The dashboards are built only through the SDK's builders, whose methods and enums are typed after
+# Grafana's schema (the SDK ships py.typed): a misspelt option is a method that does not exist, a
+# wrong value an argument of the wrong type. Python does not check that at run time, so mypy does.
 
-def _schema_check(*files: Path) -> subprocess.CompletedProcess:
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if not node or not npm:
-        pytest.skip("node and npm are needed for the @grafana/schema type check (CI has them)")
-    if not (SCHEMA_CHECK / "node_modules" / "typescript").is_dir():
-        r = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=SCHEMA_CHECK, capture_output=True,
-                           text=True, timeout=600)
-        assert r.returncode == 0, f"npm ci in grafana/schema-check failed:\n{r.stdout}{r.stderr}"
-    return subprocess.run([node, "check.mjs", *map(str, files)], cwd=SCHEMA_CHECK, capture_output=True,
-                          text=True, timeout=300)
+MYPY_TARGETS = ("grafana/config.py", "grafana/dashboards")
 
 
-def test_dashboards_type_check_against_grafana_schema():
-    r = _schema_check()
+def _mypy(root: Path, cache: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mypy", "--strict", "--no-error-summary", "--cache-dir", str(cache),
+                           *MYPY_TARGETS], cwd=root, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def mypy_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("mypy-cache")
+
+
+def test_dashboard_generator_type_checks_against_the_sdk(mypy_cache):
+    r = _mypy(REPO, mypy_cache)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"{len(DASHBOARDS)} dashboard(s) type-check" in r.stdout
 
 
-def test_schema_check_rejects_broken_dashboards(tmp_path):
-    d = _dashboards()["distgrad-overview.json"]
-    ts = next(p for p in d["panels"] if p["type"] == "timeseries")
-    ts["options"]["legend"]["placment"] = "bottom"  # misspelt option
-    ts["fieldConfig"]["defaults"]["custom"]["drawStyle"] = "dots"  # not a draw style
-    stat = next(p for p in d["panels"] if p["type"] == "stat")
-    del stat["fieldConfig"]["defaults"]["unit"]
-    (tmp_path / "broken.json").write_text(json.dumps(d, indent=2))
-    r = _schema_check(tmp_path / "broken.json")
+def test_type_check_rejects_broken_dashboard_code(tmp_path, mypy_cache):
+    shutil.copytree(REPO / "grafana", tmp_path / "grafana", ignore=shutil.ignore_patterns("*.json", "__pycache__"))
+
+    def edit(rel: str, old: str, new: str) -> None:
+        path = tmp_path / rel
+        text = path.read_text()
+        assert old in text, (rel, old)
+        path.write_text(text.replace(old, new, 1))
+
+    edit("grafana/dashboards/common.py", ".placement(c.LegendPlacement.RIGHT)", ".placment(c.LegendPlacement.RIGHT)")
+    edit("grafana/dashboards/common.py", ".draw_style(c.GraphDrawStyle.BARS if bars else c.GraphDrawStyle.LINE)",
+         '.draw_style("dots")')  # not a draw style
+    edit("grafana/dashboards/overview.py", '"none", 3, 4),', "3, 4),")  # World size panel without its unit
+    r = _mypy(tmp_path, mypy_cache)
     assert r.returncode != 0
     out = r.stdout + r.stderr
-    assert "placment" in out and '"dots"' in out and "unit" in out, out
-    assert "broken.json(" in out  # errors point into the JSON file
+    assert '"VizLegendOptions" has no attribute "placment"' in out, out
+    assert 'incompatible type "str"; expected "GraphDrawStyle"' in out, out
+    assert "grafana/dashboards/overview.py" in out and 'Missing positional argument "h"' in out, out

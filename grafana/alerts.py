@@ -1,0 +1,249 @@
+"""distgrad's Prometheus alert rules, built from :mod:`grafana.config`.
+
+:func:`alert_rules` assembles the rule groups; one transform, :func:`with_runbook_links`, then
+gives every rule its ``runbook_url`` annotation (``config.RUNBOOK_URL#<alertname in lower
+case>``, a section of docs/runbook.md), so no rule can lack one. :func:`render_rules` is the
+YAML that ``python grafana/build.py`` writes to ``grafana/alerts/distgrad.rules.yml`` (checked
+by ``promtool check rules``; unit-tested by ``grafana/alerts/tests/*.yml``).
+
+Annotation texts name the alert's target and pull context (the last sampled step, the
+non-finite parameters, ...) with Prometheus' ``query`` template function.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import yaml
+
+from grafana import config
+
+def sel(extra: str = "") -> str:
+    """``{<selector>[,extra]}`` for a metric in an alert expression."""
+    inner = config.SELECTOR + (f",{extra}" if extra else "")
+    return "{" + inner + "}"
+
+
+#: Who the alert is about, for annotation text: job, optional run label, instance.
+WHO = "{{ $labels.job }}{{ with $labels.run }} run {{ . }}{{ end }} ({{ $labels.instance }})"
+
+
+def tquery(promql_fmt: str) -> str:
+    """Go-template pipeline running ``promql_fmt`` (with ``%q`` placeholders for the job and
+    instance label values of the alert) through Prometheus' ``query`` template function."""
+    return f'printf "{promql_fmt}" $labels.job $labels.instance | query'
+
+
+def tvalue(metric: str, fmt: str = "%.0f", missing: str = "unknown") -> str:
+    """Template text: the value of ``metric`` of the alert's target, or ``missing``."""
+    q = tquery(metric + "{job=%q,instance=%q}")
+    return f'{{{{ with {q} }}}}{{{{ . | first | value | printf "{fmt}" }}}}{{{{ else }}}}{missing}{{{{ end }}}}'
+
+
+def tlist(promql_fmt: str, item: str, sort_label: str, otherwise: str) -> str:
+    """Template text: comma-separated ``item`` (a template over ``$s``) for every sample of
+    the query, sorted by ``sort_label``; ``otherwise`` when the query returns nothing."""
+    return (
+        f"{{{{ with {tquery(promql_fmt)} }}}}"
+        f'{{{{ range $i, $s := . | sortByLabel "{sort_label}" }}}}{{{{ if $i }}}}, {{{{ end }}}}{item}{{{{ end }}}}'
+        f"{{{{ else }}}}{otherwise}{{{{ end }}}}"
+    )
+
+
+def _rule(name: str, expr: str, summary: str, description: str) -> dict[str, Any]:
+    c = config.ALERTS[name]
+    return {
+        "alert": name,
+        "expr": expr,
+        "for": c["for"],
+        "labels": {"severity": c["severity"]},
+        "annotations": {"summary": summary, "description": description},
+    }
+
+
+def _nonfinite_rule() -> dict[str, Any]:
+    c = config.ALERTS["DistgradNonFiniteGradients"]
+    w = c["window"]
+    nonfinite = f"increase(distgrad_nonfinite_steps_total{sel()}[{w}])"
+    if c["exclude_fp16_overflow"]:
+        # Both counters come from the same scrape (same sample times, both exported at 0), so
+        # increase() extrapolates them alike and the difference counts non-overflow steps.
+        # "or 0 * ..." stands in for runs without an fp16 scaler, which lack the overflow series.
+        expr = (
+            f"(\n  {nonfinite}\n  -\n"
+            f"  (increase(distgrad_overflow_steps_total{sel()}[{w}]) or 0 * {nonfinite})\n) > 0\n"
+        )
+        note = " (fp16 overflow steps, which the loss scaler skips, are not counted)"
+    else:
+        expr = f"{nonfinite} > 0"
+        note = ""
+    params = tlist(
+        "topk(5, distgrad_nonfinite_params{job=%q,instance=%q} > 0)",
+        '{{ $s.Labels.param }} (rank {{ $s.Labels.rank }}: {{ $s.Value | printf "%.0f" }} elements)',
+        "param",
+        tlist(
+            "topk(5, distgrad_param_grad_nonfinite{job=%q,instance=%q} > 0)",
+            '{{ $s.Labels.param }} ({{ $s.Labels.kind }}: {{ $s.Value | printf "%.0f" }} elements)',
+            "param",
+            tlist(
+                "topk(5, distgrad_layer_grad_nonfinite{job=%q,instance=%q} > 0)",
+                'layer {{ $s.Labels.layer }} ({{ $s.Value | printf "%.0f" }} elements)',
+                "layer",
+                "not exported",
+            ),
+        ),
+    )
+    return _rule(
+        "DistgradNonFiniteGradients",
+        expr,
+        "NaN/Inf gradients in {{ $labels.job }}.",
+        f"{WHO} had sampled optimizer steps with NaN/Inf gradients in the last {w}{note}. "
+        f"Last sampled step: {tvalue('distgrad_optimizer_step')}. "
+        f"Non-finite parameters: {params}.",
+    )
+
+
+def _spike_rule(name: str, what: str, counter: str, gauge: str) -> dict[str, Any]:
+    w = config.ALERTS[name]["window"]
+    det = config.ALERTS[name]["detectors"]
+    return _rule(
+        name,
+        f"max without (detector) (increase({counter}{sel(f'detector=~{chr(34)}{det}{chr(34)}')}[{w}])) > 0",
+        f"{what.capitalize()} spike in {{{{ $labels.job }}}}.",
+        f"The {what} spike detector of {WHO} flagged a spike in the last {w}. "
+        f"{what.capitalize()} at the last sampled step {tvalue('distgrad_optimizer_step')}: "
+        f"{tvalue(gauge, '%.4g')}.",
+    )
+
+
+def runbook_url(alert: str) -> str:
+    """The runbook section of ``alert``: docs/runbook.md's ``## <alert>`` heading."""
+    return f"{config.RUNBOOK_URL}#{alert.lower()}"
+
+
+def with_runbook_links(rules: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the rule file ``rules`` in which every alerting rule has a ``runbook_url``
+    annotation (:func:`runbook_url` of its name). Raises ``ValueError`` if a rule already
+    sets one: links come from this transform only."""
+    out = copy.deepcopy(rules)
+    for group in out["groups"]:
+        for rule in group["rules"]:
+            if "alert" not in rule:
+                continue
+            ann = rule.setdefault("annotations", {})
+            if "runbook_url" in ann:
+                raise ValueError(f"{rule['alert']}: runbook_url is added by with_runbook_links, not by the rule")
+            ann["runbook_url"] = runbook_url(rule["alert"])
+    return out
+
+
+def alert_rules() -> dict[str, Any]:
+    """The rule file as a dict (``groups`` of ``rules``), runbook links included."""
+    return with_runbook_links(_groups())
+
+
+def _groups() -> dict[str, Any]:
+    """The rule groups as written, before :func:`with_runbook_links`."""
+    a = config.ALERTS
+    overflow_n = a["DistgradRepeatedOverflow"]["threshold"]
+    stall_s = a["DistgradTrainingStalled"]["threshold_seconds"]
+    gradients = [
+        _nonfinite_rule(),
+        _rule(
+            "DistgradNaNLoss",
+            f"distgrad_loss{sel()} != distgrad_loss{sel()}\n"
+            f"or distgrad_loss{sel()} == Inf\nor distgrad_loss{sel()} == -Inf\n",
+            "Non-finite training loss in {{ $labels.job }}.",
+            f"{WHO} reports a training loss of {{{{ $value }}}} at sampled step "
+            f"{tvalue('distgrad_optimizer_step')}.",
+        ),
+        _spike_rule("DistgradGradNormSpike", "gradient norm", "distgrad_grad_norm_spikes_total", "distgrad_grad_norm"),
+        _spike_rule("DistgradLossSpike", "loss", "distgrad_loss_spikes_total", "distgrad_loss"),
+        _rule(
+            "DistgradReplicaMismatch",
+            f"increase(distgrad_replica_mismatch_total{sel()}[{a['DistgradReplicaMismatch']['window']}]) > 0",
+            "Replicated gradients differ across ranks in {{ $labels.job }}.",
+            f"{WHO}: replicated gradients disagreed across ranks on sampled steps in the last "
+            f"{a['DistgradReplicaMismatch']['window']}; the last disagreeing rank was "
+            f"{tvalue('distgrad_replica_mismatch_rank')}.",
+        ),
+    ]
+    fp16 = [
+        _rule(
+            "DistgradLossScaleCollapsed",
+            f"distgrad_loss_scale_at_minimum{sel()} == 1",
+            "fp16 loss scale stuck at its minimum in {{ $labels.job }}.",
+            f"The dynamic loss scale of {WHO} has sat at its configured minimum for "
+            f"{a['DistgradLossScaleCollapsed']['for']} (now {tvalue('distgrad_loss_scale', '%g')}); "
+            "overflowing steps can no longer be rescued by lowering it.",
+        ),
+        _rule(
+            "DistgradRepeatedOverflow",
+            f"distgrad_consecutive_overflow_steps{sel()} >= {overflow_n}",
+            "Repeated fp16 overflows in {{ $labels.job }}.",
+            f"{WHO} has overflowed on {{{{ $value }}}} consecutive fp16 steps (threshold {overflow_n}); "
+            f"loss scale now {tvalue('distgrad_loss_scale', '%g')}.",
+        ),
+    ]
+    training = [
+        _rule(
+            "DistgradTrainingStalled",
+            f"(time() - distgrad_last_step_timestamp_seconds{sel()} > {stall_s})\n"
+            f"and distgrad_last_step_timestamp_seconds{sel()} > 0\n",
+            "Training stalled in {{ $labels.job }}.",
+            f"{WHO} has not sampled an optimizer step for {{{{ $value | humanizeDuration }}}} "
+            f"(threshold {stall_s}s); the last sampled step was {tvalue('distgrad_optimizer_step')}.",
+        ),
+        _rule(
+            "DistgradInternalErrors",
+            f"increase(distgrad_internal_errors_total{sel()}[{a['DistgradInternalErrors']['window']}]) > 0",
+            "distgrad internal errors in {{ $labels.job }}.",
+            f"distgrad itself failed in {WHO} in the last {a['DistgradInternalErrors']['window']} "
+            f"({tvalue('distgrad_internal_errors_total')} failures since start); training "
+            "continued, but some metrics may be missing or stale.",
+        ),
+    ]
+    exporter = [
+        _rule(
+            "DistgradExporterDown",
+            f"up{sel()} == 0",
+            "distgrad exporter of {{ $labels.job }} is down.",
+            f"Prometheus has failed to scrape {WHO} for {a['DistgradExporterDown']['for']}: rank 0 "
+            "exited, hung or is unreachable.",
+        ),
+        _rule(
+            "DistgradExporterAbsent",
+            f"absent(up{sel()})",
+            "No distgrad scrape target.",
+            f"Prometheus has had no target matching {{{config.SELECTOR}}} for "
+            f"{a['DistgradExporterAbsent']['for']}: no distgrad training job is being monitored.",
+        ),
+    ]
+    return {
+        "groups": [
+            {"name": "distgrad-gradients", "rules": gradients},
+            {"name": "distgrad-fp16", "rules": fp16},
+            {"name": "distgrad-training", "rules": training},
+            {"name": "distgrad-exporter", "rules": exporter},
+        ]
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style for multi-line strings, no line wrapping, keys in insertion order."""
+
+
+def _str_representer(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in data else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+_Dumper.add_representer(str, _str_representer)
+
+
+def render_rules() -> str:
+    """The rule file's text (YAML)."""
+    body = yaml.dump(alert_rules(), Dumper=_Dumper, sort_keys=False, width=1 << 30, allow_unicode=True)
+    return ("# Generated by grafana/build.py from grafana/config.py and grafana/alerts.py: edit those, "
+            "then run it. Do not edit by hand.\n" + body)

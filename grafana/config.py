@@ -1,0 +1,64 @@
+"""The one place for everything an operator may want to change in distgrad's monitoring mixin.
+
+Laid out like kubernetes-mixin's ``config.libsonnet``: the selector of distgrad's scrape jobs,
+the runbook base URL, each alert's thresholds, windows, ``for:`` durations and severities, and
+the dashboards' settings. :mod:`grafana.alerts` and :mod:`grafana.dashboards` read only this;
+``python grafana/build.py`` regenerates the committed rule file and dashboard JSON from it.
+
+The unit tests of the rules (``grafana/alerts/tests/*.yml``) are written by hand against these
+defaults: change a default threshold and they must change with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Selects distgrad's scrape jobs, in every alert and in the dashboards' job variable.
+SELECTOR = 'job=~"distgrad.*"'
+
+#: Every alert gets ``runbook_url`` = this + ``#`` + the alert name in lower case, which is the
+#: anchor of that alert's ``## <AlertName>`` section in docs/runbook.md.
+RUNBOOK_URL = "https://github.com/distgrad/distgrad/blob/main/docs/runbook.md"
+
+#: Per alert: ``severity`` (critical pages, warning tickets), ``for`` (how long the condition
+#: must hold), and the alert's own windows and thresholds.
+ALERTS: dict[str, dict[str, Any]] = {
+    # NaN/Inf gradient elements on a sampled step. With exclude_fp16_overflow, steps counted by
+    # distgrad_overflow_steps_total (fp16 overflows the loss scaler handles by skipping the
+    # step) are subtracted; persistent fp16 trouble is caught by DistgradRepeatedOverflow and
+    # DistgradLossScaleCollapsed instead.
+    "DistgradNonFiniteGradients": {
+        "severity": "critical", "for": "0s", "window": "5m", "exclude_fp16_overflow": True,
+    },
+    "DistgradNaNLoss": {"severity": "critical", "for": "0s"},
+    # detectors that page: OLMo's windowed 6-sigma score. ZClip's EMA z-score at its default
+    # z = 2.5 flags ~1-2% of samples of a noisy but healthy series (tests/test_detectors.py),
+    # fine for a dashboard, too often for an alert; use "ema|window" to page on both.
+    "DistgradGradNormSpike": {"severity": "warning", "for": "0s", "window": "10m", "detectors": "window"},
+    "DistgradLossSpike": {"severity": "warning", "for": "0s", "window": "10m", "detectors": "window"},
+    "DistgradLossScaleCollapsed": {"severity": "critical", "for": "2m"},
+    "DistgradRepeatedOverflow": {"severity": "warning", "for": "0s", "threshold": 5},
+    # seconds since the last sampled step; must exceed sample_every x step time
+    "DistgradTrainingStalled": {"severity": "critical", "for": "1m", "threshold_seconds": 600},
+    "DistgradExporterDown": {"severity": "critical", "for": "2m"},
+    "DistgradExporterAbsent": {"severity": "warning", "for": "5m"},
+    "DistgradReplicaMismatch": {"severity": "critical", "for": "0s", "window": "10m"},
+    "DistgradInternalErrors": {"severity": "warning", "for": "0s", "window": "10m"},
+}
+
+#: Dashboard settings shared by every dashboard.
+DASHBOARDS: dict[str, Any] = {
+    "uid_prefix": "distgrad",
+    "tags": ["distgrad"],
+    "refresh": "10s",
+    "time_from": "now-1h",
+    "topk": 10,
+    # stat/threshold colours: headroom ratio (abs max / dtype max) that turns orange, red
+    "headroom_warn": 0.5,
+    "headroom_crit": 0.9,
+}
+
+#: Grafana version the dashboards target; it is also the version of grafana-foundation-sdk
+#: that builds them (pyproject.toml pins ``grafana-foundation-sdk==<build>!11.6.0``), whose
+#: dashboard model writes schemaVersion 41. Later Grafana versions migrate it on import.
+GRAFANA_VERSION = "11.6"

@@ -1,0 +1,276 @@
+"""The house style of distgrad's dashboards, on Grafana's own grafana-foundation-sdk.
+
+Every panel, query, variable and annotation is an SDK builder (typed after Grafana's schema for
+the pinned version, :data:`grafana.config.GRAFANA_VERSION`); this module only fixes the options
+all distgrad panels share, so that ``overview.py`` and ``layers.py`` read as lists of panels.
+:func:`to_json` serialises a built dashboard with the SDK's JSON encoder.
+
+All queries select ``job=~"$job", run=~"$run", instance=~"$instance"`` (:data:`S`) on the
+``${datasource}`` Prometheus data source (:data:`DS`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Sequence, TypeVar
+
+from grafana_foundation_sdk.builders import bargauge as bargauge_b
+from grafana_foundation_sdk.builders import common as common_b
+from grafana_foundation_sdk.builders import dashboard as dashboard_b
+from grafana_foundation_sdk.builders import heatmap as heatmap_b
+from grafana_foundation_sdk.builders import prometheus as prometheus_b
+from grafana_foundation_sdk.builders import stat as stat_b
+from grafana_foundation_sdk.builders import table as table_b
+from grafana_foundation_sdk.builders import timeseries as timeseries_b
+from grafana_foundation_sdk.cog import builder as cogbuilder
+from grafana_foundation_sdk.cog import variants as cogvariants
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as c
+from grafana_foundation_sdk.models import dashboard as d
+from grafana_foundation_sdk.models import heatmap as heatmap_m
+from grafana_foundation_sdk.models import prometheus as prometheus_m
+
+from grafana import config
+
+DS = d.DataSourceRef(type_val="prometheus", uid="${datasource}")
+#: Series selector every dashboard query uses.
+S = 'job=~"$job", run=~"$run", instance=~"$instance"'
+RATE = "$__rate_interval"
+#: The firing distgrad alerts; ``job=~"$job|"`` also matches alerts without a job label
+#: (DistgradExporterAbsent).
+FIRING_ALERTS = 'ALERTS{alertname=~"Distgrad.*", alertstate="firing", job=~"$job|"}'
+
+Threshold = tuple[str, "float | None"]
+#: A panel target, as the SDK's panel builders take it.
+Target = cogbuilder.Builder[cogvariants.Dataquery]
+
+
+# --- queries ----------------------------------------------------------------------------------
+
+def query(expr: str, legend: str = "__auto", ref: str = "A", *, instant: bool = False,
+          fmt: prometheus_m.PromQueryFormat = prometheus_m.PromQueryFormat.TIME_SERIES) -> prometheus_b.Dataquery:
+    """A PromQL target on :data:`DS` (range query unless ``instant``)."""
+    q = (prometheus_b.Dataquery().datasource(DS).editor_mode(prometheus_m.QueryEditorMode.CODE).expr(expr)
+         .format(fmt).legend_format(legend).ref_id(ref))
+    return q.instant() if instant else q.range()
+
+
+def queries(*specs: tuple[str, str]) -> list[Target]:
+    """``queries((expr, legend), ...)`` with refIds A, B, C..."""
+    return [query(expr, legend, chr(ord("A") + i)) for i, (expr, legend) in enumerate(specs)]
+
+
+def thresholds(*steps: Threshold) -> dashboard_b.ThresholdsConfig:
+    """Absolute thresholds; the first step's value is None (the base colour)."""
+    return (dashboard_b.ThresholdsConfig().mode(d.ThresholdsMode.ABSOLUTE)
+            .steps([d.Threshold(color=col, value=v) for col, v in steps]))
+
+
+GREEN: tuple[Threshold, ...] = (("green", None),)
+RED_IF_ANY: tuple[Threshold, ...] = (("green", None), ("red", 1))
+
+
+def _hide_from() -> common_b.HideSeriesConfig:
+    return common_b.HideSeriesConfig().legend(False).tooltip(False).viz(False)
+
+
+P = TypeVar("P")
+
+
+def _common(panel: P, title: str, description: str, unit: str, w: int, h: int,
+            th: Sequence[Threshold] | None, color: d.FieldColorModeId) -> P:
+    """Sets what every panel type has (title, size, unit, thresholds, colour mode) on ``panel``;
+    the SDK's panel builders share these methods but no base class."""
+    b: Any = panel
+    (b.title(title).description(description).datasource(DS).span(w).height(h).unit(unit)
+     .mappings([]).thresholds(thresholds(*(th or GREEN))).color_scheme(dashboard_b.FieldColor().mode(color)))
+    return panel
+
+
+# --- panels -----------------------------------------------------------------------------------
+
+def timeseries(title: str, description: str, targets: list[Target], unit: str, w: int, h: int, *,
+               log: int = 0, th: Sequence[Threshold] | None = None, bars: bool = False,
+               min_: float | None = None, max_: float | None = None,
+               threshold_lines: bool = False) -> timeseries_b.Panel:
+    """Lines (or ``bars``) per series, legend table on the right with last and max values,
+    shared tooltip sorted by value; ``log`` (2 or 10) makes the y axis logarithmic;
+    ``threshold_lines`` draws the thresholds as lines and bands."""
+    p = _common(timeseries_b.Panel(), title, description, unit, w, h, th, d.FieldColorModeId.PALETTE_CLASSIC)
+    if min_ is not None:
+        p.min(min_)
+    if max_ is not None:
+        p.max(max_)
+    scale = common_b.ScaleDistributionConfig()
+    scale = scale.type(c.ScaleDistribution.LOG).log(log) if log else scale.type(c.ScaleDistribution.LINEAR)
+    p = (p.axis_border_show(False).axis_centered_zero(False).axis_color_mode(c.AxisColorMode.TEXT)
+         .axis_label("").axis_placement(c.AxisPlacement.AUTO).bar_alignment(c.BarAlignment.CENTER)
+         .bar_width_factor(0.6)
+         .draw_style(c.GraphDrawStyle.BARS if bars else c.GraphDrawStyle.LINE)
+         .fill_opacity(60 if bars else 10).gradient_mode(c.GraphGradientMode.NONE).hide_from(_hide_from())
+         .insert_nulls(False).line_interpolation(c.LineInterpolation.LINEAR).line_width(1).point_size(4)
+         .scale_distribution(scale).show_points(c.VisibilityMode.AUTO).span_nulls(False)
+         .stacking(common_b.StackingConfig().group("A").mode(c.StackingMode.NONE))
+         .thresholds_style(common_b.GraphThresholdsStyleConfig().mode(
+             c.GraphThresholdsStyleMode.LINE_AND_AREA if threshold_lines else c.GraphThresholdsStyleMode.OFF)))
+    p = (p.legend(common_b.VizLegendOptions().calcs(["lastNotNull", "max"]).display_mode(c.LegendDisplayMode.TABLE)
+                  .placement(c.LegendPlacement.RIGHT).show_legend(True))
+         .tooltip(common_b.VizTooltipOptions().hide_zeros(False).mode(c.TooltipDisplayMode.MULTI)
+                  .sort(c.SortOrder.DESCENDING)))
+    return p.targets(targets)
+
+
+def _reduce_last() -> common_b.ReduceDataOptions:
+    return common_b.ReduceDataOptions().calcs(["lastNotNull"]).fields("").values(False)
+
+
+def stat(title: str, description: str, targets: list[Target], unit: str, w: int, h: int, *,
+         th: Sequence[Threshold] | None = None, graph: bool = False) -> stat_b.Panel:
+    """The last value, coloured by the thresholds; ``graph`` adds a sparkline."""
+    p = _common(stat_b.Panel(), title, description, unit, w, h, th, d.FieldColorModeId.THRESHOLDS)
+    return (p.color_mode(c.BigValueColorMode.VALUE)
+            .graph_mode(c.BigValueGraphMode.AREA if graph else c.BigValueGraphMode.NONE)
+            .justify_mode(c.BigValueJustifyMode.AUTO).orientation(c.VizOrientation.AUTO)
+            .percent_change_color_mode(c.PercentChangeColorMode.STANDARD).reduce_options(_reduce_last())
+            .show_percent_change(False).text_mode(c.BigValueTextMode.AUTO).wide_layout(True)
+            .targets(targets))
+
+
+def bargauge(title: str, description: str, expr: str, legend: str, unit: str, w: int, h: int, *,
+             th: Sequence[Threshold] | None = None, max_: float | None = None) -> bargauge_b.Panel:
+    """Horizontal gradient bars of an instant query (one bar per series), from 0 to ``max_``."""
+    p = _common(bargauge_b.Panel(), title, description, unit, w, h, th, d.FieldColorModeId.THRESHOLDS).min(0)
+    if max_ is not None:
+        p.max(max_)
+    return (p.display_mode(c.BarGaugeDisplayMode.GRADIENT)
+            .legend(common_b.VizLegendOptions().calcs([]).display_mode(c.LegendDisplayMode.LIST)
+                    .placement(c.LegendPlacement.BOTTOM).show_legend(False))
+            .max_viz_height(300).min_viz_height(16).min_viz_width(8)
+            .name_placement(c.BarGaugeNamePlacement.LEFT).orientation(c.VizOrientation.HORIZONTAL)
+            .reduce_options(_reduce_last()).show_unfilled(True).sizing(c.BarGaugeSizing.AUTO)
+            .value_mode(c.BarGaugeValueMode.COLOR)
+            .targets([query(expr, legend, instant=True)]))
+
+
+def table(title: str, description: str, expr: str, unit: str, w: int, h: int) -> table_b.Panel:
+    """One row per series of an instant query, its labels as columns (Time and __name__ hidden)."""
+    p = _common(table_b.Panel(), title, description, unit, w, h, None, d.FieldColorModeId.THRESHOLDS)
+    return (p.align(c.FieldTextAlignment.AUTO).cell_options(c.TableAutoCellOptions()).inspect(False)
+            .cell_height(c.TableCellHeight.SM)
+            .footer(common_b.TableFooterOptions().count_rows(False).reducer(["sum"]).show(False))
+            .frame_index(0).show_header(True)
+            .targets([query(expr, "", instant=True, fmt=prometheus_m.PromQueryFormat.TABLE)])
+            .transformations([d.DataTransformerConfig(id_val="organize", options={
+                "excludeByName": {"Time": True, "__name__": True}, "indexByName": {}, "renameByName": {}})]))
+
+
+def heatmap(title: str, description: str, expr: str, legend: str, unit: str, w: int, h: int) -> heatmap_b.Panel:
+    """Each series (one per label value) is one row of the heatmap, in legend order; colour is
+    the value (no bucketing: ``calculate`` off)."""
+    p = (heatmap_b.Panel().title(title).description(description).datasource(DS).span(w).height(h).unit(unit)
+         .hide_from(_hide_from()).scale_distribution(common_b.ScaleDistributionConfig().type(c.ScaleDistribution.LINEAR)))
+    return (p.calculate(False).cell_gap(1).cell_values(heatmap_b.CellValues().unit(unit))
+            .color(heatmap_b.HeatmapColorOptions().exponent(0.5).fill("dark-orange")
+                   .mode(heatmap_m.HeatmapColorMode.SCHEME).reverse(False)
+                   .scale(heatmap_m.HeatmapColorScale.EXPONENTIAL).scheme("Spectral").steps(64))
+            .exemplars_color("rgba(255,0,255,0.7)")
+            .filter_values(heatmap_b.FilterValueRange().le(1e-9))
+            .show_legend()
+            .rows_frame(heatmap_b.RowsHeatmapOptions().layout(c.HeatmapCellLayout.AUTO))
+            .selection_mode(heatmap_m.HeatmapSelectionMode.X)
+            .show_value(c.VisibilityMode.NEVER)
+            .mode(c.TooltipDisplayMode.SINGLE).show_color_scale(True).hide_y_histogram()
+            .y_axis(heatmap_b.YAxisConfig().axis_placement(c.AxisPlacement.LEFT).reverse(False))
+            .targets([query(expr, legend)]))
+
+
+def row(title: str) -> dashboard_b.Row:
+    """An expanded row header; the panels after it (until the next row) belong to it."""
+    return dashboard_b.Row(title).collapsed(False)
+
+
+# --- dashboard --------------------------------------------------------------------------------
+
+def _query_variable(name: str, label: str, expr: str, *, all_: bool) -> dashboard_b.QueryVariable:
+    v = (dashboard_b.QueryVariable(name).datasource(DS).hide(d.VariableHide.DONT_HIDE).include_all(all_)
+         .label(label).multi(all_).options([]).query(expr).refresh(d.VariableRefresh.ON_TIME_RANGE_CHANGED)
+         .regex("").sort(d.VariableSort.ALPHABETICAL_ASC))
+    v.build().skip_url_sync = False
+    if all_:
+        # ".*" also matches series without the label (run is optional)
+        v.all_value(".*").current(d.VariableOption(selected=True, text=["All"], value=["$__all"]))
+    return v
+
+
+def variables(extra: Iterable[tuple[str, str, str]] = ()) -> list[Any]:
+    """Data source, job (one), run and instance (any, "All" by default), then ``extra``
+    ``(name, label, label_values query)`` variables with "All"."""
+    ds = (dashboard_b.DatasourceVariable("datasource").hide(d.VariableHide.DONT_HIDE).include_all(False)
+          .label("Data source").multi(False).type("prometheus").regex(""))
+    m = ds.build()
+    m.options, m.refresh, m.skip_url_sync = [], d.VariableRefresh.ON_DASHBOARD_LOAD, False
+    return [
+        ds,
+        _query_variable("job", "Job", f"label_values(distgrad_info{{{config.SELECTOR}}}, job)", all_=False),
+        _query_variable("run", "Run", 'label_values(distgrad_info{job=~"$job"}, run)', all_=True),
+        _query_variable("instance", "Instance", 'label_values(distgrad_info{job=~"$job", run=~"$run"}, instance)',
+                        all_=True),
+        *(_query_variable(name, label, expr, all_=True) for name, label, expr in extra),
+    ]
+
+
+class PromAnnotation(d.AnnotationQuery):
+    """An annotation from a Prometheus query: the SDK's AnnotationQuery plus the fields Grafana's
+    Prometheus data source reads (series labels as tags, title and text templates); the SDK's
+    model types ``target`` after the built-in Grafana annotations only."""
+
+    def __init__(self, name: str, target: prometheus_m.Dataquery, *, icon_color: str, tag_keys: str,
+                 title_format: str, text_format: str) -> None:
+        super().__init__(name=name, datasource=DS, enable=True, hide=False, icon_color=icon_color)
+        self.target = target  # type: ignore[assignment]  # a Prometheus query, see above
+        self.tag_keys, self.title_format, self.text_format = tag_keys, title_format, text_format
+
+    def to_json(self) -> dict[str, object]:
+        return {**super().to_json(), "tagKeys": self.tag_keys, "textFormat": self.text_format,
+                "titleFormat": self.title_format, "useValueForTime": False}
+
+
+def alert_annotations() -> list[Any]:
+    """Grafana's built-in annotations and alerts, and the firing Distgrad* alerts (from
+    Prometheus' ALERTS series) as red marks tagged with alert name and severity."""
+    builtin = (dashboard_b.AnnotationQuery().built_in(1)
+               .datasource(d.DataSourceRef(type_val="grafana", uid="-- Grafana --"))
+               .enable(True).hide(True).icon_color("rgba(0, 211, 255, 1)").name("Annotations & Alerts")
+               .type("dashboard"))
+    target = prometheus_b.Dataquery().expr(FIRING_ALERTS).interval("").ref_id("Anno").build()
+    alerts = PromAnnotation("distgrad alerts", target, icon_color="red", tag_keys="alertname,severity",
+                            title_format="{{alertname}}", text_format="{{instance}}")
+    return [builtin.build(), alerts]
+
+
+def dashboard(uid: str, title: str, description: str, panels: Sequence[Any],
+              extra_vars: Iterable[tuple[str, str, str]] = ()) -> d.Dashboard:
+    """A distgrad dashboard: ``panels`` (SDK panel and row builders) laid out left to right by
+    the SDK (a row starts a new line; each line of panels must fill the 24 columns), numbered
+    1, 2, ... in order, with the shared variables, alert annotations and a link menu to the
+    other distgrad dashboards."""
+    cfg = config.DASHBOARDS
+    b = (dashboard_b.Dashboard(title).uid(f"{cfg['uid_prefix']}-{uid}").description(description).editable()
+         .fiscal_year_start_month(0).tooltip(d.DashboardCursorSync.CROSSHAIR).refresh(cfg["refresh"])
+         .tags(cfg["tags"]).time(cfg["time_from"], "now").timepicker(dashboard_b.TimePicker())
+         .timezone("browser").version(1).week_start("").variables(variables(extra_vars))
+         .link(dashboard_b.DashboardLink("distgrad").as_dropdown(False).icon("external link").include_vars(True)
+               .keep_time(True).tags(cfg["tags"]).target_blank(False).tooltip("")
+               .type(d.DashboardLinkType.DASHBOARDS).url("")))
+    for p in panels:
+        b = b.with_row(p) if isinstance(p, dashboard_b.Row) else b.with_panel(p)
+    model = b.build()
+    model.annotations = d.AnnotationContainer(list_val=alert_annotations())
+    for i, p in enumerate(model.panels or [], start=1):
+        p.id_val = i
+    return model
+
+
+def to_json(model: d.Dashboard) -> str:
+    """The dashboard as Grafana imports it (the SDK's JSON encoder, 2-space indent)."""
+    return json.dumps(model, cls=JSONEncoder, indent=2) + "\n"
