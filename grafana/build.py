@@ -13,7 +13,8 @@ fresh generation. After changing grafana/::
     python grafana/build.py          # rewrite the outputs
     python grafana/build.py --check  # exit 1 if the committed outputs are stale
 
-Metric names come from ``docs/metrics.md``.
+Metric facts (names, units, help, when a metric exists) come from distgrad's metric catalogue,
+``distgrad/metrics.py``.
 """
 
 from __future__ import annotations
@@ -27,29 +28,19 @@ HERE = Path(__file__).resolve().parent
 if __name__ == "__main__" and str(HERE.parent) not in sys.path:  # run as a script: grafana/ is a package
     sys.path.insert(0, str(HERE.parent))
 
+from distgrad import metrics as catalogue  # noqa: E402
 from grafana import alerts, dashboards  # noqa: E402
 from grafana.dashboards.common import to_json  # noqa: E402
 
 RULES_PATH = HERE / "alerts" / "distgrad.rules.yml"
 DASHBOARDS_DIR = HERE / "dashboards"
-CATALOGUE = HERE.parent / "docs" / "metrics.md"
 #: Generated dashboard file name -> module that builds it.
 DASHBOARDS = {m.FILE: m for m in dashboards.MODULES}
 
 
-def catalogue_metrics(path: Path = CATALOGUE) -> set[str]:
-    """Metric names of the catalogue table in docs/metrics.md (first column; a cell like
-    "`distgrad_param_grad_min` / `_max`" names both distgrad_param_grad_min and _max)."""
-    names: set[str] = set()
-    for line in path.read_text().splitlines():
-        if not line.startswith("| `"):
-            continue
-        prev = ""
-        for tok in re.findall(r"`([^`]+)`", line.split("|")[1]):
-            tok = prev.rsplit("_", 1)[0] + tok if tok.startswith("_") and prev else tok
-            names.add(tok)
-            prev = tok
-    return names
+def catalogue_metrics() -> set[str]:
+    """Names of the metrics declared in distgrad's metric catalogue (:mod:`distgrad.metrics`)."""
+    return set(catalogue.names())
 
 
 def referenced_metrics(text: str) -> set[str]:

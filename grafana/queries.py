@@ -15,11 +15,13 @@ without the label); ``$__rate_interval`` / ``$__interval`` become ``rate_interva
 ``$__range`` becomes ``range_``. An unknown variable raises ``ValueError``.
 
 Queries whose metrics only exist under some condition (an fp16 loss scaler, clipping, a
-non-finite step, a firing alert, ...) carry that condition in ``PanelQuery.conditional``; see
-:data:`CONDITIONAL_METRICS`.
+non-finite step, a firing alert, ...) carry those conditions in ``PanelQuery.conditional``:
+the metric's ``when`` in distgrad's metric catalogue (:mod:`distgrad.metrics`), unless it is
+one of :data:`UNCONDITIONAL`, and :data:`ALERT` for Prometheus' own ``ALERTS`` series;
+:func:`condition_text` says what each means.
 
 Command line: ``python grafana/queries.py --job distgrad [--prometheus URL]`` lists the
-queries, and with ``--prometheus`` runs them and marks those without data. Standard library only.
+queries, and with ``--prometheus`` runs them and marks those without data.
 """
 
 from __future__ import annotations
@@ -34,21 +36,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+if __name__ == "__main__":  # run as a script: the repository root holds distgrad and grafana
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from distgrad import metrics as catalogue  # noqa: E402
+
 DASHBOARDS_DIR = Path(__file__).resolve().parent / "dashboards"
 
-#: Metrics (or PromQL series) that exist only under a condition, with the condition.
-CONDITIONAL_METRICS: dict[str, str] = {
-    "distgrad_loss_scale": "fp16 with a dynamic loss scaler",
-    "distgrad_loss_scale_at_minimum": "fp16 with a dynamic loss scaler",
-    "distgrad_overflow_steps_total": "fp16 with a dynamic loss scaler",
-    "distgrad_consecutive_overflow_steps": "fp16 with a dynamic loss scaler",
-    "distgrad_clip_ratio": "gradient clipping configured",
-    "distgrad_param_update_ratio": "update-ratio option enabled",
-    "distgrad_nonfinite_params": "after a step with NaN/Inf gradients",
-    "distgrad_sink_errors_total": "a sink with a sink label (exported per sink)",
-    "distgrad_replica_mismatch_rank": "replicated gradients (DDP, ZeRO-0) with replica_check and world size > 1",
-    "ALERTS": "a Distgrad* alert firing (and the rule file loaded)",
-}
+#: Catalogue conditions (``Metric.when``) under which every instrumented run has the metric.
+UNCONDITIONAL = frozenset({"always", "step", "sample"})
+#: The condition of Prometheus' ``ALERTS`` series (not a distgrad metric).
+ALERT = "alert"
+
+
+def condition_text(when: str) -> str:
+    """What the condition ``when`` (a catalogue ``Metric.when`` or :data:`ALERT`) means."""
+    return "a Distgrad* alert firing (and the rule file loaded)" if when == ALERT else catalogue.CONDITIONS[when]
+
+
+def conditions(metrics: Iterable[str]) -> tuple[str, ...]:
+    """The conditions under which the series ``metrics`` exist, sorted; () when every run has
+    them. Raises ``KeyError`` for a distgrad metric the catalogue does not declare."""
+    out = {ALERT if m == "ALERTS" else catalogue.by_name(m).when for m in metrics}
+    return tuple(sorted(out - UNCONDITIONAL))
+
 
 _METRIC_RE = re.compile(r"\b(distgrad_[a-z0-9_]+|ALERTS)\b")
 _VAR_RE = re.compile(r"\$\{(\w+)(?::[^}]*)?\}|\[\[(\w+)(?::[^\]]*)?\]\]|\$(\w+)")
@@ -61,6 +72,8 @@ class PanelQuery:
 
     kind: ``panel`` (a panel target), ``variable`` (a template variable's query, rewritten
     from ``label_values(sel, label)`` to ``count by (label) (sel)``) or ``annotation``.
+    metrics: the distgrad metrics (and ``ALERTS``) it reads; conditional: :func:`conditions`
+    of those.
     """
 
     dashboard: str
@@ -106,8 +119,7 @@ def _variables(dashboard: dict[str, Any], job_regex: str, rate_interval: str, ra
 def _query(dashboard: str, kind: str, panel_id: int | None, title: str, ref_id: str, expr: str,
            instant: bool) -> PanelQuery:
     metrics = tuple(sorted(set(_METRIC_RE.findall(expr))))
-    conditional = tuple(sorted({CONDITIONAL_METRICS[m] for m in metrics if m in CONDITIONAL_METRICS}))
-    return PanelQuery(dashboard, kind, panel_id, title, ref_id, expr, instant, metrics, conditional)
+    return PanelQuery(dashboard, kind, panel_id, title, ref_id, expr, instant, metrics, conditions(metrics))
 
 
 def dashboard_queries(job_regex: str, *, dashboards_dir: Path = DASHBOARDS_DIR, rate_interval: str = "1m",
@@ -170,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.prometheus:
             n = counts[q]
             flag = "ok   " if n else ("cond " if q.conditional else "EMPTY")
+            if not n and q.conditional:
+                where += " (exists: " + "; ".join(map(condition_text, q.conditional)) + ")"
             missing += not n and not q.conditional
             print(f"{flag} {n:4d}  {where}\n             {q.expr}")
         else:

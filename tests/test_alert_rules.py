@@ -120,7 +120,7 @@ def test_runbook_links_come_from_one_transform():
 def test_rules_use_catalogue_metrics_only():
     build = load_grafana("build")
     unknown = build.referenced_metrics(RULES.read_text()) - build.catalogue_metrics()
-    assert unknown == set(), f"not in docs/metrics.md: {sorted(unknown)}"
+    assert unknown == set(), f"not in distgrad/metrics.py: {sorted(unknown)}"
 
 
 def test_nonfinite_alert_fires_on_first_step_and_critical():

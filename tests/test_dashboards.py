@@ -106,9 +106,38 @@ def test_layers_view_covers_layers_and_parameters():
 def test_dashboards_use_catalogue_metrics_only():
     build = load_grafana("build")
     catalogue = build.catalogue_metrics()
-    for p in DASHBOARDS:
+    queried = {m for q in load_grafana("queries").dashboard_queries("distgrad") for m in q.metrics} - {"ALERTS"}
+    assert queried and queried <= catalogue, f"not in distgrad/metrics.py: {sorted(queried - catalogue)}"
+    for p in DASHBOARDS:  # descriptions too
         unknown = build.referenced_metrics(p.read_text()) - catalogue
-        assert unknown == set(), f"{p.name}: not in docs/metrics.md: {sorted(unknown)}"
+        assert unknown == set(), f"{p.name}: not in distgrad/metrics.py: {sorted(unknown)}"
+
+
+def test_panel_descriptions_and_units_come_from_the_catalogue():
+    from distgrad import metrics as catalogue
+
+    common = load_grafana("dashboards.common")
+    n = 0
+    for d in _dashboards().values():
+        for p in _panels(d):
+            if p["type"] == "row":
+                continue
+            names = sorted({m for t in p["targets"] for m in re.findall(r"\bdistgrad_[a-z0-9_]+", t["expr"])})
+            for name in names:
+                m = catalogue.by_name(name)
+                assert f"`{name}` ({m.unit}): {m.help}" in p["description"], (p["title"], name)
+                n += 1
+            units = {catalogue.by_name(x).unit for x in names}
+            if units == {"ratio"} and "update ratio" not in p["title"]:  # ||dw|| / ||w||: unit="none"
+                assert p["fieldConfig"]["defaults"]["unit"] == "percentunit", p["title"]
+            if units == {"seconds"}:
+                assert p["fieldConfig"]["defaults"]["unit"] == "s", p["title"]
+    assert n >= 35  # (panel, metric) pairs checked
+    with pytest.raises(KeyError, match="distgrad_not_declared"):
+        common.describe("", ['rate(distgrad_not_declared{job="x"}[1m])'])
+    with pytest.raises(ValueError, match="pass unit="):
+        common.grafana_unit(["distgrad_clip_ratio", "distgrad_loss"])  # percentunit and none
+    assert common.grafana_unit(["time() - distgrad_last_step_timestamp_seconds"]) == "s"
 
 
 def test_queries_lists_every_target_with_variables_substituted():
@@ -123,7 +152,8 @@ def test_queries_lists_every_target_with_variables_substituted():
     assert 'distgrad_loss{job=~"my-job-.*", run=~".*", instance=~".*"}' in panel_exprs
     assert 'rate(distgrad_samples_total{job=~"my-job-.*", run=~".*", instance=~".*"}[30s])' in panel_exprs
     (loss_scale,) = [q for q in qs if q.expr.startswith("distgrad_loss_scale{")]
-    assert loss_scale.conditional == ("fp16 with a dynamic loss scaler",)
+    assert loss_scale.conditional == ("loss_scaler",)  # distgrad/metrics.py: fp16 with a dynamic loss scaler only
+    assert "fp16" in queries.condition_text("loss_scaler")
     with pytest.raises(ValueError, match="unknown_var"):
         queries.substitute("x{a=~\"$unknown_var\"}", {})
 
@@ -148,7 +178,8 @@ MYPY_TARGETS = ("grafana/config.py", "grafana/dashboards")
 
 def _mypy(root: Path, cache: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mypy", "--strict", "--no-error-summary", "--cache-dir", str(cache),
-                           *MYPY_TARGETS], cwd=root, capture_output=True, text=True, timeout=300)
+                           "--config-file", str(REPO / "pyproject.toml"), *MYPY_TARGETS],
+                          cwd=root, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -173,10 +204,10 @@ def test_type_check_rejects_broken_dashboard_code(tmp_path, mypy_cache):
     edit("grafana/dashboards/common.py", ".placement(c.LegendPlacement.RIGHT)", ".placment(c.LegendPlacement.RIGHT)")
     edit("grafana/dashboards/common.py", ".draw_style(c.GraphDrawStyle.BARS if bars else c.GraphDrawStyle.LINE)",
          '.draw_style("dots")')  # not a draw style
-    edit("grafana/dashboards/overview.py", '"none", 3, 4),', "3, 4),")  # World size panel without its unit
+    edit("grafana/dashboards/overview.py", '("red", stall))', '("red", "stall"))')  # a threshold that is no number
     r = _mypy(tmp_path, mypy_cache)
     assert r.returncode != 0
     out = r.stdout + r.stderr
     assert '"VizLegendOptions" has no attribute "placment"' in out, out
     assert 'incompatible type "str"; expected "GraphDrawStyle"' in out, out
-    assert "grafana/dashboards/overview.py" in out and 'Missing positional argument "h"' in out, out
+    assert "grafana/dashboards/overview.py" in out and 'Argument "th" to "stat" has incompatible type' in out, out

@@ -7,12 +7,19 @@ all distgrad panels share, so that ``overview.py`` and ``layers.py`` read as lis
 
 All queries select ``job=~"$job", run=~"$run", instance=~"$instance"`` (:data:`S`) on the
 ``${datasource}`` Prometheus data source (:data:`DS`).
+
+Metric facts come from distgrad's metric catalogue (:mod:`distgrad.metrics`): every
+``distgrad_*`` metric a panel queries must be declared there (else building fails with
+``KeyError``), each panel's description lists its metrics with their catalogue unit, help text
+and existence condition, and its Grafana unit follows from their catalogue unit
+(:func:`grafana_unit`) unless the panel says otherwise.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Sequence, TypeVar
+import re
+from typing import Any, Iterable, Sequence, TypeVar, cast
 
 from grafana_foundation_sdk.builders import bargauge as bargauge_b
 from grafana_foundation_sdk.builders import common as common_b
@@ -30,7 +37,9 @@ from grafana_foundation_sdk.models import dashboard as d
 from grafana_foundation_sdk.models import heatmap as heatmap_m
 from grafana_foundation_sdk.models import prometheus as prometheus_m
 
+from distgrad import metrics as catalogue
 from grafana import config
+from grafana.queries import UNCONDITIONAL
 
 DS = d.DataSourceRef(type_val="prometheus", uid="${datasource}")
 #: Series selector every dashboard query uses.
@@ -43,6 +52,45 @@ FIRING_ALERTS = 'ALERTS{alertname=~"Distgrad.*", alertstate="firing", job=~"$job
 Threshold = tuple[str, "float | None"]
 #: A panel target, as the SDK's panel builders take it.
 Target = cogbuilder.Builder[cogvariants.Dataquery]
+
+
+# --- metrics (from the catalogue) ----------------------------------------------------------------
+
+_METRIC_RE = re.compile(r"\bdistgrad_[a-z0-9_]+")
+#: Grafana unit of a catalogue unit; every other catalogue unit is shown as a plain number.
+GRAFANA_UNITS = {"seconds": "s", "ratio": "percentunit"}
+
+
+def metrics_in(*exprs: str) -> list[Any]:
+    """The catalogue entries (:class:`distgrad.metrics.Metric`) of the distgrad metrics in
+    ``exprs``, in order of first use. Raises ``KeyError`` naming a metric that is not declared."""
+    names = dict.fromkeys(n for e in exprs for n in _METRIC_RE.findall(e))
+    return [catalogue.by_name(n) for n in names]
+
+
+def grafana_unit(exprs: Sequence[str]) -> str:
+    """The Grafana unit of a panel over ``exprs``: :data:`GRAFANA_UNITS` of their metrics'
+    catalogue unit ("none" for the others). Raises ``ValueError`` when the metrics' units map
+    to different Grafana units, or there is no distgrad metric: such a panel names its unit."""
+    units = {GRAFANA_UNITS.get(m.unit, "none") for m in metrics_in(*exprs)}
+    if len(units) != 1:
+        raise ValueError(f"no single unit for {list(exprs)} ({sorted(units)}): pass unit=")
+    return units.pop()
+
+
+def describe(note: str, exprs: Sequence[str]) -> str:
+    """A panel description (Markdown): ``note``, then each metric of ``exprs`` with its
+    catalogue unit, help and, unless every run has it, when it exists."""
+    lines = []
+    for m in metrics_in(*exprs):
+        line = f"`{m.name}` ({m.unit}): {m.help}"
+        if m.max_series and m.max_series > 1:
+            line += f" At most {m.max_series} series."
+        if m.when not in UNCONDITIONAL:
+            line += f" Exists: {catalogue.CONDITIONS[m.when]}."
+        lines.append(line)
+    body = "\n".join(f"- {x}" for x in lines) if len(lines) > 1 else "".join(lines)
+    return "\n\n".join(x for x in (note, body) if x)
 
 
 # --- queries ----------------------------------------------------------------------------------
@@ -58,6 +106,10 @@ def query(expr: str, legend: str = "__auto", ref: str = "A", *, instant: bool = 
 def queries(*specs: tuple[str, str]) -> list[Target]:
     """``queries((expr, legend), ...)`` with refIds A, B, C..."""
     return [query(expr, legend, chr(ord("A") + i)) for i, (expr, legend) in enumerate(specs)]
+
+
+def _exprs(targets: Sequence[Target]) -> list[str]:
+    return [cast(prometheus_m.Dataquery, t.build()).expr for t in targets]
 
 
 def thresholds(*steps: Threshold) -> dashboard_b.ThresholdsConfig:
@@ -77,26 +129,27 @@ def _hide_from() -> common_b.HideSeriesConfig:
 P = TypeVar("P")
 
 
-def _common(panel: P, title: str, description: str, unit: str, w: int, h: int,
+def _common(panel: P, title: str, note: str, exprs: Sequence[str], unit: str | None, w: int, h: int,
             th: Sequence[Threshold] | None, color: d.FieldColorModeId) -> P:
-    """Sets what every panel type has (title, size, unit, thresholds, colour mode) on ``panel``;
-    the SDK's panel builders share these methods but no base class."""
+    """Sets what every panel type has (title, description, size, unit, thresholds, colour mode)
+    on ``panel``; the SDK's panel builders share these methods but no base class."""
     b: Any = panel
-    (b.title(title).description(description).datasource(DS).span(w).height(h).unit(unit)
-     .mappings([]).thresholds(thresholds(*(th or GREEN))).color_scheme(dashboard_b.FieldColor().mode(color)))
+    (b.title(title).description(describe(note, exprs)).datasource(DS).span(w).height(h)
+     .unit(unit or grafana_unit(exprs)).mappings([]).thresholds(thresholds(*(th or GREEN)))
+     .color_scheme(dashboard_b.FieldColor().mode(color)))
     return panel
 
 
 # --- panels -----------------------------------------------------------------------------------
 
-def timeseries(title: str, description: str, targets: list[Target], unit: str, w: int, h: int, *,
+def timeseries(title: str, note: str, targets: list[Target], w: int, h: int, *, unit: str | None = None,
                log: int = 0, th: Sequence[Threshold] | None = None, bars: bool = False,
                min_: float | None = None, max_: float | None = None,
                threshold_lines: bool = False) -> timeseries_b.Panel:
     """Lines (or ``bars``) per series, legend table on the right with last and max values,
     shared tooltip sorted by value; ``log`` (2 or 10) makes the y axis logarithmic;
     ``threshold_lines`` draws the thresholds as lines and bands."""
-    p = _common(timeseries_b.Panel(), title, description, unit, w, h, th, d.FieldColorModeId.PALETTE_CLASSIC)
+    p = _common(timeseries_b.Panel(), title, note, _exprs(targets), unit, w, h, th, d.FieldColorModeId.PALETTE_CLASSIC)
     if min_ is not None:
         p.min(min_)
     if max_ is not None:
@@ -124,10 +177,10 @@ def _reduce_last() -> common_b.ReduceDataOptions:
     return common_b.ReduceDataOptions().calcs(["lastNotNull"]).fields("").values(False)
 
 
-def stat(title: str, description: str, targets: list[Target], unit: str, w: int, h: int, *,
+def stat(title: str, note: str, targets: list[Target], w: int, h: int, *, unit: str | None = None,
          th: Sequence[Threshold] | None = None, graph: bool = False) -> stat_b.Panel:
     """The last value, coloured by the thresholds; ``graph`` adds a sparkline."""
-    p = _common(stat_b.Panel(), title, description, unit, w, h, th, d.FieldColorModeId.THRESHOLDS)
+    p = _common(stat_b.Panel(), title, note, _exprs(targets), unit, w, h, th, d.FieldColorModeId.THRESHOLDS)
     return (p.color_mode(c.BigValueColorMode.VALUE)
             .graph_mode(c.BigValueGraphMode.AREA if graph else c.BigValueGraphMode.NONE)
             .justify_mode(c.BigValueJustifyMode.AUTO).orientation(c.VizOrientation.AUTO)
@@ -136,10 +189,10 @@ def stat(title: str, description: str, targets: list[Target], unit: str, w: int,
             .targets(targets))
 
 
-def bargauge(title: str, description: str, expr: str, legend: str, unit: str, w: int, h: int, *,
+def bargauge(title: str, note: str, expr: str, legend: str, w: int, h: int, *, unit: str | None = None,
              th: Sequence[Threshold] | None = None, max_: float | None = None) -> bargauge_b.Panel:
     """Horizontal gradient bars of an instant query (one bar per series), from 0 to ``max_``."""
-    p = _common(bargauge_b.Panel(), title, description, unit, w, h, th, d.FieldColorModeId.THRESHOLDS).min(0)
+    p = _common(bargauge_b.Panel(), title, note, [expr], unit, w, h, th, d.FieldColorModeId.THRESHOLDS).min(0)
     if max_ is not None:
         p.max(max_)
     return (p.display_mode(c.BarGaugeDisplayMode.GRADIENT)
@@ -152,9 +205,9 @@ def bargauge(title: str, description: str, expr: str, legend: str, unit: str, w:
             .targets([query(expr, legend, instant=True)]))
 
 
-def table(title: str, description: str, expr: str, unit: str, w: int, h: int) -> table_b.Panel:
+def table(title: str, note: str, expr: str, w: int, h: int, *, unit: str | None = None) -> table_b.Panel:
     """One row per series of an instant query, its labels as columns (Time and __name__ hidden)."""
-    p = _common(table_b.Panel(), title, description, unit, w, h, None, d.FieldColorModeId.THRESHOLDS)
+    p = _common(table_b.Panel(), title, note, [expr], unit, w, h, None, d.FieldColorModeId.THRESHOLDS)
     return (p.align(c.FieldTextAlignment.AUTO).cell_options(c.TableAutoCellOptions()).inspect(False)
             .cell_height(c.TableCellHeight.SM)
             .footer(common_b.TableFooterOptions().count_rows(False).reducer(["sum"]).show(False))
@@ -164,10 +217,12 @@ def table(title: str, description: str, expr: str, unit: str, w: int, h: int) ->
                 "excludeByName": {"Time": True, "__name__": True}, "indexByName": {}, "renameByName": {}})]))
 
 
-def heatmap(title: str, description: str, expr: str, legend: str, unit: str, w: int, h: int) -> heatmap_b.Panel:
+def heatmap(title: str, note: str, expr: str, legend: str, w: int, h: int, *,
+            unit: str | None = None) -> heatmap_b.Panel:
     """Each series (one per label value) is one row of the heatmap, in legend order; colour is
     the value (no bucketing: ``calculate`` off)."""
-    p = (heatmap_b.Panel().title(title).description(description).datasource(DS).span(w).height(h).unit(unit)
+    unit = unit or grafana_unit([expr])
+    p = (heatmap_b.Panel().title(title).description(describe(note, [expr])).datasource(DS).span(w).height(h).unit(unit)
          .hide_from(_hide_from()).scale_distribution(common_b.ScaleDistributionConfig().type(c.ScaleDistribution.LINEAR)))
     return (p.calculate(False).cell_gap(1).cell_values(heatmap_b.CellValues().unit(unit))
             .color(heatmap_b.HeatmapColorOptions().exponent(0.5).fill("dark-orange")

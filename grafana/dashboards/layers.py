@@ -13,41 +13,41 @@ FILE = "distgrad-layers.json"
 
 
 def build() -> Dashboard:
-    """The Layers dashboard (SDK model; :func:`grafana.dashboards.common.to_json` writes it)."""
+    """The Layers dashboard (SDK model; :func:`grafana.dashboards.common.to_json` writes it).
+    Panel descriptions: the note here, then the metrics' catalogue entries."""
     c = config.DASHBOARDS
     k = c["topk"]
     head_th = (("green", None), ("orange", c["headroom_warn"]), ("red", c["headroom_crit"]))
     L = f'{S}, layer=~"$layer"'
     panels = [
         row("Layers"),
-        heatmap("Layer gradient norm", "distgrad_layer_grad_norm per layer (rows) over time; colour is the norm.",
-                f"distgrad_layer_grad_norm{{{L}}}", "{{layer}}", "none", 24, 10),
-        ts("Layer gradient norm (lines)", "distgrad_layer_grad_norm per layer, log scale.",
-           queries((f"distgrad_layer_grad_norm{{{L}}}", "{{layer}}")), "none", 12, 8, log=10),
-        ts("Gradient norm by module kind", "Root-sum-square over all parameters of each kind (distgrad_module_kind_grad_norm).",
-           queries((f"distgrad_module_kind_grad_norm{{{S}}}", "{{module_kind}}")), "none", 12, 8, log=10),
-        ts("Non-finite elements per layer", "NaN+Inf gradient elements per layer on the last sampled step (distgrad_layer_grad_nonfinite).",
-           queries((f"distgrad_layer_grad_nonfinite{{{L}}}", "{{layer}}")), "none", 12, 8, bars=True, min_=0,
-           th=RED_IF_ANY),
-        table("Non-finite parameters (last non-finite step)", "Elements per (parameter, rank shard) on the last step with NaN/Inf gradients (distgrad_nonfinite_params, at most 20 series).",
-              f"distgrad_nonfinite_params{{{S}}}", "none", 12, 8),
-        ts("Zero-gradient ratio per layer", "Fraction of exactly-zero gradient elements per layer (distgrad_layer_grad_zero_ratio).",
-           queries((f"distgrad_layer_grad_zero_ratio{{{L}}}", "{{layer}}")), "percentunit", 12, 8, min_=0, max_=1),
-        ts("Abs-max headroom per layer", "Largest |gradient| over the largest finite value of the training dtype (distgrad_layer_grad_headroom_ratio); 100% = overflow.",
-           queries((f"distgrad_layer_grad_headroom_ratio{{{L}}}", "{{layer}}")), "percentunit", 12, 8, min_=0,
+        heatmap("Layer gradient norm", "One row per layer over time; colour is the norm.",
+                f"distgrad_layer_grad_norm{{{L}}}", "{{layer}}", 24, 10),
+        ts("Layer gradient norm (lines)", "Per layer, log scale.",
+           queries((f"distgrad_layer_grad_norm{{{L}}}", "{{layer}}")), 12, 8, log=10),
+        ts("Gradient norm by module kind", "Log scale.",
+           queries((f"distgrad_module_kind_grad_norm{{{S}}}", "{{module_kind}}")), 12, 8, log=10),
+        ts("Non-finite elements per layer", "On the last sampled step.",
+           queries((f"distgrad_layer_grad_nonfinite{{{L}}}", "{{layer}}")), 12, 8, bars=True, min_=0, th=RED_IF_ANY),
+        table("Non-finite parameters (last non-finite step)", "Elements per (parameter, rank shard).",
+              f"distgrad_nonfinite_params{{{S}}}", 12, 8),
+        ts("Zero-gradient ratio per layer", "",
+           queries((f"distgrad_layer_grad_zero_ratio{{{L}}}", "{{layer}}")), 12, 8, min_=0, max_=1),
+        ts("Abs-max headroom per layer", "Largest |gradient| over the largest finite value of the training dtype; 100% = overflow.",
+           queries((f"distgrad_layer_grad_headroom_ratio{{{L}}}", "{{layer}}")), 12, 8, min_=0,
            th=head_th, threshold_lines=True),
         row("Parameters"),
-        bargauge(f"Top {k} parameters by gradient norm", "Largest per-parameter gradient L2 norms at the last sample (distgrad_param_grad_norm).",
-                 f"topk({k}, distgrad_param_grad_norm{{{S}}})", "{{param}}", "none", 12, 10),
-        bargauge(f"Top {k} parameters by abs-max headroom", "Parameters closest to overflowing the training dtype (distgrad_param_grad_headroom_ratio).",
-                 f"topk({k}, distgrad_param_grad_headroom_ratio{{{S}}})", "{{param}}", "percentunit", 12, 10,
-                 th=head_th, max_=1),
-        bargauge(f"Top {k} parameters by zero-gradient ratio", "Parameters with the largest fraction of exactly-zero gradient elements (distgrad_param_grad_zero_ratio).",
-                 f"topk({k}, distgrad_param_grad_zero_ratio{{{S}}})", "{{param}}", "percentunit", 12, 10, max_=1),
-        bargauge(f"Top {k} parameters by update ratio", "||dw|| / ||w|| of the last applied step (distgrad_param_update_ratio; only when enabled).",
-                 f"topk({k}, distgrad_param_update_ratio{{{S}}})", "{{param}}", "none", 12, 10),
+        bargauge(f"Top {k} parameters by gradient norm", "Largest at the last sample.",
+                 f"topk({k}, distgrad_param_grad_norm{{{S}}})", "{{param}}", 12, 10),
+        bargauge(f"Top {k} parameters by abs-max headroom", "The parameters closest to overflowing the training dtype.",
+                 f"topk({k}, distgrad_param_grad_headroom_ratio{{{S}}})", "{{param}}", 12, 10, th=head_th, max_=1),
+        bargauge(f"Top {k} parameters by zero-gradient ratio", "The parameters with the largest fraction of exactly-zero gradient elements.",
+                 f"topk({k}, distgrad_param_grad_zero_ratio{{{S}}})", "{{param}}", 12, 10, max_=1),
+        # typically ~1e-3 and unbounded above: a plain number, not a percentage
+        bargauge(f"Top {k} parameters by update ratio", "Largest at the last applied step.",
+                 f"topk({k}, distgrad_param_update_ratio{{{S}}})", "{{param}}", 12, 10, unit="none"),
         ts(f"Top {k} parameter gradient norms over time", "The parameters with the largest gradient norm at each evaluation.",
-           queries((f"topk({k}, distgrad_param_grad_norm{{{S}}})", "{{param}}")), "none", 24, 8, log=10),
+           queries((f"topk({k}, distgrad_param_grad_norm{{{S}}})", "{{param}}")), 24, 8, log=10),
     ]
     layer_var = ("layer", "Layer", 'label_values(distgrad_layer_grad_norm{job=~"$job", run=~"$run", instance=~"$instance"}, layer)')
     return dashboard("layers", "distgrad / Layers and parameters",

@@ -1,5 +1,6 @@
-"""A stand-in for distgrad's rank-0 exporter: the metric names of docs/metrics.md on a custom
-prometheus_client registry, served on 127.0.0.1, with a background "training loop" that
+"""A stand-in for distgrad's rank-0 exporter: metrics of distgrad's catalogue (distgrad/metrics.py:
+name, type, help and label names from there) on a custom prometheus_client registry, served on
+127.0.0.1, with a background "training loop" that
 advances the step, timestamp, samples and loss a few times per second.
 
     with FakeDistgradRun(fp16=True) as run:      # serves http://{run.address}/metrics
@@ -17,6 +18,8 @@ import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from distgrad import metrics as catalogue
 
 PARAMS = {  # parameter -> layer
     "embed.weight": "embed",
@@ -40,13 +43,17 @@ class FakeDistgradRun:
         self.address = ""
         self.last_step = 0
 
-        def gauge(name: str, labels: tuple[str, ...] = ()) -> Gauge:
-            return Gauge(name, f"fake {name}", labels, registry=r)
+        def gauge(name: str) -> Gauge:
+            m = catalogue.by_name(name)
+            assert m.type == "gauge", m
+            return Gauge(name, m.help, m.labels, registry=r)
 
-        def counter(name: str, labels: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, f"fake {name}", labels, registry=r)
+        def counter(name: str) -> Counter:
+            m = catalogue.by_name(name)
+            assert m.type == "counter", m
+            return Counter(m.family, m.help, m.labels, registry=r)
 
-        gauge("distgrad_info", ("engine", "zero_stage", "dtype", "version")).labels(
+        gauge("distgrad_info").labels(
             "deepspeed", "2", "fp16" if fp16 else "bf16", "0.0.0-fake").set(1)
         gauge("distgrad_world_size").set(2)
         self.step = gauge("distgrad_optimizer_step")
@@ -64,25 +71,25 @@ class FakeDistgradRun:
         gauge("distgrad_vanishing_params").set(0)
         gauge("distgrad_exploding_params").set(0)
         for name in ("distgrad_grad_norm_spikes_total", "distgrad_loss_spikes_total"):
-            c = counter(name, ("detector",))
+            c = counter(name)
             for d in ("ema", "window"):
                 c.labels(d)
         for name in ("distgrad_grad_norm_zscore", "distgrad_loss_zscore"):
-            g = gauge(name, ("detector",))
+            g = gauge(name)
             for d in ("ema", "window"):
                 g.labels(d).set(0.3)
-        self.param_norm = gauge("distgrad_param_grad_norm", ("param",))
-        self.param_nonfinite = gauge("distgrad_param_grad_nonfinite", ("param", "kind"))
-        param_zero = gauge("distgrad_param_grad_zero_ratio", ("param",))
-        param_headroom = gauge("distgrad_param_grad_headroom_ratio", ("param",))
-        self.layer_norm = gauge("distgrad_layer_grad_norm", ("layer",))
-        self.layer_nonfinite = gauge("distgrad_layer_grad_nonfinite", ("layer",))
-        layer_zero = gauge("distgrad_layer_grad_zero_ratio", ("layer",))
-        layer_headroom = gauge("distgrad_layer_grad_headroom_ratio", ("layer",))
-        module_kind = gauge("distgrad_module_kind_grad_norm", ("module_kind",))
+        self.param_norm = gauge("distgrad_param_grad_norm")
+        self.param_nonfinite = gauge("distgrad_param_grad_nonfinite")
+        param_zero = gauge("distgrad_param_grad_zero_ratio")
+        param_headroom = gauge("distgrad_param_grad_headroom_ratio")
+        self.layer_norm = gauge("distgrad_layer_grad_norm")
+        self.layer_nonfinite = gauge("distgrad_layer_grad_nonfinite")
+        layer_zero = gauge("distgrad_layer_grad_zero_ratio")
+        layer_headroom = gauge("distgrad_layer_grad_headroom_ratio")
+        module_kind = gauge("distgrad_module_kind_grad_norm")
         for kind in ("attn_q", "mlp_up"):
             module_kind.labels(kind).set(0.5)
-        self.nonfinite_params = gauge("distgrad_nonfinite_params", ("param", "rank"))
+        self.nonfinite_params = gauge("distgrad_nonfinite_params")
         for p, layer in PARAMS.items():
             for kind in ("nan", "inf"):
                 self.param_nonfinite.labels(p, kind).set(0)
