@@ -6,7 +6,9 @@ table cache, and the table compiled for a CUDA target (no GPU needed to compile)
 
 ``TRITON_INTERPRET=1`` has to be in the environment when the kernels are *defined*
 (``distgrad._stats_triton_jit`` imported); the module fixture sets it, (re)imports the kernels
-and restores the environment afterwards, so other tests never see the interpreter. The
+and restores the environment afterwards, so other tests never see the interpreter. With
+``DISTGRAD_TEST_DEVICE=cuda`` the same tests run the compiled kernels on CUDA tensors
+(``launch/gpu_check.sh``). The
 interpreter costs milliseconds per operation: sizes stay small, and blocks are made small
 (``block=``) to cross many block boundaries cheaply; the kernel code does not depend on the
 block size, only the host-side table does, which is also tested with the production size.
@@ -26,13 +28,15 @@ import torch
 from distgrad import stats
 
 CPU = torch.device("cpu")
+DEV = torch.device(os.environ.get("DISTGRAD_TEST_DEVICE", "cpu"))
 
 
 @pytest.fixture(scope="module")
 def st():
-    """``distgrad.stats_triton`` with its kernels defined under the interpreter."""
+    """``distgrad.stats_triton`` with its kernels defined under the interpreter (on CPU)."""
     before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
+    if DEV.type == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
     from distgrad import stats_triton
 
     try:
@@ -51,11 +55,12 @@ def st():
 
 
 def _data(n: int, seed: int) -> torch.Tensor:
+    """fp32 ``[n]`` on the test device: wide dynamic range, 2% zeros, one -0.0."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)  # wide dynamic range
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)
     x[torch.randperm(n, generator=g)[: max(1, n // 50)]] = 0.0
     x[n // 2] = -0.0
-    return x
+    return x.to(DEV)
 
 
 def _reference(x: torch.Tensor) -> list[float]:
@@ -120,7 +125,8 @@ def test_nonfinite_and_negative_zero_on_boundaries(st):
         pieces += [y, z, m]
         if i == 2048:
             pieces += [y.half(), z.bfloat16()]
-    pieces += [torch.full((33,), math.nan), torch.full((5,), -math.inf), torch.zeros(1500).neg()]
+    pieces += [torch.full((33,), math.nan, device=DEV), torch.full((5,), -math.inf, device=DEV),
+               torch.zeros(1500, device=DEV).neg()]
     tab = st.table(pieces, block=SMALL_BLOCK, cache=False)
     for p, row in zip(pieces, tab):
         _check(row, p)
@@ -143,7 +149,7 @@ def test_equals_native_kernel(st):
     pieces = [_data(n, 100 + n) for n in (1, 1025, 2 * SMALL_BLOCK + 3)] + [_data(4000, 5).bfloat16()]
     pieces[2][SMALL_BLOCK] = math.nan
     tri = st.table(pieces, block=SMALL_BLOCK, cache=False)
-    nat = stats._call_native(native, pieces)
+    nat = stats._call_native(native, [p.cpu() for p in pieces]).to(DEV)
     assert torch.equal(tri[:, [0, 3, 4, 5]], nat[:, [0, 3, 4, 5]])
     assert torch.equal(tri[:, 6:].isnan(), nat[:, 6:].isnan())
     assert torch.equal(tri[:, 6:].nan_to_num(), nat[:, 6:].nan_to_num())
@@ -155,8 +161,8 @@ def test_block_table_and_cache(st):
     """The host table on the production block size: blocks grouped by dtype, addresses, lengths,
     per-piece first block/count/numel; the cache hits for the same pieces and misses when one
     changes."""
-    base = torch.zeros(3 * st.BLOCK + 10)
-    pieces = [base[: st.BLOCK + 1], torch.zeros(5, dtype=torch.bfloat16), base[st.BLOCK + 4:]]
+    base = torch.zeros(3 * st.BLOCK + 10, device=DEV)
+    pieces = [base[: st.BLOCK + 1], torch.zeros(5, dtype=torch.bfloat16, device=DEV), base[st.BLOCK + 4:]]
     meta, groups = st.block_table(pieces)
     nblk = [2, 1, 3]  # 16385, 5 and 2 * 16384 + 6 elements
     nb = sum(nblk)
@@ -173,19 +179,19 @@ def test_block_table_and_cache(st):
     a, b = _data(3000, 1), _data(100, 2)
     st._cache.clear()
     first_out = st.table([a, b], block=SMALL_BLOCK)
-    meta_obj = st._cache["cpu"][1]
+    meta_obj = st._cache[str(DEV)][1]
     again = st.table([a, b], block=SMALL_BLOCK)
-    assert st._cache["cpu"][1] is meta_obj and torch.equal(first_out, again)
+    assert st._cache[str(DEV)][1] is meta_obj and torch.equal(first_out, again)
     c = _data(101, 3)
     changed = st.table([a, c], block=SMALL_BLOCK)
-    assert st._cache["cpu"][1] is not meta_obj
+    assert st._cache[str(DEV)][1] is not meta_obj
     _check(changed[1], c)
 
 
 def test_empty_list_and_self_check(st):
     assert st.table([]).shape == (0, 8)
-    st.self_check(CPU)  # raises on any difference
-    assert st.available(CPU)
+    st.self_check(DEV)  # raises on any difference
+    assert st.available(DEV)
 
 
 _COMPILE_SCRIPT = r"""
