@@ -1,11 +1,11 @@
-"""The fused Triton statistics kernel (``distgrad.stats_triton``) under Triton's interpreter on
+"""The fused Triton statistics kernel (``distgrad.stats.triton_kernel``) under Triton's interpreter on
 CPU tensors, against float64 references computed directly with torch and against the native
 CPU kernel: sizes across the chunk (1,024) and block boundaries, NaN/Inf/-0.0 on those
 boundaries, empty pieces, fp32/bf16/fp16, results independent of the launch grid, the block
 table cache, and the table compiled for a CUDA target (no GPU needed to compile).
 
 ``TRITON_INTERPRET=1`` has to be in the environment when the kernels are *defined*
-(``distgrad._stats_triton_jit`` imported); the module fixture sets it, (re)imports the kernels
+(``distgrad.stats.triton_jit`` imported); the module fixture sets it, (re)imports the kernels
 and restores the environment afterwards, so other tests never see the interpreter. With
 ``DISTGRAD_TEST_DEVICE=cuda`` the same tests run the compiled kernels on CUDA tensors
 (``launch/gpu_check.sh``). The
@@ -33,15 +33,15 @@ DEV = torch.device(os.environ.get("DISTGRAD_TEST_DEVICE", "cpu"))
 
 @pytest.fixture(scope="module")
 def st():
-    """``distgrad.stats_triton`` with its kernels defined under the interpreter (on CPU)."""
+    """``distgrad.stats.triton_kernel`` with its kernels defined under the interpreter (on CPU)."""
     before = os.environ.get("TRITON_INTERPRET")
     if DEV.type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
-    from distgrad import stats_triton
+    from distgrad.stats import triton_kernel as stats_triton
 
     try:
-        if "distgrad._stats_triton_jit" in sys.modules:
-            importlib.reload(sys.modules["distgrad._stats_triton_jit"])
+        if "distgrad.stats.triton_jit" in sys.modules:
+            importlib.reload(sys.modules["distgrad.stats.triton_jit"])
         stats_triton._kernels = None
         stats_triton._checked.clear()
         stats_triton._cache.clear()
@@ -200,7 +200,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from distgrad import _stats_triton_jit as k, stats_triton as st
+from distgrad.stats import triton_jit as k, triton_kernel as st
 
 target = GPUTarget("cuda", 90, 32)
 sig = {"meta": "*i64", "part": "*fp64", "lo": "i32", "count": "i32", "n_blocks": "i32", "grid": "i32",
@@ -236,3 +236,64 @@ def test_compiles_for_a_cuda_target():
     assert got.pop("combine") is True
     for key, n in got.items():
         assert (n > 0) == key.endswith("True"), got
+
+
+def test_stats_table_with_the_triton_kernel_forced(st, monkeypatch):
+    """``DISTGRAD_STATS_KERNEL=triton`` routes the eligible pieces through the kernel and the
+    others (fp64, non-contiguous) through eager into the same table, in their order; empty
+    pieces get the identities; :func:`distgrad.stats.kernel_use` shows which kernel ran."""
+    from distgrad.stats import kernels as stats_kernels
+
+    monkeypatch.setattr(stats_kernels, "_kernel", "triton")
+    base = _data(5000, 3)
+    pieces = [base, None, base[:0], base.bfloat16(), base.half(), base.double(), base[::3], base[1:4001]]
+    before = stats.kernel_use()
+    tab = stats.stats_table(pieces, DEV)
+    used = {k: v - before.get(k, 0) for k, v in stats.kernel_use().items()}
+    assert used == {"triton": 4, "eager": 2} or used == {"triton": 4, "eager": 2, "native": 0}, used
+    for i, (p, row) in enumerate(zip(pieces, tab)):
+        if p is None or p.numel() == 0:
+            assert row.tolist() == [0.0] * 6 + [-math.inf] * 2
+        elif i in (5, 6):  # fp64 and non-contiguous: exactly what the eager kernel gives
+            assert torch.equal(row.nan_to_num(), stats._piece_stats_eager(p).nan_to_num())
+        else:
+            _check(row, p)
+    # the same through pack_local: the packed SUM/MAX blocks equal the eager kernel's counts/extrema
+    monkeypatch.setattr(stats_kernels, "_kernel", "eager")
+    eager = stats.stats_table(pieces, DEV)
+    assert torch.equal(tab[:, [0, 3, 4, 5]], eager[:, [0, 3, 4, 5]])
+    assert torch.equal(tab[:, 6:].nan_to_num(), eager[:, 6:].nan_to_num())
+
+
+def test_auto_on_cpu_never_uses_triton(st, monkeypatch):
+    """``auto`` keeps the native/eager kernels on CPU, even where triton could run."""
+    from distgrad.stats import kernels as stats_kernels
+
+    monkeypatch.setattr(stats_kernels, "_kernel", "auto")
+    before = stats.kernel_use()
+    stats.stats_table([_data(100, 1).cpu()], CPU)
+    assert stats.kernel_use().get("triton", 0) == before.get("triton", 0)
+
+
+FORCED_CASES = ["ddp-fp32-gas1", "fsdp2-bf16-gas2"]
+
+
+@pytest.mark.multirank
+def test_reference_driver_with_the_triton_kernel_forced(tmp_path):
+    """The PyTorch reference driver (2 gloo ranks: DDP fp32, FSDP2 bf16 with accumulation) with ``DISTGRAD_STATS_KERNEL=triton`` under the interpreter: every record equals the
+    float64 full-gradient reference (reference A, 1e-5, extrema and counts exact), and the Triton
+    kernel computed every piece (no silent fallback). The other kernels are covered by the rest
+    of the suite run with ``DISTGRAD_STATS_KERNEL`` set (docs/performance.md)."""
+    from conftest import launch
+    from distgrad.record import StepRecord
+    from reference import case, check_against
+
+    res = launch("torch_cases.py", tmp_path / "out.json", "--cases", ",".join(FORCED_CASES),
+                 env={"DISTGRAD_STATS_KERNEL": "triton", "TRITON_INTERPRET": "1"})
+    for key in FORCED_CASES:
+        c = case(res, key)
+        assert len(c["records"]) == 2 and all(c["records"])
+        for rec, ref in zip(c["records"], c["ref_full"]):
+            check_against(StepRecord.from_dict(rec), ref, rtol=1e-5, exact=True)
+    use = res["stats_kernel_use"]
+    assert use.get("triton", 0) > 0 and use.get("eager", 0) == 0 and use.get("native", 0) == 0, use

@@ -16,22 +16,39 @@ from distgrad.stats.native import _NATIVE_DTYPES, _call_native, _native
 
 log = logging.getLogger("distgrad")
 
-_KERNELS = ("auto", "native", "compile", "eager")
+_KERNELS = ("auto", "native", "compile", "eager", "triton")
+_ALIASES = {"compiled": "compile"}
 _kernel = os.environ.get("DISTGRAD_STATS_KERNEL", "auto").strip().lower() or "auto"
+_kernel = _ALIASES.get(_kernel, _kernel)
 if _kernel not in _KERNELS:
     log.warning("distgrad: DISTGRAD_STATS_KERNEL=%r is not one of %s; using auto", _kernel, _KERNELS)
     _kernel = "auto"
+_use: dict[str, int] = {}  # kernel -> pieces computed with it in this process
 
 
 def set_stats_kernel(name: str) -> None:
     """Choose the statistics kernel for this process: ``auto`` (native C on CPU fp32/bf16,
-    eager elsewhere), ``native``, ``compile`` or ``eager``. ``native`` and ``compile`` fall back
-    to eager for pieces they cannot take or when they are unavailable. The environment variable
-    ``DISTGRAD_STATS_KERNEL`` sets the initial choice."""
+    Triton on CUDA, eager elsewhere), ``native``, ``compile`` (alias ``compiled``), ``eager`` or
+    ``triton``. ``native``, ``compile`` and ``triton`` fall back to eager for pieces they cannot
+    take or when they are unavailable (logged once). ``triton`` on CPU tensors needs
+    ``TRITON_INTERPRET=1`` (tests only). The environment variable ``DISTGRAD_STATS_KERNEL`` sets
+    the initial choice."""
     global _kernel
+    name = _ALIASES.get(name, name)
     if name not in _KERNELS:
         raise ValueError(f"stats kernel must be one of {_KERNELS}, got {name!r}")
     _kernel = name
+
+
+def kernel_use() -> dict[str, int]:
+    """How many non-empty pieces each kernel (``native``, ``triton``, ``compile``, ``eager``)
+    has computed in this process: shows which kernel actually ran after fallbacks."""
+    return dict(_use)
+
+
+def _count(kernel: str, n: int) -> None:
+    if n:
+        _use[kernel] = _use.get(kernel, 0) + n
 
 
 def stats_kernel() -> str:
@@ -65,6 +82,12 @@ def stats_table(pieces: Sequence[torch.Tensor | None], device: torch.device) -> 
     pieces: identities of SUM and MAX; NaN max/-min where the piece has a NaN). No host sync."""
     P = len(pieces)
     kernel = _kernel
+    if kernel == "triton" or (kernel == "auto" and device.type == "cuda"):
+        out = _triton_table(pieces, device)
+        if out is not None:
+            return out
+        if kernel == "triton":
+            kernel = "eager"
     rows: list[torch.Tensor | None] = [None] * P
     native_idx: list[int] = []
     fn = None
@@ -77,6 +100,7 @@ def stats_table(pieces: Sequence[torch.Tensor | None], device: torch.device) -> 
         if fn is not None and p.device.type == "cpu" and p.dtype in _NATIVE_DTYPES and p.is_contiguous():
             native_idx.append(i)
     native = _call_native(fn, [pieces[i] for i in native_idx]) if native_idx else None
+    _count("native", len(native_idx))
     if native is not None and len(native_idx) == P:
         return native.to(device)
     empty = torch.tensor([0.0] * len(SUM_COLS) + [-float("inf")] * len(MAX_COLS), dtype=torch.float64,
@@ -89,11 +113,38 @@ def stats_table(pieces: Sequence[torch.Tensor | None], device: torch.device) -> 
             rows[i] = empty
         elif kernel == "compile":
             rows[i] = _piece_stats_compiled(p)
+            _count("compile", 1)
         else:
             rows[i] = _piece_stats_eager(p)
+            _count("eager", 1)
     if native is not None:
         for j, i in enumerate(native_idx):
             rows[i] = native[j]
     if not rows:
         return torch.zeros((0, len(SUM_COLS) + len(MAX_COLS)), dtype=torch.float64, device=device)
     return torch.stack([r.to(device) for r in rows])
+
+
+def _triton_table(pieces: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor | None:
+    """All pieces through the fused Triton kernel (eligible ones; the others, fp64 or
+    non-contiguous, through eager into the same table), or None when the kernel is unavailable
+    on the device or fails (logged once; the caller falls back)."""
+    from distgrad.stats import triton_kernel as tk
+
+    dev = next((p.device for p in pieces if p is not None), device)
+    if not any(tk.eligible(p) for p in pieces) or not tk.available(dev):
+        return None
+    take = [p if (p is not None and p.device == dev and tk.eligible(p)) else None for p in pieces]
+    try:
+        out = tk.table(take, device=dev)
+    except Exception as e:  # noqa: BLE001 - fall back to eager from now on
+        log.warning("distgrad: Triton statistics kernel failed on %s, using the eager torch kernel from "
+                    "now on (%s: %s)", dev, type(e).__name__, e)
+        tk._checked[str(dev)] = False
+        return None
+    _count("triton", sum(t is not None for t in take))
+    for i, p in enumerate(pieces):
+        if take[i] is None and p is not None and p.numel():
+            out[i] = _piece_stats_eager(p).to(dev)
+            _count("eager", 1)
+    return out.to(device)

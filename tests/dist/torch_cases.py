@@ -47,6 +47,7 @@ from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distgrad
+from distgrad import stats
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import TinyModel, batch_for, full_stats, reference_b  # noqa: E402
@@ -339,7 +340,8 @@ def main() -> None:
     if rank == 0:
         print(f"[torch_cases] total {time.time() - t0:.1f}s", flush=True)
         with open(args.out, "w") as f:
-            json.dump({"world_size": world, "cases": results}, f)
+            # which statistics kernel computed the pieces (DISTGRAD_STATS_KERNEL forces one)
+            json.dump({"world_size": world, "cases": results, "stats_kernel_use": stats.kernel_use()}, f)
     dist.barrier()
     dist.destroy_process_group()
 

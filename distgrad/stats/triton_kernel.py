@@ -1,4 +1,5 @@
-"""The fused Triton statistics kernel: every local gradient piece of a step in two launches.
+"""The fused Triton statistics kernel: all local gradient pieces of a step in one launch per
+dtype present (normally one) plus one combine launch.
 
 Produces the same ``[P, 8]`` float64 table as the other kernels of ``distgrad.stats``
 (``numel, sum, sumsq, nan, inf, zeros, max, -min`` per piece; an empty piece gives the SUM/MAX
@@ -8,11 +9,12 @@ them:
 
 1. **Block table** (host, numpy, cached while the pieces' addresses, sizes and dtypes stay the
    same, which they do for the flat gradient buffers of DeepSpeed, FSDP and DDP): every piece is
-   cut into blocks of ``BLOCK`` (16,384) elements; one int64 row per block (address, length,
-   dtype code) and per piece (first block, number of blocks, numel), copied to the device in one
-   host-to-device copy (from pinned memory on CUDA, non-blocking). Like ``multi_tensor_apply``'s
-   address lists, but one launch covers any number of pieces.
-2. **Block kernel** (one launch): each program takes blocks ``pid, pid + grid, ...``; per block
+   cut into blocks of ``BLOCK`` (16,384) elements, numbered dtype by dtype; one int64 entry per
+   block (address, length) and per piece (first block, number of blocks, numel), copied to the
+   device in one host-to-device copy (from pinned memory on CUDA, non-blocking). Like
+   ``multi_tensor_apply``'s address lists, but one launch covers any number of pieces.
+2. **Block kernel** (one launch per dtype, specialised for it): each program takes blocks
+   ``pid, pid + grid, ...``; per block
    it reads the elements once in chunks of ``CHUNK`` (1,024) lanes, accumulating fp32 lane sums
    (at most 16 additions per lane), int32 counts and fp32 NaN-skipping extrema, then reduces the
    lanes in float64 and writes one float64 partial row per block.
@@ -22,7 +24,12 @@ them:
 
 Accuracy: sums and sums of squares within ~1e-7 relative of float64 (16 fp32 additions per lane,
 everything above in float64); counts and extrema exact (extrema are the fp32 values of the
-elements; bf16/fp16 convert to fp32 exactly).
+elements; bf16/fp16 convert to fp32 exactly). Memory: 64 bytes of partials per block (~4 KB per
+million gradient elements) and the table (16 bytes per block, 24 per piece).
+
+Loads are 16 bytes wide only when every block of a dtype starts on a 16-byte boundary (flat
+gradient buffers of power-of-two-sized parameters do); otherwise that dtype's launch uses
+element-wide loads: the same results, slower.
 
 Runs on CUDA (the default there, chosen in ``distgrad.stats``) and, for tests, on CPU tensors
 under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported; slow, only for
@@ -62,7 +69,7 @@ def _build() -> tuple:
     """Import the kernels (imports triton)."""
     import triton.language as tl
 
-    from distgrad import _stats_triton_jit as k
+    from distgrad.stats import triton_jit as k
 
     global _TL_DTYPES
     _TL_DTYPES = (tl.float32, tl.bfloat16, tl.float16)
@@ -88,8 +95,9 @@ def eligible(x: torch.Tensor | None) -> bool:
     return x is not None and x.numel() > 0 and x.dtype in DTYPES and x.is_contiguous()
 
 
-def block_table(pieces: Sequence[torch.Tensor], block: int = BLOCK) -> tuple[np.ndarray, list]:
-    """The int64 table the kernels read, for non-empty contiguous fp32/bf16/fp16 ``pieces``.
+def block_table(pieces: Sequence[torch.Tensor | None], block: int = BLOCK) -> tuple[np.ndarray, list]:
+    """The int64 table the kernels read, for contiguous fp32/bf16/fp16 ``pieces`` (None or
+    empty: no blocks; the combine kernel gives them the SUM/MAX identities).
 
     Blocks are numbered dtype by dtype (fp32, then bf16, then fp16; pieces in their order
     within a dtype), so that each dtype is one contiguous range of blocks and one launch.
@@ -101,9 +109,9 @@ def block_table(pieces: Sequence[torch.Tensor], block: int = BLOCK) -> tuple[np.
         aligned)``, ``aligned`` when every block of the group starts on a 16-byte boundary.
     """
     P = len(pieces)
-    addr = np.fromiter((p.data_ptr() for p in pieces), dtype=np.int64, count=P)
-    lens = np.fromiter((p.numel() for p in pieces), dtype=np.int64, count=P)
-    kind = np.fromiter((DTYPES[p.dtype] for p in pieces), dtype=np.int64, count=P)
+    addr = np.fromiter((0 if p is None else p.data_ptr() for p in pieces), dtype=np.int64, count=P)
+    lens = np.fromiter((0 if p is None else p.numel() for p in pieces), dtype=np.int64, count=P)
+    kind = np.fromiter((0 if p is None else DTYPES[p.dtype] for p in pieces), dtype=np.int64, count=P)
     nblk = (lens + block - 1) // block
     order = np.argsort(kind, kind="stable")
     first = np.empty(P, dtype=np.int64)
@@ -115,7 +123,7 @@ def block_table(pieces: Sequence[torch.Tensor], block: int = BLOCK) -> tuple[np.
     b_len = np.minimum(lens[piece] - within * block, block)
     groups = []
     for code in range(len(_ESIZE)):
-        sel = kind == code
+        sel = (kind == code) & (nblk > 0)
         if sel.any():
             lo = int(first[sel].min())
             count = int(nblk[sel].sum())
@@ -123,20 +131,21 @@ def block_table(pieces: Sequence[torch.Tensor], block: int = BLOCK) -> tuple[np.
     return np.concatenate([b_addr, b_len, first, nblk, lens]), groups
 
 
-def table(pieces: Sequence[torch.Tensor], grid: int | None = None, block: int = BLOCK,
-          cache: bool = True) -> torch.Tensor:
+def table(pieces: Sequence[torch.Tensor | None], grid: int | None = None, block: int = BLOCK,
+          cache: bool = True, device: torch.device | None = None) -> torch.Tensor:
     """Statistics of eligible pieces (see :func:`eligible`), all on one device: one launch of
     the block kernel per dtype present and one of the combine kernel.
 
     Args:
-        pieces: P non-empty contiguous fp32/bf16/fp16 tensors on the same device (CUDA, or CPU
-            under ``TRITON_INTERPRET=1``).
+        pieces: P contiguous fp32/bf16/fp16 tensors on the same device (CUDA, or CPU under
+            ``TRITON_INTERPRET=1``), or None / empty (identity rows).
         grid: number of programs per launch (default: one per block / piece on CUDA, 1 under
             the interpreter, where every program costs milliseconds); the result does not
             depend on it.
         block: elements per block (tests use small blocks to cross many block boundaries).
         cache: reuse the device copy of the block table while the pieces' addresses, sizes and
             dtypes are unchanged.
+        device: the device when no piece is a tensor (default: the first piece's).
 
     Returns:
         float64 ``[P, 8]`` on the pieces' device, rows as described in the module docstring.
@@ -150,11 +159,11 @@ def table(pieces: Sequence[torch.Tensor], grid: int | None = None, block: int = 
         raise RuntimeError("triton is not available")
     block_kernel, combine_kernel = kernels
     P = len(pieces)
-    device = pieces[0].device if P else torch.device("cpu")
+    device = next((p.device for p in pieces if p is not None), device or torch.device("cpu"))
     out = torch.empty((P, 8), dtype=torch.float64, device=device)
     if P == 0:
         return out
-    key = (str(device), block, tuple((p.data_ptr(), p.numel(), p.dtype) for p in pieces))
+    key = (str(device), block, tuple(None if p is None else (p.data_ptr(), p.numel(), p.dtype) for p in pieces))
     hit = _cache.get(key[0]) if cache else None
     if hit is not None and hit[0] == key:
         meta, groups, nb = hit[1:]

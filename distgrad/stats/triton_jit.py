@@ -1,4 +1,4 @@
-"""Triton JIT definitions of the fused statistics kernel (see ``distgrad.stats_triton``, which
+"""Triton JIT definitions of the fused statistics kernel (see ``distgrad.stats.triton_kernel``, which
 imports this module only when the kernel is first used: importing it imports triton, and
 ``TRITON_INTERPRET=1`` must be set before that for the kernels to run on CPU tensors).
 
