@@ -73,6 +73,13 @@ class DistgradConfig:
     step, since each rank otherwise reads only its 1/W slice."""
     replica_check_rtol: float = 1e-6
     """Relative tolerance of the replica fingerprint comparison."""
+    async_records: str | bool = "auto"
+    """``"on"`` (or true): the training thread never waits for the device for distgrad: a sampled step's
+    reduced statistics go to pinned host memory with a non-blocking copy and a CUDA event, and
+    its record is built and published at the next optimizer-step boundary (one step late; the
+    last one at ``close()``). ``"off"``: the record is built at its own boundary after one
+    blocking device-to-host copy (or false). ``"auto"`` (default): on for CUDA gradients, off on CPU.
+    Must be the same on every rank (it decides where the provenance all-gather happens)."""
 
     # --- diagnostics --------------------------------------------------------------------------
     spike_ema_alpha: float = 0.97
@@ -123,6 +130,10 @@ class DistgradConfig:
                 raise bad(f.name, "must be a string")
             if want.startswith("str | None") and v is not None and not isinstance(v, (str, os.PathLike)):
                 raise bad(f.name, "must be a path string or null")
+        if isinstance(self.async_records, bool):  # YAML reads on/off as booleans
+            self.async_records = "on" if self.async_records else "off"
+        if self.async_records not in ("auto", "on", "off"):
+            raise bad("async_records", "must be 'auto', 'on' or 'off'")
         if self.interval < 1:
             raise bad("interval", "must be >= 1 (sample every N optimizer steps)")
         if not 0 <= self.port <= 65535:

@@ -7,6 +7,18 @@ is sampled is decided from the engine's optimizer-step counter (identical on all
 whose local computation fails still joins the collectives with identity values and an error
 flag; the only data-dependent collective (per-rank provenance on a non-finite step) is decided
 from the *reduced* non-finite count, which every rank holds identically.
+
+Asynchronous records (config ``async_records``, on by default for CUDA gradients): at a sampled
+step :meth:`Instrument.collect` enqueues the statistics, the two all-reduces and a non-blocking
+copy to pinned host memory with a CUDA event, and :meth:`Instrument.finish` only does the
+bookkeeping that needs no device value (overflow/skip counters) and enqueues the update-ratio
+all-reduce; nothing on the training thread waits for the device. The step is *parked*, and
+at the next boundary (``collect`` or ``skip`` of the next optimizer step, on every rank alike,
+before that step's own collectives) or at ``close()`` / :meth:`Instrument.flush` its record is
+built, the provenance all-gather made if its reduced statistics are non-finite, and the record
+handed to the diagnostics, hooks and sinks: one optimizer step late, never more. Waiting for
+the event there normally costs nothing (a whole step of device work was queued after it).
+``last_record`` and the published metrics therefore lag one step behind in that mode.
 """
 
 from __future__ import annotations
@@ -26,8 +38,8 @@ from distgrad.engines.base import GradSource, slice_for_rank
 from distgrad.record import StepRecord
 from distgrad.sinks.base import Sink
 from distgrad.step import StepOutcome, StepToken
-from distgrad.stats import (RANK_COLS, SUM_COLS, Layout, error_blocks, global_norm, pack_local,
-                            reduce_blocks, replica_outliers, unpack)
+from distgrad.stats import (RANK_COLS, SUM_COLS, HostCopy, Layout, error_blocks, global_norm, pack_local,
+                            reduce_blocks, reduce_blocks_async, replica_outliers, unpack)
 
 log = logging.getLogger("distgrad")
 
@@ -74,6 +86,15 @@ class Instrument:
         self._hooks: list[Callable[[StepRecord], None]] = []
         self._closed = False
         self.diagnostics = None
+        mode = config.async_records
+        self.async_records = mode == "on" or (mode == "auto" and self._device_type() == "cuda")
+        self._parked: dict[str, Any] | None = None  # the sampled step waiting for its host copy
+
+    def _device_type(self) -> str:
+        try:
+            return torch.device(self.source.device()).type
+        except Exception:  # noqa: BLE001 - a source without a device yet: CPU behaviour
+            return "cpu"
 
     def attach_diagnostics(self, model: Any = None, max_norm: float | None = None) -> None:
         """Create the :class:`~distgrad.diagnostics.Diagnostics` (spikes, health, provenance,
@@ -145,11 +166,19 @@ class Instrument:
         methods it wrapped."""
         self._restore.append(fn)
 
+    def flush(self) -> StepRecord | None:
+        """Asynchronous records: build and publish the parked sampled step now (waits for its
+        host copy). Makes the provenance all-gather if that step was non-finite, so call it on
+        every rank or on none. Returns the record, or None when nothing was parked."""
+        return self._drain(collectives=True)
+
     def close(self) -> None:
-        """Stop the exporter, close the sinks and run the :meth:`on_close` callbacks (which
-        restore the engine's wrapped methods). Idempotent."""
+        """Publish a parked sampled step (asynchronous records; without the provenance
+        all-gather, which needs every rank), stop the exporter, close the sinks and run the
+        :meth:`on_close` callbacks (which restore the engine's wrapped methods). Idempotent."""
         if self._closed:
             return
+        self._drain(collectives=False)
         self._closed = True
         for restore in reversed(self._restore):
             try:
@@ -181,7 +210,8 @@ class Instrument:
 
         Decides sampling from ``step`` alone (so all ranks agree); on a sampled step reads this
         rank's gradient pieces, computes their statistics, makes the two collectives (SUM, MAX)
-        and one host copy (:meth:`collect`). Must be called on every rank, for every optimizer
+        and one host copy (:meth:`collect`; with asynchronous records a non-blocking copy, and
+        first the previous sampled step's record is published). Must be called on every rank, for every optimizer
         step, skipped ones included, with the same ``step``. Never raises (failures are
         counted). Pair it with exactly one :meth:`end_step`.
 
@@ -202,7 +232,8 @@ class Instrument:
 
         Returns:
             The record of a sampled step, else None (also when the step's statistics could not
-            be computed on some rank: counted in ``internal_errors``).
+            be computed on some rank: counted in ``internal_errors``; and with asynchronous
+            records, where the record is built at the next boundary: see :meth:`flush`).
         """
         if token.sampled:
             return self.finish(token.step, outcome.micro_step, token.host, outcome.grad_scale,
@@ -210,11 +241,14 @@ class Instrument:
         self.skip(outcome.overflow, outcome.step_applied, outcome.samples)
         return None
 
-    def collect(self, step: int) -> np.ndarray | None:
+    def collect(self, step: int) -> "np.ndarray | HostCopy | None":
         """Local statistics + the two collectives + one host copy, for a sampled step.
 
-        Must be called on every rank at the same boundary. Returns the reduced host array, or
-        None when the reduction itself failed (counted)."""
+        Must be called on every rank at the same boundary. Returns the reduced host array (or,
+        with asynchronous records, the :class:`HostCopy` on its way there), or None when the
+        reduction itself failed (counted). Asynchronous records: first publishes the parked
+        previous sampled step."""
+        self._drain(collectives=True)
         device = self.source.device()
         try:
             pieces = list(self.source.local_pieces())
@@ -238,6 +272,8 @@ class Instrument:
             except Exception:  # noqa: BLE001
                 self._internal_error("copying the weights for the update ratio")
         try:
+            if self.async_records:
+                return reduce_blocks_async(sum_block, max_block, self.group)
             return reduce_blocks(sum_block, max_block, self.group)
         except Exception:  # noqa: BLE001
             self._internal_error("cross-rank reduction")
@@ -255,12 +291,17 @@ class Instrument:
         one more SUM all-reduce of a ``[P, 2]`` float64 tensor and one host copy, on sampled
         steps only. Source: CS231n's update/weight ratio (see :class:`health.UpdateRatioTracker`).
         A skipped step has ratio 0."""
+        return self._update_ratio_values(self._update_ratio_sums(len(names)).cpu().numpy(), names, step_applied)
+
+    def _update_ratio_sums(self, n_params: int) -> torch.Tensor:
+        """The all-reduced float64 ``[P + 1, 2]`` sums behind :meth:`_update_ratios` (last row:
+        the failure flag), on the device; no host read."""
         from distgrad.health import UpdateRatioTracker
 
         before, self._weights_before = self._weights_before, None
         device = self.source.device()
         # every rank joins the all-reduce; a rank without its copy sends the failure flag
-        sums = torch.zeros((len(names) + 1, 2), dtype=torch.float64, device=device)
+        sums = torch.zeros((n_params + 1, 2), dtype=torch.float64, device=device)
         try:
             if before is None:
                 raise RuntimeError("no weight copy from before the step")
@@ -275,16 +316,22 @@ class Instrument:
             sums[-1, 0] = 1.0
         if _dist_ready() and self.world_size > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
-        host = sums.cpu().numpy()
+        return sums
+
+    @staticmethod
+    def _update_ratio_values(host: np.ndarray, names: list[str], step_applied: bool) -> dict[str, float] | None:
+        from distgrad.health import UpdateRatioTracker
+
         if host[-1, 0] > 0:
             return None
         ratios = UpdateRatioTracker.ratios(host[:-1])
         return {n: (float(r) if step_applied else 0.0) for n, r in zip(names, ratios)}
 
-    def _provenance(self, names: list[str]) -> list[dict[str, Any]]:
+    def _provenance(self, names: list[str], local_nonfinite: torch.Tensor) -> list[dict[str, Any]]:
         """Per-rank non-finite counts per parameter: one all-gather, made only on steps whose
-        *reduced* statistics are non-finite (so every rank makes it)."""
-        local = self._local_nonfinite.reshape(-1)
+        *reduced* statistics are non-finite (so every rank makes it). ``local_nonfinite``: this
+        rank's float64 ``[P, 2]`` NaN/Inf counts of that step."""
+        local = local_nonfinite.reshape(-1)
         if _dist_ready() and self.world_size > 1:
             out = torch.empty(self.world_size * local.numel(), dtype=local.dtype, device=local.device)
             # all_gather_single replaces the deprecated all_gather_into_tensor in torch >= 2.13
@@ -300,46 +347,81 @@ class Instrument:
                              "inf": int(per[r, i, 1]), "count": int(per[r, i].sum())})
         return rows
 
-    def finish(self, step: int, micro_step: int, host: np.ndarray | None, grad_scale: float,
+    def finish(self, step: int, micro_step: int, host: "np.ndarray | HostCopy | None", grad_scale: float,
                loss_scale: float | None, overflow: bool | None, step_applied: bool,
                samples: int | None) -> StepRecord | None:
         """Turn the reduced array into a record after the optimizer step, update counters and
-        diagnostics, publish. Never raises."""
+        diagnostics, publish. Asynchronous records (``host`` a :class:`HostCopy`): only the
+        counters and the update-ratio all-reduce now; the step is parked and its record built
+        at the next boundary (returns None). Never raises."""
         try:
             self.account(overflow, step_applied, samples)
             if host is None:
                 self._publish_counters()
                 return None
-            red = unpack(host, self.layout, self.source.names, grad_scale)
-            if red.rank_error.sum():
-                # this rank counted its own failure already; learn of the others' from the flags
-                self.counters["internal_errors"] += int(red.rank_error.sum() - red.rank_error[self.rank])
+            if isinstance(host, HostCopy):
+                ratio = None
+                if self.config.update_ratio:
+                    ratio = HostCopy(self._update_ratio_sums(self.layout.n_params))
+                self._parked = {"args": (step, micro_step, grad_scale, loss_scale, overflow, step_applied),
+                                "host": host, "ratio": ratio, "local_nonfinite": self._local_nonfinite}
                 self._publish_counters()
                 return None
-            rec = self._build(step, micro_step, red, grad_scale, loss_scale, overflow, step_applied)
-            if self.config.update_ratio:
-                ratios = self._update_ratios(rec.params.names, step_applied)
-                if ratios is not None:
-                    rec.extra["update_ratio"] = ratios
-            self.last_record = rec
-            if self.diagnostics is not None:
-                try:
-                    self.diagnostics.on_record(rec)
-                except Exception:  # noqa: BLE001
-                    self._internal_error("diagnostics")
-            for hook in self._hooks:
-                try:
-                    hook(rec)
-                except Exception:  # noqa: BLE001
-                    self._internal_error("hook")
-            rec.counters = dict(self.counters)
-            self._publish(rec)
-            return rec
+            return self._complete(host, (step, micro_step, grad_scale, loss_scale, overflow, step_applied),
+                                  self._local_nonfinite, ratio=None, collectives=True)
         except Exception:  # noqa: BLE001
             self._internal_error("finishing the step")
             return None
         finally:
             self._loss_sum, self._loss_count = None, 0
+
+    def _drain(self, collectives: bool) -> StepRecord | None:
+        """Build and publish the parked sampled step (asynchronous records), if any. Waits for
+        its host copy (normally complete by now). ``collectives``: allowed to make the provenance
+        all-gather (every rank is at the same boundary). Never raises."""
+        parked, self._parked = self._parked, None
+        if parked is None:
+            return None
+        try:
+            host = parked["host"].wait()
+            return self._complete(host, parked["args"], parked["local_nonfinite"], parked["ratio"], collectives)
+        except Exception:  # noqa: BLE001
+            self._internal_error("finishing the parked step")
+            return None
+
+    def _complete(self, host: np.ndarray, args: tuple, local_nonfinite: torch.Tensor,
+                  ratio: "HostCopy | None", collectives: bool) -> StepRecord | None:
+        """The record of a sampled step from its reduced host array: diagnostics, hooks, sinks.
+        ``ratio``: the update-ratio sums on their way to the host (asynchronous records), or
+        None to make that all-reduce now (synchronous)."""
+        step, micro_step, grad_scale, loss_scale, overflow, step_applied = args
+        red = unpack(host, self.layout, self.source.names, grad_scale)
+        if red.rank_error.sum():
+            # this rank counted its own failure already; learn of the others' from the flags
+            self.counters["internal_errors"] += int(red.rank_error.sum() - red.rank_error[self.rank])
+            self._publish_counters()
+            return None
+        rec = self._build(step, micro_step, red, grad_scale, loss_scale, overflow, step_applied,
+                          local_nonfinite if collectives else None)
+        if self.config.update_ratio:
+            ratios = (self._update_ratios(rec.params.names, step_applied) if ratio is None else
+                      self._update_ratio_values(ratio.wait(), rec.params.names, step_applied))
+            if ratios is not None:
+                rec.extra["update_ratio"] = ratios
+        self.last_record = rec
+        if self.diagnostics is not None:
+            try:
+                self.diagnostics.on_record(rec)
+            except Exception:  # noqa: BLE001
+                self._internal_error("diagnostics")
+        for hook in self._hooks:
+            try:
+                hook(rec)
+            except Exception:  # noqa: BLE001
+                self._internal_error("hook")
+        rec.counters = dict(self.counters)
+        self._publish(rec)
+        return rec
 
     def account(self, overflow: bool | None, step_applied: bool, samples: int | None) -> None:
         """Per-boundary bookkeeping that needs no collective (every optimizer step, sampled or
@@ -366,6 +448,7 @@ class Instrument:
 
     def skip(self, overflow: bool | None, step_applied: bool, samples: int | None) -> None:
         """Boundary of a step that is not sampled: account it, drop the observed losses."""
+        self._drain(collectives=True)
         try:
             self.account(overflow, step_applied, samples)
             self._publish_counters()
@@ -374,7 +457,10 @@ class Instrument:
         finally:
             self._loss_sum, self._loss_count = None, 0
 
-    def _build(self, step, micro_step, red, grad_scale, loss_scale, overflow, step_applied) -> StepRecord:
+    def _build(self, step, micro_step, red, grad_scale, loss_scale, overflow, step_applied,
+               local_nonfinite: torch.Tensor | None) -> StepRecord:
+        """The record; on a non-finite step the provenance all-gather of ``local_nonfinite``
+        (None: not allowed here, at ``close()``: the provenance stays empty, logged)."""
         stats = red.params
         gnorm = global_norm(stats)
         self.counters["sampled_steps"] += 1
@@ -415,7 +501,12 @@ class Instrument:
             nonfinite_ranks=nonfinite_ranks, extra=extra)
         if rec.nonfinite:
             self.counters["nonfinite_steps"] += 1
-            extra["nonfinite_params"] = self._provenance(stats.names)
+            if local_nonfinite is not None:
+                extra["nonfinite_params"] = self._provenance(stats.names, local_nonfinite)
+            else:
+                extra["nonfinite_params"] = []
+                log.warning("distgrad: step %d was non-finite; its per-rank provenance was not gathered "
+                            "because the record was completed at close()", step)
         return rec
 
     # ----------------------------------------------------------------------------------

@@ -53,8 +53,9 @@ def start(inst: Any) -> None:
         if err is None and f[3] != -f[4]:
             err = RuntimeError(
                 "ranks disagree on distgrad settings that decide its collectives (interval, "
-                "replica_check, update_ratio, enabled): every rank must call distgrad.instrument() "
-                "with the same config, or the job would deadlock at the first sampled step")
+                "replica_check, update_ratio, enabled, async_records): every rank must call "
+                "distgrad.instrument() with the same config, or the job would deadlock at the first "
+                "sampled step")
     if err is not None:
         inst.close()
         raise err
@@ -66,7 +67,7 @@ def collective_settings_hash(inst: Any) -> int:
     import hashlib
 
     c = inst.config
-    key = repr((c.enabled, c.interval, c.replica_check, c.update_ratio)).encode()
+    key = repr((c.enabled, c.interval, c.replica_check, c.update_ratio, inst.async_records)).encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:6], "big")
 
 

@@ -7,6 +7,8 @@ import dataclasses
 
 import numpy as np
 
+from distgrad.stats.host_copy import HostCopy
+
 
 @dataclasses.dataclass
 class StepToken:
@@ -17,13 +19,14 @@ class StepToken:
         step: the optimizer step (0-based, the engine's counter, identical on every rank).
         sampled: whether the step is sampled (``step % interval == 0`` and enabled).
         host: on a sampled step, the reduced statistics (float64 ``[sum_size + max_size]``
-            host array, :func:`distgrad.stats.reduce_blocks`), or None when the reduction
+            host array, :func:`distgrad.stats.reduce_blocks`; with asynchronous records the
+            :class:`~distgrad.stats.HostCopy` on its way there), or None when the reduction
             failed (counted in ``internal_errors``); None on unsampled steps.
     """
 
     step: int
     sampled: bool
-    host: np.ndarray | None = None
+    host: "np.ndarray | HostCopy | None" = None
 
 
 @dataclasses.dataclass

@@ -40,7 +40,8 @@ on, and integer counts are exact below 2**53.
 """
 
 from distgrad.stats.core import (Reduced, error_blocks, global_norm, pack_local, reduce_blocks,  # noqa: F401
-                                 replica_outliers, unpack)
+                                 reduce_blocks_async, replica_outliers, unpack)
+from distgrad.stats.host_copy import HostCopy  # noqa: F401
 from distgrad.stats.eager import _piece_stats_eager, sum_of_squares  # noqa: F401
 from distgrad.stats.kernels import (_KERNELS, kernel_use, piece_stats, set_stats_kernel,  # noqa: F401
                                     stats_kernel, stats_table)
@@ -49,4 +50,4 @@ from distgrad.stats.native import _call_native, _native  # noqa: F401
 
 __all__ = ["SUM_COLS", "MAX_COLS", "RANK_COLS", "TAIL_COLS", "Layout", "Reduced", "sum_of_squares",
            "piece_stats", "stats_table", "set_stats_kernel", "stats_kernel", "kernel_use", "pack_local", "error_blocks",
-           "reduce_blocks", "unpack", "global_norm", "replica_outliers"]
+           "reduce_blocks", "reduce_blocks_async", "HostCopy", "unpack", "global_norm", "replica_outliers"]

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from distgrad.record import ParamStats
+from distgrad.stats.host_copy import HostCopy
 from distgrad.stats.kernels import stats_table
 from distgrad.stats.layout import MAX_COLS, RANK_COLS, SUM_COLS, TAIL_COLS, Layout
 
@@ -75,6 +76,17 @@ def reduce_blocks(sum_block: torch.Tensor, max_block: torch.Tensor,
         dist.all_reduce(sum_block, op=dist.ReduceOp.SUM, group=group)
         dist.all_reduce(max_block, op=dist.ReduceOp.MAX, group=group)
     return torch.cat([sum_block, max_block]).cpu().numpy()
+
+
+def reduce_blocks_async(sum_block: torch.Tensor, max_block: torch.Tensor,
+                        group: "dist.ProcessGroup | None" = None) -> HostCopy:
+    """:func:`reduce_blocks` without waiting for the device: the same two collectives, then a
+    non-blocking copy to pinned host memory and a CUDA event (:class:`HostCopy`); read the
+    array with ``HostCopy.wait()`` later. On CPU tensors the copy is the data itself."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(sum_block, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(max_block, op=dist.ReduceOp.MAX, group=group)
+    return HostCopy(torch.cat([sum_block, max_block]))
 
 
 @dataclasses.dataclass
