@@ -14,15 +14,19 @@ Not part of the test suite. Without CUDA it starts 2 CPU ranks (gloo, ``DS_ACCEL
    - the floor, ``torch._foreach_norm`` over this rank's gradient pieces (one read of every byte);
    - distgrad's statistics pass (``stats.pack_local``, no collectives) with each kernel, its
      ``Instrument.collect`` (pieces + statistics + 2 all-reduces + 1 device-to-host copy) and the
-     whole sampled step (``collect`` + ``finish``: record, diagnostics, Prometheus update);
+     whole sampled step (``collect`` + ``finish``: record, diagnostics, Prometheus update), and
+     that step with asynchronous records (steady state: publish the previous step + enqueue
+     this one; on CPU there is no Triton row: its interpreter's times mean nothing);
    - baselines re-implemented as people write them: a per-parameter loop with ``.item()`` per
      statistic; Composer's OptimizerMonitor (per-metric ``all_reduce`` + host read, with its
      default metric, the grad norm, and with distgrad's statistics); wandb.watch's
      ``log_tensor_stats`` (clone + histc + copy to host, 64 bins); DeepSpeed's
      ``safe_get_full_grad`` loop for per-parameter norms;
    - per row, in separate untimed passes: collectives and host syncs (the methods that wait for
-     the device: ``item``, ``cpu``, ``tolist``, ``__bool__``, ``__float__``, ...) and the extra
-     peak memory (CUDA: ``max_memory_allocated``; CPU: torch allocations from the profiler);
+     the device: ``item``, ``cpu``, ``tolist``, ``__bool__``, ``__float__``, ..., and waits for
+     an asynchronous record's copy that had not completed), the extra peak memory (CUDA:
+     ``max_memory_allocated``; CPU: torch allocations from the profiler) and, on CUDA, the GPU
+     kernels and memory copies (torch profiler);
    - the accuracy of each kernel's per-parameter norms against float64 on the same pieces.
 2. end-to-end: ``launch/train.py`` three times under ``deepspeed`` (no distgrad, sampling every
    step, sampling every 10 steps), fixed ``--steps``; the job reports the median step time.
@@ -50,9 +54,10 @@ SIZES = {  # name: (layers, width, heads)
     "10m": (6, 384, 6),
     "100m": (16, 768, 12),
 }
-# end-to-end: ds-config overrides per size, (micro-batch, accumulation steps). The 100M model at
-# the example's 8 x 128 x 2 tokens per rank takes ~30 s per step on 2 CPU cores; 1 x 128 x 1
-# keeps its three runs within a few minutes (a shorter step makes distgrad's share larger).
+# end-to-end on CPU: ds-config overrides per size, (micro-batch, accumulation steps). The 100M
+# model at the example's 8 x 128 x 2 tokens per rank takes ~30 s per step on 2 CPU cores; 1 x 128
+# x 1 keeps its three runs within a few minutes (a shorter step makes distgrad's share larger).
+# On CUDA the example's batch is used.
 E2E_BATCH = {"10m": None, "100m": (1, 1)}
 E2E_WARMUP = 3  # optimizer steps left out of the end-to-end medians
 SYNCING = ("cpu", "item", "tolist", "__bool__", "__float__", "__int__", "__index__")  # as tests/dist/ds_cases.py
@@ -104,16 +109,52 @@ class Counter:
         return wrapped
 
     def run(self, fn: Callable[[], Any]) -> tuple[int, int]:
+        """(collectives, host syncs) of one call of ``fn``; a wait for an asynchronous record's
+        host copy (``HostCopy.wait``) counts as a sync when the copy had not completed."""
+        from distgrad.stats import HostCopy
+
         self.collectives = self.syncs = 0
         for n, f in self._orig.items():
             setattr(self.tdist, n, self._wrap(n, f))
+        real_wait = HostCopy.wait
+        counter = self
+
+        def wait(hc: Any) -> Any:
+            if not hc.ready():
+                counter.syncs += 1
+            return real_wait(hc)
+
+        HostCopy.wait = wait
         try:
             with self.mode:
                 fn()
         finally:
+            HostCopy.wait = real_wait
             for n, f in self._orig.items():
                 setattr(self.tdist, n, f)
         return self.collectives, self.syncs
+
+
+def device_ops(fn: Callable[[], Any], cuda: bool) -> list[int] | None:
+    """CUDA only: [kernels, memory copies/sets] that one call of ``fn`` runs on the GPU (torch
+    profiler; Triton launches included)."""
+    if not cuda:
+        return None
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = copies = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            if "memcpy" in e.name.lower() or "memset" in e.name.lower():
+                copies += 1
+            else:
+                kernels += 1
+    return [kernels, copies]
 
 
 def peak_extra_bytes(fn: Callable[[], Any], cuda: bool) -> int:
@@ -197,8 +238,28 @@ def worker(args: argparse.Namespace) -> None:
         return fn
 
     def sampled_step() -> None:
+        inst.async_records = False
         host = inst.collect(0)
         inst.finish(0, 0, host, 1.0, None, None, True, None)
+
+    def collect_sync() -> Any:
+        inst.async_records = False
+        return inst.collect(0)
+
+    parked: list = [None]
+
+    def sampled_step_async() -> None:
+        """Steady state of the asynchronous mode: publish the previous (parked) step, then
+        enqueue this one (its record is built at the next call); the parked step is set aside
+        between calls so that the other rows never publish it."""
+        inst.async_records = True
+        inst._parked, parked[0] = parked[0], None
+        try:
+            host = inst.collect(0)
+            inst.finish(0, 0, host, 1.0, None, None, True, None)
+        finally:
+            parked[0], inst._parked = inst._parked, None
+            inst.async_records = False
 
     # --- baselines, re-implemented as they are usually written ------------------------------
     def tutorial_loop() -> dict:
@@ -281,16 +342,23 @@ def worker(args: argparse.Namespace) -> None:
     rows: list[tuple[str, str, Callable[[], Any]]] = [
         ("floor", "floor: torch._foreach_norm over the local gradient pieces", lambda: torch._foreach_norm(present)),
     ]
-    auto = "native" if (not cuda and dstats._native() is not None) else "eager"
+    if cuda:
+        from distgrad.stats import triton_kernel
+
+        auto = "triton" if triton_kernel.available(device) else "eager"
+    else:  # the Triton kernel runs on CPU only under its interpreter: no row (meaningless times)
+        auto = "native" if dstats._native() is not None else "eager"
     rows.append(("stats_auto", f"distgrad statistics pass, default kernel ({auto})", stats_pass("auto")))
     if auto != "eager":
         rows.append(("stats_eager", "distgrad statistics pass, eager kernel (before #7)", stats_pass("eager")))
     if not args.skip_compile:
         rows.append(("stats_compile", "distgrad statistics pass, torch.compile kernel", stats_pass("compile")))
     rows += [
-        ("collect", "distgrad collect: pieces + stats + 2 all-reduce + 1 D2H copy", lambda: inst.collect(0)),
+        ("collect", "distgrad collect: pieces + stats + 2 all-reduce + 1 D2H copy", collect_sync),
         ("sampled_step", "distgrad full sampled step: collect + finish (record, diagnostics, exporter)",
          sampled_step),
+        ("sampled_step_async", "distgrad sampled step, async records (publish previous + enqueue this; "
+         "pinned copy + event)", sampled_step_async),
         ("tutorial", "baseline: per-parameter loop, .item() per statistic (8 statistics)", tutorial_loop),
         ("composer_norm", "baseline: Composer OptimizerMonitor, per-metric all_reduce + host read (grad norm)",
          composer("norm")),
@@ -314,13 +382,15 @@ def worker(args: argparse.Namespace) -> None:
             fn()
             sync()
             times[key].append(time.perf_counter() - t0)
-    counts, mem = {}, {}
+    counts, mem, ops = {}, {}, {}
     counter = Counter()
     for key, _, fn in rows:
         tdist.barrier()
         counts[key] = counter.run(fn)
         tdist.barrier()
         mem[key] = peak_extra_bytes(fn, cuda)
+        tdist.barrier()
+        ops[key] = device_ops(fn, cuda)
     # accuracy of the per-parameter norms on these pieces, against float64
     ref = [float(p.double().pow(2).sum()) for p in present]
 
@@ -355,7 +425,8 @@ def worker(args: argparse.Namespace) -> None:
         "local_pieces": len(present), "local_elements": local_elems, "trials": args.trials,
         "default_kernel": auto, "rows": [[k, label] for k, label, _ in rows],
         "times_s": times, "median_s": med, "median_s_per_rank": gathered, "warmup_s": t_warm,
-        "counts": {k: list(v) for k, v in counts.items()}, "peak_extra_bytes": mem,
+        "counts": {k: list(v) for k, v in counts.items()}, "peak_extra_bytes": mem, "device_ops": ops,
+        "stats_kernel_use": dstats.kernel_use(),
         "norm_rel_err_vs_fp64": acc_err, "extrema_counts_equal_to_eager": exact_vs_eager,
     }
     if rank == 0:
@@ -452,7 +523,7 @@ def e2e(size: str, args: argparse.Namespace, nproc: int, cuda: bool, tmp: Path) 
     else:
         variants.append(("sparse", "distgrad, interval 10", ["--interval", "10"]))
     ds_cfg = json.loads((ROOT / "configs" / "ds_zero2_fp32.json").read_text())
-    if E2E_BATCH.get(size):
+    if E2E_BATCH.get(size) and not cuda:  # CPU only: a GPU runs the example's full batch
         ds_cfg["train_micro_batch_size_per_gpu"], ds_cfg["gradient_accumulation_steps"] = E2E_BATCH[size]
     cfg_path = tmp / f"ds-{size}.json"
     cfg_path.write_text(json.dumps(ds_cfg))
@@ -510,17 +581,21 @@ def render(micros: list[dict], e2es: list[dict], args: argparse.Namespace) -> st
                      f"{m['trials']} trials")
         lines.append("")
         co = med["collect"]
+        ops = m.get("device_ops") or {}
+        gpu = any(v is not None for v in ops.values())
         lines.append("| row | median ms | x floor | x distgrad collect | x distgrad sampled step | collectives "
-                     "| host syncs | extra peak MB |")
-        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+                     "| host syncs | extra peak MB |" + (" GPU kernels + copies |" if gpu else ""))
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if gpu else ""))
         for key, label in m["rows"]:
             t = med[key]
             c, s = m["counts"][key]
-            base = key.startswith("stats_") or key in ("floor", "collect", "sampled_step")
+            base = key.startswith("stats_") or key in ("floor", "collect", "sampled_step", "sampled_step_async")
             vs_c = "" if base else f"{t / co:,.1f}"
             vs_s = "" if base else f"{t / ss:,.1f}"
+            o = ops.get(key)
             lines.append(f"| {label} | {fmt_ms(t)} | {t / fl:,.2f} | {vs_c} | {vs_s} | {c} | {s} | "
-                         f"{fmt_mb(m['peak_extra_bytes'][key])} |")
+                         f"{fmt_mb(m['peak_extra_bytes'][key])} |" + (f" {o[0]} + {o[1]} |" if gpu and o else
+                                                                      " |" if gpu else ""))
         lines.append("")
         errs = ", ".join(f"{k} {v:.1e}" for k, v in m["norm_rel_err_vs_fp64"].items())
         lines.append(f"Largest relative error of a per-parameter norm against float64 on these pieces: {errs}.")
