@@ -216,3 +216,36 @@ def test_auto_on_cpu_never_uses_triton(st, monkeypatch):
     before = stats.kernel_use()
     stats.stats_table([_data(100, 1).cpu()], CPU)
     assert stats.kernel_use().get("triton", 0) == before.get("triton", 0)
+
+
+class _Syncs(torch.overrides.TorchFunctionMode):
+    """Counts calls of the tensor methods that wait for the device (as tests/test_stats_kernels.py)."""
+
+    SYNCING = {"cpu", "item", "tolist", "__bool__", "__float__", "__int__", "__index__"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.SYNCING:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_host_sync_in_the_statistics_pass(st, monkeypatch):
+    """``pack_local`` with the Triton kernel reads nothing back from the device, for 3 or 30
+    pieces (the interpreter costs ~50 ms per block), with the block table built (first call) or
+    cached (second)."""
+    from distgrad.stats import kernels as stats_kernels
+
+    monkeypatch.setattr(stats_kernels, "_kernel", "triton")
+    assert st.available(DEV)  # the one-time self-check reads the device; not counted below
+    for n_pieces in (3, 30):
+        pieces = [_data(50 + i, i) for i in range(n_pieces)]
+        layout = stats.Layout(n_pieces, 1)
+        for _ in range(2):
+            before = stats.kernel_use().get("triton", 0)
+            with _Syncs() as mode:
+                stats.pack_local(pieces, layout, 0, DEV)
+            assert mode.n == 0 and stats.kernel_use()["triton"] - before == n_pieces
