@@ -38,6 +38,7 @@ from distgrad.engines.base import GradSource, slice_for_rank
 from distgrad.record import StepRecord
 from distgrad.sinks.base import Sink
 from distgrad.step import StepOutcome, StepToken
+from distgrad.step_collectives import provenance, update_ratio_sums, update_ratio_values, weight_pieces
 from distgrad.stats import (RANK_COLS, SUM_COLS, HostCopy, Layout, error_blocks, global_norm, pack_local,
                             reduce_blocks, reduce_blocks_async, replica_outliers, unpack)
 
@@ -268,7 +269,7 @@ class Instrument:
         self._weights_before = None
         if self.config.update_ratio:
             try:
-                self._weights_before = [w.clone() if w is not None else None for w in self._weight_pieces()]
+                self._weights_before = [w.clone() if w is not None else None for w in weight_pieces(self)]
             except Exception:  # noqa: BLE001
                 self._internal_error("copying the weights for the update ratio")
         try:
@@ -278,74 +279,6 @@ class Instrument:
         except Exception:  # noqa: BLE001
             self._internal_error("cross-rank reduction")
             return None
-
-    def _weight_pieces(self) -> list[torch.Tensor | None]:
-        pieces = list(self.source.local_param_pieces())
-        if self.source.replicated:
-            pieces = [slice_for_rank(p, self.rank, self.world_size) for p in pieces]
-        return pieces
-
-    def _update_ratios(self, names: list[str], step_applied: bool) -> dict[str, float] | None:
-        """Update-to-weight ratio ``||w_after - w_before|| / ||w_before||`` per parameter, from
-        this rank's master-weight pieces copied in :meth:`collect` (option ``update_ratio``):
-        one more SUM all-reduce of a ``[P, 2]`` float64 tensor and one host copy, on sampled
-        steps only. Source: CS231n's update/weight ratio (see :class:`health.UpdateRatioTracker`).
-        A skipped step has ratio 0."""
-        return self._update_ratio_values(self._update_ratio_sums(len(names)).cpu().numpy(), names, step_applied)
-
-    def _update_ratio_sums(self, n_params: int) -> torch.Tensor:
-        """The all-reduced float64 ``[P + 1, 2]`` sums behind :meth:`_update_ratios` (last row:
-        the failure flag), on the device; no host read."""
-        from distgrad.health import UpdateRatioTracker
-
-        before, self._weights_before = self._weights_before, None
-        device = self.source.device()
-        # every rank joins the all-reduce; a rank without its copy sends the failure flag
-        sums = torch.zeros((n_params + 1, 2), dtype=torch.float64, device=device)
-        try:
-            if before is None:
-                raise RuntimeError("no weight copy from before the step")
-            empty = torch.zeros(0, dtype=torch.float32, device=device)
-            after = self._weight_pieces()
-            sums[:-1] = UpdateRatioTracker().local_sums([b if b is not None else empty for b in before],
-                                                        [a if a is not None else empty for a in after]).to(device)
-        except Exception:  # noqa: BLE001
-            if before is not None:
-                self._internal_error("update ratio")
-            sums.zero_()
-            sums[-1, 0] = 1.0
-        if _dist_ready() and self.world_size > 1:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
-        return sums
-
-    @staticmethod
-    def _update_ratio_values(host: np.ndarray, names: list[str], step_applied: bool) -> dict[str, float] | None:
-        from distgrad.health import UpdateRatioTracker
-
-        if host[-1, 0] > 0:
-            return None
-        ratios = UpdateRatioTracker.ratios(host[:-1])
-        return {n: (float(r) if step_applied else 0.0) for n, r in zip(names, ratios)}
-
-    def _provenance(self, names: list[str], local_nonfinite: torch.Tensor) -> list[dict[str, Any]]:
-        """Per-rank non-finite counts per parameter: one all-gather, made only on steps whose
-        *reduced* statistics are non-finite (so every rank makes it). ``local_nonfinite``: this
-        rank's float64 ``[P, 2]`` NaN/Inf counts of that step."""
-        local = local_nonfinite.reshape(-1)
-        if _dist_ready() and self.world_size > 1:
-            out = torch.empty(self.world_size * local.numel(), dtype=local.dtype, device=local.device)
-            # all_gather_single replaces the deprecated all_gather_into_tensor in torch >= 2.13
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            gather(out, local.contiguous(), group=self.group)
-        else:
-            out = local
-        per = out.cpu().numpy().reshape(self.world_size, len(names), 2)
-        rows = []
-        for r in range(self.world_size):
-            for i in np.nonzero(per[r].sum(axis=1))[0]:
-                rows.append({"param": names[i], "rank": r, "nan": int(per[r, i, 0]),
-                             "inf": int(per[r, i, 1]), "count": int(per[r, i].sum())})
-        return rows
 
     def finish(self, step: int, micro_step: int, host: "np.ndarray | HostCopy | None", grad_scale: float,
                loss_scale: float | None, overflow: bool | None, step_applied: bool,
@@ -362,7 +295,7 @@ class Instrument:
             if isinstance(host, HostCopy):
                 ratio = None
                 if self.config.update_ratio:
-                    ratio = HostCopy(self._update_ratio_sums(self.layout.n_params))
+                    ratio = HostCopy(update_ratio_sums(self, self.layout.n_params))
                 self._parked = {"args": (step, micro_step, grad_scale, loss_scale, overflow, step_applied),
                                 "host": host, "ratio": ratio, "local_nonfinite": self._local_nonfinite}
                 self._publish_counters()
@@ -404,8 +337,9 @@ class Instrument:
         rec = self._build(step, micro_step, red, grad_scale, loss_scale, overflow, step_applied,
                           local_nonfinite if collectives else None)
         if self.config.update_ratio:
-            ratios = (self._update_ratios(rec.params.names, step_applied) if ratio is None else
-                      self._update_ratio_values(ratio.wait(), rec.params.names, step_applied))
+            host_sums = (update_ratio_sums(self, len(rec.params.names)).cpu().numpy() if ratio is None
+                         else ratio.wait())
+            ratios = update_ratio_values(host_sums, rec.params.names, step_applied)
             if ratios is not None:
                 rec.extra["update_ratio"] = ratios
         self.last_record = rec
@@ -502,7 +436,7 @@ class Instrument:
         if rec.nonfinite:
             self.counters["nonfinite_steps"] += 1
             if local_nonfinite is not None:
-                extra["nonfinite_params"] = self._provenance(stats.names, local_nonfinite)
+                extra["nonfinite_params"] = provenance(self, stats.names, local_nonfinite)
             else:
                 extra["nonfinite_params"] = []
                 log.warning("distgrad: step %d was non-finite; its per-rank provenance was not gathered "
