@@ -27,7 +27,8 @@ everything above in float64); counts and extrema exact (extrema are the fp32 val
 elements; bf16/fp16 convert to fp32 exactly). Memory: 64 bytes of partials per block (~4 KB per
 million gradient elements) and the table (16 bytes per block, 24 per piece).
 
-Loads are 16 bytes wide only when every block of a dtype starts on a 16-byte boundary (flat
+The first use on a device compiles the kernels for the dtypes present (seconds; Triton caches
+them on disk for later runs). Loads are 16 bytes wide only when every block of a dtype starts on a 16-byte boundary (flat
 gradient buffers of power-of-two-sized parameters do); otherwise that dtype's launch uses
 element-wide loads: the same results, slower.
 
@@ -42,6 +43,7 @@ fails, and the caller then uses the eager kernel.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -176,7 +178,8 @@ def table(pieces: Sequence[torch.Tensor | None], grid: int | None = None, block:
             _cache[key[0]] = (key, meta, groups, nb)
     part = torch.empty((max(nb, 1), 8), dtype=torch.float64, device=device)
     interp = device.type == "cpu"
-    with np.errstate(all="ignore"):  # the interpreter computes NaN/Inf with numpy
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with on_device, np.errstate(all="ignore"):  # launch on the pieces' GPU; the interpreter: numpy NaN/Inf
         for code, lo, count, aligned in groups:
             g = (1 if interp else count) if grid is None else max(1, min(int(grid), count))
             block_kernel[(g,)](meta, part, lo, count, nb, g, DTYPE=_TL_DTYPES[code], CHUNK=CHUNK,
