@@ -45,7 +45,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH="$PYTHONPATH:/tmp/distgrad-site" PATH="/tmp/distgrad-site/bin:$PATH"
 fi
 
-step env 60 "$py" - > "$out/env.txt" 2>&1 <<'EOF'
+step env 30 "$py" - > "$out/env.txt" 2>&1 <<'EOF'
 import subprocess, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 try:
@@ -65,12 +65,12 @@ except OSError as e:
 EOF
 cat "$out/env.txt"
 
-step tests 240 env DISTGRAD_TEST_DEVICE="${GPU_CHECK_DEVICE:-cuda}" "$py" -m pytest -x -q -p no:cacheprovider \
+step tests 150 env DISTGRAD_TEST_DEVICE="${GPU_CHECK_DEVICE:-cuda}" "$py" -m pytest -x -q -p no:cacheprovider \
   tests/stats_triton_cases.py tests/test_async_records.py \
   > "$out/tests.log" 2>&1
 tail -5 "$out/tests.log"
 
-step benchmark 420 "$py" launch/benchmark.py --sizes "${GPU_CHECK_SIZES:-10m,100m}" \
+step benchmark 380 "$py" launch/benchmark.py --sizes "${GPU_CHECK_SIZES:-10m,100m}" \
   --e2e-sizes "${GPU_CHECK_E2E-100m}" --e2e-steps "${GPU_CHECK_E2E_STEPS:-30}" --skip-compile \
   --keep /tmp/distgrad-bench-logs --json "$out/benchmark.json" --markdown "$out/benchmark.md" \
   > "$out/bench.log" 2>&1
