@@ -3,8 +3,8 @@
 #
 #   where pip reaches PyPI, once:  bash launch/gpu_wheels.sh     # DeepSpeed & co. into .whl/
 #   on the GPU machine:            bash launch/gpu_check.sh [OUTDIR]
-#     (this workplace's device tool: command "bash launch/gpu_check.sh", carry [".whl"],
-#      timeout_s 600; it writes at most 8 files into $OUT, which come back)
+#     (with .whl/ copied along; OUTDIR defaults to $OUT, else ./gpu_check_out; 6 files are
+#      written there; the steps are capped at 30 + 150 + 380 s: one 10-minute slot holds it)
 #
 # Needs CUDA torch and triton on the machine (not installed here: it may have no index). Steps,
 # each one's exit status in summary.txt (a failed step does not stop the others):
