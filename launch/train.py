@@ -443,6 +443,8 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             rec = dg.last_record if dg else None
             gn = f"{rec.grad_norm:.4f}" if rec else "n/a"
+            if rec and rec.step != step:  # asynchronous records (CUDA default): one step late
+                gn += f" (of step {rec.step})"
             ls = f"{rec.loss:.4f}" if rec and rec.loss is not None else f"{loss.item():.4f}"
             recent = step_times[-args.log_every:]
             print(f"[train] step {step:5d}  loss {ls}  grad_norm {gn}  "
