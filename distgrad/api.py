@@ -51,6 +51,7 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
     from distgrad.engines.deepspeed import DeepSpeedSource, attach_deepspeed, is_deepspeed_engine
     from distgrad.engines.torch_native import attach_torch
 
+    optimizer = unwrap_optimizer(optimizer)
     if isinstance(config, torch.optim.Optimizer):
         raise TypeError("distgrad.instrument(model, opt): the second argument is the config; pass the "
                         "optimizer by keyword: distgrad.instrument(model, optimizer=opt)")
@@ -92,12 +93,47 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
         else:
             # torch loops clip in user code (clip_grad_norm_): the clip ratio uses config.max_grad_norm
             inst.attach_diagnostics(source.user_module(engine), None)
-            attach_torch(inst, source, engine, optimizer, scaler)
+            inst.boundary = attach_torch(inst, source, engine, optimizer, scaler)
             _mark(inst, engine, optimizer)
     except BaseException:
         inst.close()
         raise
     return inst
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The ``torch.optim.Optimizer`` inside a framework's wrapper, for ``optimizer=``.
+
+    Unwraps Accelerate's ``AcceleratedOptimizer`` (``.optimizer``; it never ran
+    ``Optimizer.__init__`` and has no step hooks of its own). Returns anything else unchanged.
+
+    Raises:
+        TypeError: a wrapper whose gradients distgrad cannot read through an optimizer hook:
+            Accelerate's ``DeepSpeedOptimizerWrapper`` and DeepSpeed's ZeRO / fp16 / bf16
+            optimizers (instrument the ``DeepSpeedEngine`` instead), PyTorch Lightning's
+            ``LightningOptimizer`` (its ``step(closure)`` runs backward after the step pre-hook:
+            use ``distgrad.integrations.lightning.DistgradCallback``).
+    """
+    if optimizer is None:
+        return None
+    name = type(optimizer).__name__
+    mod = type(optimizer).__module__ or ""
+    bases = {c.__name__ for c in type(optimizer).__mro__}  # LightningOptimizer renames its class
+    if "DeepSpeedOptimizerWrapper" in bases or (mod.startswith("deepspeed.") and not isinstance(
+            optimizer, __import__("torch").optim.Optimizer)) or mod.startswith("deepspeed.runtime"):
+        raise TypeError(
+            f"optimizer= got {mod}.{name}: under DeepSpeed the engine owns the optimizer and reduces "
+            "the gradients; pass the engine instead: distgrad.instrument(engine) with the DeepSpeedEngine "
+            "from deepspeed.initialize or accelerator.prepare (with the Hugging Face Trainer: "
+            "distgrad.integrations.hf.attach(trainer))")
+    if "LightningOptimizer" in bases:
+        raise TypeError(
+            "optimizer= got a lightning LightningOptimizer: Lightning runs forward and backward inside "
+            "optimizer.step(closure), after an optimizer hook would read the gradients. Use the callback: "
+            "Trainer(callbacks=[distgrad.integrations.lightning.DistgradCallback()])")
+    if "AcceleratedOptimizer" in bases or (mod.startswith("accelerate.") and hasattr(optimizer, "optimizer")):
+        return unwrap_optimizer(optimizer.optimizer)
+    return optimizer
 
 
 def _mark(inst: Instrument, *objs: Any) -> None:

@@ -44,11 +44,18 @@ from distgrad.stats import (RANK_COLS, SUM_COLS, HostCopy, Layout, error_blocks,
 
 log = logging.getLogger("distgrad")
 
+#: value of a rank's error slot in the SUM block when it refuses a step (see Instrument.collect)
+_REFUSED = 2.0
+
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
 def _dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+class _Refused(Exception):
+    """Internal: this rank refuses the step (see :meth:`Instrument.collect`)."""
 
 
 class Instrument:
@@ -79,6 +86,13 @@ class Instrument:
         self.port: int | None = None
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
+        #: how observed losses combine into ``distgrad_loss``: "mean" (each observation is one
+        #: micro-batch's loss; averaged over micro-batches and ranks) or "sum" (each observation is
+        #: the loss exactly as handed to backward by a framework that pre-scales it for gradient
+        #: accumulation / number of items / world size; summed over the step's micro-batches, then
+        #: averaged over ranks: the loss whose gradient the reduced gradient is). Set by the
+        #: framework integrations (distgrad.integrations), never by users.
+        self.loss_reduction = "mean"
         self._auto_loss = True  # automatic loss capture on, until the first explicit observe_loss
         self._auto_seen = False  # an automatically captured loss is in _loss_sum
         self._consecutive_overflow = 0
@@ -157,6 +171,21 @@ class Instrument:
         except Exception:  # noqa: BLE001 - never break training
             self._internal_error("observe_loss")
 
+    def read_gradients_now(self) -> None:
+        """Read this optimizer step's reduced gradients now instead of in ``optimizer.step()``:
+        call it on every rank after the step's last backward and before anything modifies the
+        gradients (``clip_grad_norm_``). PyTorch models only (DeepSpeed reads inside
+        ``engine.step()``, before its own clipping). Later reads in the same step do nothing.
+
+        Raises:
+            TypeError: the instrument watches a DeepSpeed engine (or is disabled).
+        """
+        boundary = getattr(self, "boundary", None)
+        if boundary is None:
+            raise TypeError("read_gradients_now() is for PyTorch models instrumented with optimizer=; "
+                            "a DeepSpeed engine reads its gradients inside engine.step(), before clipping")
+        boundary.read_now()
+
     def add_hook(self, fn: Callable[[StepRecord], None]) -> None:
         """Call ``fn(record)`` on every rank after each sampled step (exceptions are counted)."""
         self._hooks.append(fn)
@@ -205,7 +234,7 @@ class Instrument:
         """Whether optimizer step ``step`` (0-based, engine counter) is sampled."""
         return self.config.enabled and step % self.config.interval == 0
 
-    def begin_step(self, step: int) -> StepToken:
+    def begin_step(self, step: int, refuse: str | None = None) -> StepToken:
         """Open optimizer step ``step`` at the boundary: after the gradient reduction (and
         accumulation) has completed, before the optimizer consumes the gradients.
 
@@ -218,12 +247,14 @@ class Instrument:
 
         Args:
             step: the optimizer step, 0-based, counting every step the loop attempts.
+            refuse: why this rank's gradients cannot be the step's reduced gradient, or None
+                (see :meth:`collect`).
 
         Returns:
             The :class:`~distgrad.step.StepToken` to hand to :meth:`end_step`.
         """
         sampled = self.is_sampled(step)
-        return StepToken(int(step), sampled, self.collect(step) if sampled else None)
+        return StepToken(int(step), sampled, self.collect(step, refuse) if sampled else None)
 
     def end_step(self, token: StepToken, outcome: StepOutcome) -> StepRecord | None:
         """Close the step opened by :meth:`begin_step`, after the optimizer ran (or was
@@ -242,16 +273,24 @@ class Instrument:
         self.skip(outcome.overflow, outcome.step_applied, outcome.samples)
         return None
 
-    def collect(self, step: int) -> "np.ndarray | HostCopy | None":
+    def collect(self, step: int, refuse: str | None = None) -> "np.ndarray | HostCopy | None":
         """Local statistics + the two collectives + one host copy, for a sampled step.
 
         Must be called on every rank at the same boundary. Returns the reduced host array (or,
         with asynchronous records, the :class:`HostCopy` on its way there), or None when the
         reduction itself failed (counted). Asynchronous records: first publishes the parked
-        previous sampled step."""
+        previous sampled step.
+
+        ``refuse``: a reason why this rank's gradients cannot be this step's reduced gradient
+        (read before the step's backward, already clipped, no backward since the last step; see
+        :mod:`distgrad.engines.guards`). The rank still joins both collectives, with a "refused"
+        flag, so every rank drops the step: nothing is exported for it. The caller warns once.
+        """
         self._drain(collectives=True)
         device = self.source.device()
         try:
+            if refuse is not None:
+                raise _Refused(refuse)
             pieces = list(self.source.local_pieces())
             fingerprint = None
             if self.source.replicated:
@@ -260,14 +299,18 @@ class Instrument:
                     fingerprint = (torch.stack([torch.dot(p.float(), p.float()).double() for p in present]).sum()
                                    if present else torch.zeros((), dtype=torch.float64, device=device))
                 pieces = [slice_for_rank(p, self.rank, self.world_size) for p in pieces]
+            count = self._loss_count if self.loss_reduction == "mean" else min(self._loss_count, 1)
             sum_block, max_block = pack_local(pieces, self.layout, self.rank, device, fingerprint,
-                                              self._loss_sum, self._loss_count)
+                                              self._loss_sum, count)
+        except _Refused:  # join the collectives with the "refused" flag: every rank drops the step
+            sum_block, max_block = error_blocks(self.layout, self.rank, device)
+            sum_block[self.layout.rank_offset + self.rank * len(RANK_COLS) + 2] = _REFUSED
         except Exception:  # noqa: BLE001 - join the collectives anyway, with the error flag set
             self._internal_error("local statistics")
             sum_block, max_block = error_blocks(self.layout, self.rank, device)
         self._local_nonfinite = sum_block[: self.layout.rank_offset].view(-1, len(SUM_COLS))[:, 3:5].clone()
         self._weights_before = None
-        if self.config.update_ratio:
+        if self.config.update_ratio and refuse is None:
             try:
                 self._weights_before = [w.clone() if w is not None else None for w in weight_pieces(self)]
             except Exception:  # noqa: BLE001
@@ -330,8 +373,11 @@ class Instrument:
         step, micro_step, grad_scale, loss_scale, overflow, step_applied = args
         red = unpack(host, self.layout, self.source.names, grad_scale)
         if red.rank_error.sum():
-            # this rank counted its own failure already; learn of the others' from the flags
-            self.counters["internal_errors"] += int(red.rank_error.sum() - red.rank_error[self.rank])
+            # this rank counted its own failure already; learn of the others' from the flags.
+            # A flag of _REFUSED is a rank that could not vouch for its gradients (not an error
+            # of distgrad's; that rank warned): the step is dropped, nothing is exported.
+            failed = (red.rank_error > 0) & (red.rank_error < _REFUSED)
+            self.counters["internal_errors"] += int(failed.sum() - failed[self.rank])
             self._publish_counters()
             return None
         rec = self._build(step, micro_step, red, grad_scale, loss_scale, overflow, step_applied,

@@ -165,8 +165,10 @@ CATALOGUE: tuple[Metric, ...] = (
     _g("distgrad_last_sample_timestamp_seconds", "seconds", "Unix time of the last sample."),
     _g("distgrad_last_step_timestamp_seconds", "seconds", "Unix time of the last optimizer step (sampled or not).",
        "step", doc="Unix time of the last optimizer step, sampled or not (the stall alert's input)"),
-    _g("distgrad_loss", "loss", "Training loss averaged over ranks and micro-batches.", "loss",
-       doc="training loss averaged over ranks and micro-batches of the step"),
+    _g("distgrad_loss", "loss", "Mean training loss of the optimizer step over all micro-batches and ranks, "
+       "as the user's loss function defines it (whatever the framework divides it by before backward).", "loss",
+       doc="mean training loss of the optimizer step over all its micro-batches and ranks, as the user's "
+           "loss function defines it (see below)"),
     # --- counters ---------------------------------------------------------------------------
     _c("distgrad_nonfinite_steps_total", "steps", "Sampled optimizer steps with any NaN/Inf gradient element."),
     _c("distgrad_sampled_steps_total", "steps", "Sampled optimizer steps."),
@@ -305,6 +307,29 @@ Connections without a whole request for 10 s are closed; at most 256 are kept op
 """
 
 
+_LOSS = """
+## What `distgrad_loss` means
+
+`distgrad_loss` is the **mean training loss of the optimizer step over all micro-batches and all
+ranks, as the user's loss function defines it**, whatever scaling the framework applies before
+backward (division by the gradient-accumulation steps, normalisation by `num_items_in_batch`,
+multiplication by the world size). It is the loss whose gradient is the reduced gradient distgrad
+reports. How each way of training gets there:
+
+| how you train | what distgrad observes | how it is combined |
+|---|---|---|
+| raw DeepSpeed `engine.backward(loss)` | each micro-batch's loss (DeepSpeed divides by GA itself) | mean over micro-batches and ranks |
+| raw PyTorch loop (DDP / FSDP / one process) | the loss the model's forward returns, or each `dg.observe_loss(loss)` (pass the unscaled micro-batch loss) | mean over micro-batches and ranks |
+| Hugging Face `Trainer` (`distgrad.integrations.hf.attach`), DeepSpeed or FSDP/DDP | the loss the Trainer hands to backward (already divided by GA, or by `num_items_in_batch` and multiplied by the world size) | sum over the step's micro-batches, mean over ranks: the Trainer's own step loss (with `num_items_in_batch`: the mean per-token loss of all tokens of the step) |
+| Accelerate loop (`distgrad.integrations.hf.instrument_accelerate`) | the loss handed to `accelerator.backward`, divided by Accelerate's `gradient_accumulation_steps` as Accelerate does | sum over micro-batches, mean over ranks |
+| PyTorch Lightning (`distgrad.integrations.lightning.DistgradCallback`) | the loss handed to backward (`training_step`'s loss / `accumulate_grad_batches`) | sum over micro-batches, mean over ranks |
+
+With equal-sized micro-batches the two coincide with the plain mean of the micro-batch losses.
+The tests compare it with a float64 recomputation of the step's loss for each integration
+(tests/test_integrations_hf.py, tests/test_integrations_lightning.py).
+"""
+
+
 def markdown() -> str:
     """The text of ``docs/metrics.md`` (labels, then one table row per metric)."""
     out = [_INTRO]
@@ -317,6 +342,7 @@ def markdown() -> str:
         meaning = (m.doc or m.help.rstrip(".")) + ("" if m.doc else cap)
         out.append(f"| `{m.name}` | {m.type} | {', '.join(m.labels)} | {m.unit} | {CONDITIONS[m.when]} | "
                    f"{meaning} |\n")
+    out.append(_LOSS)
     return "".join(out)
 
 

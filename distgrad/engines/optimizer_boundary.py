@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from distgrad.engines.torch_base import TorchSource, _unwrap_compiled
-from distgrad.step import StepOutcome
+from distgrad.step import StepOutcome, StepToken
 
 log = logging.getLogger("distgrad")
 
@@ -50,9 +50,20 @@ class OptimizerBoundary:
 
     def __init__(self, inst: Any, source: TorchSource, optimizer: torch.optim.Optimizer,
                  model: nn.Module, scaler: Any = None) -> None:
+        from distgrad.engines.guards import ClipWatch, Refusals
+
         self.inst, self.source, self.optimizer, self.scaler = inst, source, optimizer, scaler
         self.step = 0
         self.micro = 0
+        #: where the gradients are read (set by distgrad.integrations): "pre_hook" (the optimizer's
+        #: step pre-hook), "before_clip" (the first clipping call on the optimizer's parameters,
+        #: else the pre-hook: the Hugging Face Trainer / Accelerate clip before optimizer.step),
+        #: "external" (only :meth:`read_now`, called by an integration after the closure ran)
+        self.read_at = "pre_hook"
+        self.refusals = Refusals()
+        self._opt_ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self._clipped = False
+        self._last_sig = None
         self._pending: tuple | None = None  # (StepToken, grad_scale, fused_overflow)
         self._in_scaler = False
         self._fired = False
@@ -64,10 +75,14 @@ class OptimizerBoundary:
         if scaler is not None:
             self._scaler_step = scaler.step
             scaler.step = self._wrapped_scaler_step  # on this instance only
+        ClipWatch.register(self)
         inst.on_close(self.remove)
 
     def remove(self) -> None:
         """Remove the hooks and restore ``scaler.step`` (called by ``Instrument.close``)."""
+        from distgrad.engines.guards import ClipWatch
+
+        ClipWatch.unregister(self)
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -92,13 +107,44 @@ class OptimizerBoundary:
             self.inst.observe_loss(loss, automatic=True)  # ignored once the user observes losses
         self.inst.after_micro_batch()  # writes the forward tracer's report once it has run
 
-    def _begin(self) -> None:
-        """Read the gradients of a sampled step (all ranks reach this at the same step)."""
+    def on_clip(self, param_ids: set) -> None:
+        """Called by :class:`~distgrad.engines.guards.ClipWatch` before a clipping call."""
+        if self._pending is not None or not (param_ids & self._opt_ids):
+            return  # read already (clipping after distgrad's read is fine), or not our parameters
+        if self.read_at == "before_clip":
+            self.read_now()
+        else:
+            self._clipped = True
+
+    def read_now(self) -> None:
+        """Read this step's reduced gradients now (once per optimizer step; later calls and the
+        step pre-hook do nothing until the step completes). For integrations and loops that
+        modify the gradients (clipping) between the last backward and ``optimizer.step()``."""
+        if self._pending is None:
+            self._begin()
+
+    def _begin(self, refuse: str | None = None) -> None:
+        """Open the step; on sampled steps read the gradients (all ranks reach this at the same
+        step). ``refuse``: why the gradients cannot be this step's (see
+        :mod:`distgrad.engines.guards`); the checks here may add a reason."""
+        from distgrad.engines.guards import GradSignature
+
         self.inst.after_micro_batch()  # the tracer report of the last micro-batch, if it ran
         if self._pending is not None:  # the previous optimizer.step raised after its pre-hook
             log.warning("distgrad: optimizer.step() at step %d did not complete; recorded as not applied",
                         self._pending[0].step)
             self._end(None, False, None)
+        try:
+            sig = GradSignature(p for g in self.optimizer.param_groups for p in g["params"])
+            if refuse is None and self._clipped:
+                refuse = "clipped"
+            if refuse is None and (sig.empty or sig.same_as(self._last_sig)):
+                refuse = "no_backward"
+            self._last_sig = sig
+        except Exception:  # noqa: BLE001 - a check must never break training
+            self.inst.count_error("checking the gradients' provenance")
+        if refuse is not None:
+            self.refusals.refuse(refuse, self.step)
         gscale, fused_overflow = 1.0, None
         if self._in_scaler:
             try:
@@ -109,22 +155,30 @@ class OptimizerBoundary:
                     gscale = float(gs) if gs is not None else 1.0
             except Exception:  # noqa: BLE001
                 self.inst.count_error("reading the GradScaler state")
-        self._pending = (self.inst.begin_step(self.step), gscale, fused_overflow)
+        self._pending = (self.inst.begin_step(self.step, refuse), gscale, fused_overflow)
 
     def _end(self, overflow: bool | None, applied: bool, loss_scale: float | None) -> None:
         token, gscale, _ = self._pending
         self._pending = None
+        self._clipped = False
         self.step += 1
         self.inst.end_step(token, StepOutcome(overflow=overflow, step_applied=applied, loss_scale=loss_scale,
                                               grad_scale=gscale, micro_step=self.micro))
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._fired = True
-        self._begin()
+        if self.read_at == "external" or self._pending is not None:
+            return  # read by the integration after the closure / already read before clipping
+        rest = args[1:] if args and args[0] is optimizer else args  # the hook's args include self
+        closure = kwargs.get("closure", rest[0] if rest else None)
+        self._begin("closure" if closure is not None else None)
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._in_scaler and self._pending is not None:
-            self._end(None, True, None)
+        if self._in_scaler:
+            return
+        if self._pending is None:  # "external" and the integration did not read: count the step
+            self._pending = (StepToken(self.step, False, None), 1.0, None)
+        self._end(None, True, None)
 
     def _wrapped_scaler_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         step_fn = self._scaler_step
@@ -146,7 +200,8 @@ class OptimizerBoundary:
             overflow = bool(fused_overflow)
         else:  # GradScaler found Inf/NaN and skipped optimizer.step(): read the unscaled grads now
             overflow = True
-            self._begin()
+            if self._pending is None:  # not read before clipping already
+                self._begin()
         self._end(overflow, not overflow, loss_scale)
         return out
 

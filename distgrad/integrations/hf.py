@@ -1,0 +1,176 @@
+"""Hugging Face ``Trainer`` (transformers >= 4.46, tested with 5.24 / accelerate 1.15 / peft 0.21)
+and plain Accelerate loops.
+
+One line with the Trainer (every rank, before ``trainer.train()``)::
+
+    from distgrad.integrations.hf import attach
+    attach(trainer)                      # or attach(trainer, port=9400, interval=10, ...)
+
+One line in an Accelerate loop, after ``accelerator.prepare``::
+
+    dg = distgrad.integrations.hf.instrument_accelerate(accelerator, model, optimizer)
+
+What the Trainer does, and what the integration does about it (measured on transformers 5.24):
+
+- DeepSpeed (ZeRO 0-3): the engine exists only once training starts, as
+  ``trainer.model_wrapped``; the callback instruments it at ``on_train_begin``. DeepSpeed clips
+  inside ``engine.step()`` after distgrad's boundary, so the gradient read is pre-clip; the clip
+  threshold is the engine's ``gradient_clipping`` (the Trainer fills it from ``max_grad_norm``).
+  The Trainer hands the loss to ``engine.backward(loss, scale_wrt_gas=False)`` already divided
+  for accumulation (``1/GA``, or by ``num_items_in_batch`` and multiplied by the world size).
+- FSDP2 / FSDP1 / DDP / one process: the optimizer the callbacks see is Accelerate's
+  ``AcceleratedOptimizer``; the real ``torch.optim.Optimizer`` is unwrapped. The Trainer clips
+  (``accelerator.clip_grad_norm_``) before ``optimizer.step()``, so the boundary reads the
+  gradients at the first clipping call on the optimizer's parameters (``read_at =
+  "before_clip"``), or in the step pre-hook when nothing clips. ``max_grad_norm`` becomes
+  distgrad's ``max_grad_norm`` (clip ratio and post-clip norm). The loss handed to
+  ``accelerator.backward`` is captured.
+- In both cases ``distgrad_loss`` is the sum over the step's micro-batches of the loss handed to
+  backward, averaged over ranks (``Instrument.loss_reduction = "sum"``): exactly the loss whose
+  gradient the reduced gradient is, i.e. the Trainer's own step loss (the mean per-token loss of
+  the step with ``num_items_in_batch``, the mean of the micro-batch losses without it).
+- PEFT: frozen base weights have ``requires_grad=False`` and never appear as series.
+
+Settings: ``attach(trainer, config, **overrides)`` like :func:`distgrad.instrument`; with
+``config=None`` under DeepSpeed, the DeepSpeed config's ``"distgrad"`` section. ``max_grad_norm``
+comes from ``TrainingArguments.max_grad_norm`` unless given.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import distgrad
+from distgrad.api import unwrap_optimizer
+from distgrad.engines.deepspeed import is_deepspeed_engine
+
+try:
+    from transformers import TrainerCallback
+except ImportError as e:  # pragma: no cover - the extra is missing
+    raise ImportError("distgrad.integrations.hf needs transformers: pip install 'distgrad[hf]'") from e
+
+log = logging.getLogger("distgrad")
+
+
+class DistgradCallback(TrainerCallback):
+    """A ``transformers.TrainerCallback`` that instruments the Trainer's engine when training
+    starts and closes the instrument when it ends. Build it with :func:`attach` (the callback
+    needs the Trainer itself: callback events do not pass the DeepSpeed engine).
+
+    Attributes:
+        instrument: the :class:`distgrad.Instrument` once training has started, else None.
+    """
+
+    def __init__(self, trainer: Any, config: Any = None, **overrides: Any) -> None:
+        self.trainer = trainer
+        self.config = config
+        self.overrides = overrides
+        self.instrument: distgrad.Instrument | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.instrument is not None:
+            return
+        self.instrument = instrument_trainer(self.trainer, self.config, kwargs.get("optimizer"),
+                                             **self.overrides)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.instrument is not None:
+            self.instrument.close()
+
+
+def attach(trainer: Any, config: Any = None, **overrides: Any) -> DistgradCallback:
+    """Add a :class:`DistgradCallback` to ``trainer`` (a ``transformers.Trainer`` or subclass,
+    e.g. TRL's ``SFTTrainer``); call on every rank before ``trainer.train()``.
+
+    Args:
+        trainer: the Trainer.
+        config: as for :func:`distgrad.instrument` (a DistgradConfig, dict, YAML path or None).
+        **overrides: individual config keys (``port=0``, ``interval=10``, ...).
+
+    Returns:
+        The callback; ``callback.instrument`` is the Instrument once training has started.
+
+    Raises:
+        TypeError: ``trainer`` has no ``add_callback`` (not a transformers Trainer).
+    """
+    if not hasattr(trainer, "add_callback") or not hasattr(trainer, "accelerator"):
+        raise TypeError(f"attach(trainer) needs a transformers.Trainer, got {type(trainer).__name__}")
+    cb = DistgradCallback(trainer, config, **overrides)
+    trainer.add_callback(cb)
+    return cb
+
+
+def instrument_trainer(trainer: Any, config: Any = None, optimizer: Any = None,
+                       **overrides: Any) -> "distgrad.Instrument":
+    """Instrument a Trainer whose training has started (``trainer.model_wrapped`` is the engine
+    or wrapped model); what :class:`DistgradCallback` calls at ``on_train_begin``.
+
+    Raises:
+        TypeError / ValueError: from :func:`distgrad.instrument` (unsupported engine or settings).
+    """
+    engine = trainer.model_wrapped
+    accelerator = trainer.accelerator
+    if is_deepspeed_engine(engine):
+        inst = distgrad.instrument(engine, config, **overrides)
+        inst.loss_reduction = "sum"
+        return inst
+    max_norm = getattr(trainer.args, "max_grad_norm", None)
+    if "max_grad_norm" not in overrides and max_norm and max_norm > 0:
+        overrides["max_grad_norm"] = float(max_norm)
+    return instrument_accelerate(accelerator, engine, optimizer if optimizer is not None else trainer.optimizer,
+                                 config, **overrides)
+
+
+def instrument_accelerate(accelerator: Any, model: Any, optimizer: Any = None, config: Any = None,
+                          **overrides: Any) -> "distgrad.Instrument":
+    """Instrument a model and optimizer returned by ``accelerator.prepare`` (any distributed type).
+
+    DeepSpeed: ``model`` is the ``DeepSpeedEngine``; it is instrumented directly (``optimizer``
+    is ignored). Otherwise the ``AcceleratedOptimizer`` is unwrapped, the gradients are read
+    before the first ``accelerator.clip_grad_norm_`` of the step (else in ``optimizer.step()``),
+    the loss handed to ``accelerator.backward`` is captured, and ``distgrad_loss`` is its sum
+    over the step's micro-batches averaged over ranks (pass ``loss / gradient_accumulation_steps``
+    to ``backward`` as Accelerate expects; ``accelerator.backward`` divides by
+    ``accelerator.gradient_accumulation_steps`` itself when you use ``accelerator.accumulate``,
+    which is accounted for).
+
+    Raises:
+        TypeError: the optimizer wrapper cannot be unwrapped (see
+            :func:`distgrad.api.unwrap_optimizer`), or from :func:`distgrad.instrument`.
+    """
+    if is_deepspeed_engine(model):
+        inst = distgrad.instrument(model, config, **overrides)
+        inst.loss_reduction = "sum"
+        return inst
+    scaler = getattr(accelerator, "scaler", None)
+    inst = distgrad.instrument(model, config, optimizer=unwrap_optimizer(optimizer), scaler=scaler, **overrides)
+    if getattr(inst, "boundary", None) is None:  # enabled: false
+        return inst
+    inst.loss_reduction = "sum"
+    inst.boundary.read_at = "before_clip"
+    backward = accelerator.backward
+    own = "backward" in vars(accelerator)
+
+    def _backward(loss: Any, **kwargs: Any) -> Any:
+        # Accelerate divides by its gradient_accumulation_steps inside backward (non-DeepSpeed)
+        ga = max(1, int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1))
+        try:
+            inst.observe_loss(loss.detach() / ga)
+        except Exception:  # noqa: BLE001 - never break training
+            inst._internal_error("capturing the loss")
+        return backward(loss, **kwargs)
+
+    accelerator.backward = _backward
+
+    def restore() -> None:
+        if own:
+            accelerator.backward = backward
+        else:
+            vars(accelerator).pop("backward", None)
+
+    inst._restore.append(restore)
+    return inst
+
+
+__all__ = ["DistgradCallback", "attach", "instrument_trainer", "instrument_accelerate"]

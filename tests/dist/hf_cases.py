@@ -1,0 +1,190 @@
+"""Multi-rank driver for the Hugging Face integration tests (tests/test_integrations_hf.py), all
+cases in one ``torchrun --nproc_per_node 2`` launch.
+
+Each case trains a random-init 2-layer ``LlamaForCausalLM`` (hidden 64, vocab 256, built from a
+config: no download) with the real ``transformers.Trainer`` for 2 optimizer steps, gradient
+accumulation 2, the Trainer's clipping on (``max_grad_norm`` below the step-0 gradient norm, so
+clipping is active), ``distgrad.integrations.hf.attach(trainer)``, and records on
+rank 0: distgrad's record of every step, the Trainer's logged ``loss`` / ``grad_norm``, and a
+float64 reference of step 0: every rank's step-0 micro-batches (recorded inside
+``training_step``) are gathered and the float64 copy of the initial model computes the step's
+loss (mean per-token cross entropy over all of them: every sequence has the same length and no
+ignored label) and its gradient, which is the pre-clip reduced gradient the optimizer receives.
+
+Making these frameworks run on CPU at all (not distgrad's business): a gloo ``PartialState``
+before ``TrainingArguments(accelerator_config={"use_configured_state": True})``; FSDP needs
+the state labelled MULTI_GPU. Writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import full_stats  # noqa: E402
+
+SEQ, VOCAB, BATCH, GA = 16, 256, 2, 2
+
+
+def tiny_llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=SEQ)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+def dataset(n: int = 64) -> list[dict]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def make_state(kind: str) -> None:
+    """A gloo accelerate state for DeepSpeed or FSDP on CPU."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    reset_accelerate()
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true" if kind == "deepspeed" else "false"
+    os.environ["ACCELERATE_USE_FSDP"] = "true" if kind.startswith("fsdp") else "false"
+    state = PartialState(backend="gloo")
+    if kind.startswith("fsdp"):
+        state.distributed_type = DistributedType.MULTI_GPU
+
+
+def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm: float = 1.0) -> dict:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from distgrad.integrations.hf import attach
+
+    make_state(kind)
+    model = tiny_llama(1234)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(99)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 init_lora_weights=False, lora_dropout=0.0))
+    ref_model = copy.deepcopy(model).double()
+    extra: dict = {}
+    if kind == "deepspeed":
+        extra["deepspeed"] = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                              "zero_optimization": {"stage": stage}, "distgrad": {"interval": 1}}
+    elif kind == "fsdp2":
+        extra["fsdp"] = "full_shard"
+        extra["fsdp_config"] = {"version": 2, "reshard_after_forward": True,
+                                "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+    args = TrainingArguments(
+        output_dir=f"/tmp/distgrad_hf_{name}_{os.getpid()}", per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=GA, max_steps=2, logging_steps=1, report_to=[], save_strategy="no",
+        learning_rate=1e-3, max_grad_norm=max_norm, seed=5, data_seed=5, dataloader_num_workers=0,
+        accelerator_config={"use_configured_state": True}, disable_tqdm=True, **extra)
+    seen: list[torch.Tensor] = []
+    logs: list[dict] = []
+    records: list[dict] = []
+
+    class Recording(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            if self.state.global_step == 0:
+                seen.append(inputs["input_ids"].detach().cpu().clone())
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    class Logs(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "grad_norm" in logs:
+                trainer_logs.append({k: float(v) for k, v in logs.items() if isinstance(v, (int, float))})
+
+    trainer_logs = logs
+    trainer = Recording(model=model, args=args, train_dataset=dataset(), callbacks=[Logs()])
+    cb = attach(trainer, prometheus=False)
+    orig_on_train_begin = cb.on_train_begin
+
+    def on_train_begin(*a, **kw):
+        orig_on_train_begin(*a, **kw)
+        cb.instrument.add_hook(lambda rec: records.append(rec.to_dict()))
+    cb.on_train_begin = on_train_begin
+    trainer.train()
+    inst = cb.instrument
+    out = {"args_max_grad_norm": max_norm, "records": records, "logs": logs, "engine": inst.source.engine_name,
+           "zero_stage": inst.source.zero_stage, "loss_reduction": inst.loss_reduction,
+           "max_grad_norm": inst.config.max_grad_norm if inst.config.max_grad_norm is not None else
+           (inst.diagnostics.max_norm if inst.diagnostics is not None else None)}
+    # every rank's step-0 micro-batches -> rank 0, float64 reference there
+    everything: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, [t.tolist() for t in seen])
+    ids = torch.tensor([row for per_rank in everything for batch in per_rank for row in batch])
+    out["n_sequences_step0"] = int(ids.shape[0])
+    ref_model.train()
+    ref_model.zero_grad()
+    loss = ref_model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    out["ref_loss_step0"] = loss.item()
+    grads = {}
+    for n, p in ref_model.named_parameters():
+        if p.requires_grad:
+            grads[n] = p.grad.detach().reshape(-1)
+    out["ref_fp64_step0"] = full_stats(grads)
+    out["frozen"] = [n for n, p in ref_model.named_parameters() if not p.requires_grad]
+    del trainer
+    dist.barrier()
+    return out
+
+
+CASES = {
+    "ds_z2": dict(kind="deepspeed", stage=2),
+    "ds_z3": dict(kind="deepspeed", stage=3),
+    "ds_z2_lora": dict(kind="deepspeed", stage=2, lora=True, max_norm=0.1),
+    "fsdp2": dict(kind="fsdp2"),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only", default="")
+    a, _ = ap.parse_known_args()
+    import deepspeed
+
+    deepspeed.init_distributed("gloo")
+    rank = dist.get_rank()
+    results: dict = {}
+    for name, kw in CASES.items():
+        if a.only and name not in a.only.split(","):
+            continue
+        try:
+            results[name] = run_case(name, **kw)
+        except Exception as e:  # noqa: BLE001 - reported by the test with the traceback
+            results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            if rank == 0:
+                traceback.print_exc()
+    if rank == 0:
+        with open(a.out, "w") as f:
+            json.dump({"cases": results}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
