@@ -2,6 +2,7 @@
 
 - :mod:`distgrad.integrations.hf`: the Hugging Face ``Trainer`` (and trainers built on it, such as
   TRL's) and plain Accelerate loops; ``pip install distgrad[hf]``.
+- :mod:`distgrad.integrations.lightning`: PyTorch Lightning; ``pip install distgrad[lightning]``.
 
 Each reads the step's reduced gradient before the framework clips it, and reports
 ``distgrad_loss`` as the mean training loss of the optimizer step over all micro-batches and

@@ -1,0 +1,106 @@
+"""PyTorch Lightning (tested with lightning 2.6): one callback.
+
+    from distgrad.integrations.lightning import DistgradCallback
+    trainer = L.Trainer(..., callbacks=[DistgradCallback(port=9400)])
+
+What Lightning does, and what the callback does about it (measured on lightning 2.6.6):
+
+- ``DeepSpeedStrategy``: ``trainer.model`` is the ``DeepSpeedEngine``; it is instrumented at
+  ``on_train_start`` exactly like a raw engine (boundary inside ``engine.step()``, before
+  DeepSpeed's own clipping).
+- ``FSDPStrategy`` (FSDP1), ``ModelParallelStrategy`` (FSDP2 via ``fully_shard`` in
+  ``configure_model``), ``DDPStrategy``, one device: under automatic optimization Lightning runs
+  ``training_step`` and ``backward`` inside ``optimizer.step(closure)``, i.e. *after* the
+  optimizer's step pre-hooks, so a pre-hook would read the previous step's gradients. The
+  callback reads in ``on_before_optimizer_step`` instead, which Lightning calls after the
+  closure (after the step's last backward) and before it clips (``gradient_clip_val``), under
+  automatic and manual optimization alike (``boundary.read_at = "external"``); the optimizer's
+  step post-hook publishes the step. ``gradient_clip_val`` (norm clipping) becomes distgrad's
+  ``max_grad_norm`` (clip ratio, post-clip norm).
+- Loss: ``on_before_backward`` receives the loss handed to backward (``training_step``'s loss
+  divided by ``accumulate_grad_batches`` under automatic optimization); ``distgrad_loss`` is its
+  sum over the step's micro-batches averaged over ranks, i.e. the mean training loss of the step
+  (``Instrument.loss_reduction = "sum"``). Under DeepSpeed the engine's ``backward`` captures the
+  same value.
+
+One optimizer per LightningModule is supported (several raise at ``on_train_start``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import distgrad
+from distgrad.engines.deepspeed import is_deepspeed_engine
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ImportError:  # pragma: no cover - the standalone package
+    try:
+        from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
+    except ImportError as e:
+        raise ImportError("distgrad.integrations.lightning needs lightning: pip install 'distgrad[lightning]'") from e
+
+
+class DistgradCallback(Callback):
+    """Instruments the strategy's engine or wrapped model at ``on_train_start`` (every rank) and
+    closes the instrument at ``on_train_end``.
+
+    Args:
+        config: as for :func:`distgrad.instrument` (DistgradConfig, dict, YAML path or None; under
+            DeepSpeed with None, the DeepSpeed config's ``"distgrad"`` section).
+        **overrides: individual config keys (``port=0``, ``interval=10``, ...).
+
+    Attributes:
+        instrument: the :class:`distgrad.Instrument` once training has started, else None.
+
+    Raises (at ``on_train_start``):
+        ValueError: the LightningModule configures several optimizers.
+        TypeError / ValueError: from :func:`distgrad.instrument` (unsupported strategy).
+    """
+
+    def __init__(self, config: Any = None, **overrides: Any) -> None:
+        self.config = config
+        self.overrides = overrides
+        self.instrument: distgrad.Instrument | None = None
+        self._deepspeed = False
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.instrument is not None:
+            return
+        model = trainer.model
+        if is_deepspeed_engine(model):
+            self._deepspeed = True
+            self.instrument = distgrad.instrument(model, self.config, **self.overrides)
+            self.instrument.loss_reduction = "sum"
+            return
+        optimizers = list(trainer.optimizers)
+        if len(optimizers) != 1:
+            raise ValueError(f"DistgradCallback supports one optimizer, the LightningModule has {len(optimizers)}")
+        opt = getattr(optimizers[0], "_optimizer", optimizers[0])  # a LightningOptimizer's torch optimizer
+        overrides = dict(self.overrides)
+        clip = trainer.gradient_clip_val
+        algo = str(getattr(trainer, "gradient_clip_algorithm", "norm") or "norm").lower()
+        if "max_grad_norm" not in overrides and clip and float(clip) > 0 and algo.endswith("norm"):
+            overrides["max_grad_norm"] = float(clip)
+        self.instrument = distgrad.instrument(model, self.config, optimizer=opt, **overrides)
+        if getattr(self.instrument, "boundary", None) is not None:
+            self.instrument.loss_reduction = "sum"
+            self.instrument.boundary.read_at = "external"
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        if self.instrument is not None and not self._deepspeed:
+            self.instrument.observe_loss(loss)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self.instrument is not None and not self._deepspeed:
+            boundary = getattr(self.instrument, "boundary", None)
+            if boundary is not None:
+                boundary.read_now()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.instrument is not None:
+            self.instrument.close()
+
+
+__all__ = ["DistgradCallback"]

@@ -1,0 +1,187 @@
+"""Multi-rank driver for the Lightning integration tests (tests/test_integrations_lightning.py),
+all cases in one ``torchrun --nproc_per_node 2`` launch.
+
+Each case trains a random-init 2-layer ``LlamaForCausalLM`` (as tests/dist/hf_cases.py) inside a
+LightningModule for 2 optimizer steps with ``DistgradCallback`` and records on rank 0 distgrad's
+record of every step and a float64 reference of step 0 (every rank's step-0 micro-batches are
+recorded in ``training_step``, gathered, and the float64 copy of the initial model computes the
+step's mean loss and its gradient). Cases: FSDP (FSDP1) and DDP under automatic optimization
+with ``accumulate_grad_batches=2`` and ``gradient_clip_val`` below the step-0 norm (clipping
+active), FSDP under manual optimization, DeepSpeed ZeRO-2 (accumulation 1: Lightning divides the
+loss by ``accumulate_grad_batches`` and DeepSpeed divides again, so its gradient is not the
+step's mean-loss gradient with accumulation).
+
+Making Lightning run these strategies on CPU at all (not distgrad's business): small strategy
+subclasses that skip the CUDA-only checks and use gloo. Writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import full_stats  # noqa: E402
+from hf_cases import SEQ, dataset, tiny_llama  # noqa: E402
+
+BATCH = 2
+
+
+def strategies():
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+    from lightning.fabric.utilities.seed import reset_seed
+
+    class CPUDeepSpeed(DeepSpeedStrategy):
+        def setup_environment(self) -> None:
+            DDPStrategy.setup_environment(self)
+
+        @property
+        def root_device(self) -> torch.device:  # DeepSpeed wants a device index
+            return torch.device("cpu", self.local_rank)
+
+        def setup_distributed(self) -> None:
+            reset_seed()
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
+
+    class CPUFSDP(FSDPStrategy):
+        pass
+
+    return CPUDeepSpeed, CPUFSDP, DDPStrategy
+
+
+def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool = False) -> dict:
+    import lightning as L
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from distgrad.integrations.lightning import DistgradCallback
+
+    CPUDeepSpeed, CPUFSDP, DDPStrategy = strategies()
+    net = tiny_llama(1234)
+    ref_model = copy.deepcopy(net).double()
+    seen: list[torch.Tensor] = []
+    engine_norms: list = []
+    fsdp_norms: list = []
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+            self.automatic_optimization = not manual
+
+        def training_step(self, batch, batch_idx):
+            if self.trainer.global_step == 0:
+                seen.append(batch["input_ids"].detach().cpu().clone())
+            loss = self.net(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            if manual:
+                opt = self.optimizers()
+                self.manual_backward(loss)
+                opt.step()
+                opt.zero_grad()
+                return None
+            return loss
+
+        def configure_model(self):
+            # FSDP1 on CPU needs device_id=cpu, which FSDPStrategy cannot pass: wrap here (Lightning
+            # keeps a model already wrapped in configure_model)
+            if strategy == "fsdp" and not isinstance(self.net, FSDP):
+                self.net = FSDP(self.net, device_id=torch.device("cpu"), use_orig_params=True,
+                                auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}))
+
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            if strategy == "fsdp" and clip:  # FSDPPrecision refuses norm clipping: FSDP1's own method
+                fsdp_norms.append(float(self.net.clip_grad_norm_(clip)))
+            else:
+                super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            eng = self.trainer.model
+            if hasattr(eng, "get_global_grad_norm") and eng.is_gradient_accumulation_boundary() is not None:
+                gn = eng.get_global_grad_norm()
+                engine_norms.append(None if gn is None else float(gn))
+
+    if strategy == "deepspeed":
+        strat = CPUDeepSpeed(stage=2, process_group_backend="gloo")
+    elif strategy == "fsdp":
+        strat = CPUFSDP(process_group_backend="gloo")
+    else:
+        strat = DDPStrategy(process_group_backend="gloo")
+    records: list[dict] = []
+    # FSDP: Lightning's gradient_clip_val cannot clip by norm; the module clips, distgrad is told
+    cb = DistgradCallback(prometheus=False, **({"max_grad_norm": clip} if strategy == "fsdp" and clip else {}))
+
+    class Hook(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            cb.instrument.add_hook(lambda rec: records.append(rec.to_dict()))
+
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, shuffle=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strat, max_steps=2, accumulate_grad_batches=ga,
+                        gradient_clip_val=None if manual or strategy == "fsdp" else clip, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, Hook()])
+    trainer.fit(Module(), loader)
+    inst = cb.instrument
+    out = {"records": records, "engine": inst.source.engine_name, "loss_reduction": inst.loss_reduction,
+           "clip": clip, "engine_grad_norms": engine_norms, "fsdp_clip_norms": fsdp_norms,
+           "max_grad_norm": inst.diagnostics.max_norm if inst.diagnostics is not None else None,
+           "refusals": dict(getattr(getattr(inst, "boundary", None), "refusals", None).counts)
+           if getattr(inst, "boundary", None) is not None else {}}
+    everything: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, [t.tolist() for t in seen])
+    ids = torch.tensor([row for per_rank in everything for batch in per_rank for row in batch])
+    out["n_sequences_step0"] = int(ids.shape[0])
+    ref_model.train()
+    loss = ref_model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    out["ref_loss_step0"] = loss.item()
+    # Lightning's names start at the LightningModule ("net." + the model's own names)
+    out["ref_fp64_step0"] = full_stats({"net." + n: p.grad.detach().reshape(-1)
+                                        for n, p in ref_model.named_parameters() if p.requires_grad})
+    dist.barrier()
+    return out
+
+
+CASES = {
+    "fsdp_auto": dict(strategy="fsdp", ga=2, clip=1.0),
+    "ddp_auto": dict(strategy="ddp", ga=2, clip=1.0),
+    "fsdp_manual": dict(strategy="fsdp", ga=1, clip=None, manual=True),
+    "deepspeed": dict(strategy="deepspeed", ga=1, clip=1.0),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only", default="")
+    a, _ = ap.parse_known_args()
+    results: dict = {}
+    for name, kw in CASES.items():
+        if a.only and name not in a.only.split(","):
+            continue
+        try:
+            results[name] = run_case(name, **kw)
+        except Exception as e:  # noqa: BLE001 - reported by the test with the traceback
+            results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            traceback.print_exc()
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    if rank == 0:
+        with open(a.out, "w") as f:
+            json.dump({"cases": results}, f)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

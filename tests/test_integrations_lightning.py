@@ -1,0 +1,59 @@
+"""PyTorch Lightning integration (``distgrad.integrations.lightning.DistgradCallback``) on 2 gloo
+ranks with the real lightning / deepspeed: one launch of tests/dist/lightning_cases.py.
+
+FSDP and DDP run automatic optimization with ``accumulate_grad_batches=2`` and clipping active:
+Lightning runs forward and backward inside ``optimizer.step(closure)``, after the optimizer's
+step pre-hooks, so a pre-hook boundary would read the previous step's gradients (step 0: none);
+a boundary after clipping would report the clip threshold.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from distgrad.record import StepRecord
+from tests.conftest import launch
+from tests.reference import case, check_against
+
+pytestmark = pytest.mark.multirank
+
+CASES = ["fsdp_auto", "ddp_auto", "fsdp_manual", "deepspeed"]
+
+
+@pytest.fixture(scope="module")
+def lightning_results(tmp_path_factory):
+    return launch("lightning_cases.py", tmp_path_factory.mktemp("lightning") / "lightning.json")
+
+
+@pytest.mark.parametrize("key", CASES)
+def test_gradient_and_loss_equal_float64_reference(lightning_results, key):
+    c = case(lightning_results, key)
+    assert len(c["records"]) == 2 and [r["step"] for r in c["records"]] == [0, 1]
+    assert c["refusals"] == {}
+    rec = StepRecord.from_dict(c["records"][0])
+    check_against(rec, c["ref_fp64_step0"], rtol=1e-5, exact=False)
+    gref = math.sqrt(sum(v["norm"] ** 2 for v in c["ref_fp64_step0"].values()))
+    assert rec.grad_norm == pytest.approx(gref, rel=1e-5)
+    if c["clip"]:
+        assert gref > c["clip"], "clipping must be active for this test to tell pre- from post-clip"
+        assert c["max_grad_norm"] == c["clip"]
+        assert rec.extra["clip_ratio"] == pytest.approx(c["clip"] / (gref + 1e-6), rel=1e-5)
+    assert c["loss_reduction"] == "sum"
+    assert rec.loss == pytest.approx(c["ref_loss_step0"], rel=1e-6)
+
+
+def test_engines_and_accumulation(lightning_results):
+    got = {k: (case(lightning_results, k)["engine"], case(lightning_results, k)["n_sequences_step0"])
+           for k in CASES}
+    # ranks x accumulate_grad_batches x batch
+    assert got == {"fsdp_auto": ("fsdp1", 8), "ddp_auto": ("ddp", 8), "fsdp_manual": ("fsdp1", 4),
+                   "deepspeed": ("deepspeed", 4)}
+
+
+def test_framework_norms_agree(lightning_results):
+    fsdp = case(lightning_results, "fsdp_auto")  # FSDP1's clip_grad_norm_ returns the pre-clip norm
+    assert [r["grad_norm"] for r in fsdp["records"]] == pytest.approx(fsdp["fsdp_clip_norms"], rel=1e-5)
+    ds = case(lightning_results, "deepspeed")  # engine.get_global_grad_norm() after each step
+    assert [r["grad_norm"] for r in ds["records"]] == pytest.approx(ds["engine_grad_norms"], rel=1e-5)
