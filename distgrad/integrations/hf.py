@@ -127,7 +127,9 @@ def instrument_accelerate(accelerator: Any, model: Any, optimizer: Any = None, c
     """Instrument a model and optimizer returned by ``accelerator.prepare`` (any distributed type).
 
     DeepSpeed: ``model`` is the ``DeepSpeedEngine``; it is instrumented directly (``optimizer``
-    is ignored). Otherwise the ``AcceleratedOptimizer`` is unwrapped, the gradients are read
+    is ignored) and ``distgrad_loss`` is the mean of the micro-batch losses handed to
+    ``accelerator.backward`` over the step's micro-batches and ranks (DeepSpeed divides them by
+    its accumulation steps itself). Otherwise the ``AcceleratedOptimizer`` is unwrapped, the gradients are read
     before the first ``accelerator.clip_grad_norm_`` of the step (else in ``optimizer.step()``),
     the loss handed to ``accelerator.backward`` is captured, and ``distgrad_loss`` is its sum
     over the step's micro-batches averaged over ranks (pass ``loss / gradient_accumulation_steps``
@@ -140,9 +142,9 @@ def instrument_accelerate(accelerator: Any, model: Any, optimizer: Any = None, c
             :func:`distgrad.api.unwrap_optimizer`), or from :func:`distgrad.instrument`.
     """
     if is_deepspeed_engine(model):
-        inst = distgrad.instrument(model, config, **overrides)
-        inst.loss_reduction = "sum"
-        return inst
+        # the loop hands the micro-batch loss to accelerator.backward -> engine.backward, which
+        # divides by the accumulation steps itself: the default per-micro-batch mean is right
+        return distgrad.instrument(model, config, **overrides)
     scaler = getattr(accelerator, "scaler", None)
     inst = distgrad.instrument(model, config, optimizer=unwrap_optimizer(optimizer), scaler=scaler, **overrides)
     if getattr(inst, "boundary", None) is None:  # enabled: false

@@ -131,25 +131,67 @@ def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm:
            "zero_stage": inst.source.zero_stage, "loss_reduction": inst.loss_reduction,
            "max_grad_norm": inst.config.max_grad_norm if inst.config.max_grad_norm is not None else
            (inst.diagnostics.max_norm if inst.diagnostics is not None else None)}
-    # every rank's step-0 micro-batches -> rank 0, float64 reference there
+    out.update(reference(ref_model, seen))  # float64, on every rank (rank 0 writes it)
+    del trainer
+    dist.barrier()
+    return out
+
+
+def run_accelerate_ds(name: str) -> dict:
+    """A plain Accelerate loop with the DeepSpeed plugin (ZeRO-2, accumulation 2, clipping 1.0):
+    ``accelerator.prepare`` returns the engine; ``instrument_accelerate`` instruments it."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    from distgrad.integrations.hf import instrument_accelerate
+
+    make_state("deepspeed")
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=GA,
+                                                       gradient_clipping=1.0))
+    model = tiny_llama(1234)
+    ref_model = copy.deepcopy(model).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, shuffle=False)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    dg = instrument_accelerate(acc, model, opt, prometheus=False)
+    records: list[dict] = []
+    dg.add_hook(lambda rec: records.append(rec.to_dict()))
+    seen, engine_norms = [], []
+    for i, batch in enumerate(loader):
+        if i == 2 * GA:
+            break
+        with acc.accumulate(model):
+            if i < GA:
+                seen.append(batch["input_ids"].detach().cpu().clone())
+            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        if (i + 1) % GA == 0:
+            engine_norms.append(float(model.get_global_grad_norm()))
+    out = {"args_max_grad_norm": 1.0, "records": records, "engine": dg.source.engine_name,
+           "zero_stage": dg.source.zero_stage, "loss_reduction": dg.loss_reduction,
+           "max_grad_norm": dg.diagnostics.max_norm if dg.diagnostics is not None else None,
+           "logs": [{"grad_norm": g} for g in engine_norms]}
+    dg.close()
+    out.update(reference(ref_model, seen))
+    dist.barrier()
+    return out
+
+
+def reference(ref_model, seen: list) -> dict:
+    """Every rank's step-0 micro-batches gathered; float64 loss and gradient of the step."""
     everything: list = [None] * dist.get_world_size()
     dist.all_gather_object(everything, [t.tolist() for t in seen])
     ids = torch.tensor([row for per_rank in everything for batch in per_rank for row in batch])
-    out["n_sequences_step0"] = int(ids.shape[0])
     ref_model.train()
     ref_model.zero_grad()
     loss = ref_model(input_ids=ids, labels=ids).loss
     loss.backward()
-    out["ref_loss_step0"] = loss.item()
-    grads = {}
-    for n, p in ref_model.named_parameters():
-        if p.requires_grad:
-            grads[n] = p.grad.detach().reshape(-1)
-    out["ref_fp64_step0"] = full_stats(grads)
-    out["frozen"] = [n for n, p in ref_model.named_parameters() if not p.requires_grad]
-    del trainer
-    dist.barrier()
-    return out
+    return {"n_sequences_step0": int(ids.shape[0]), "ref_loss_step0": loss.item(),
+            "ref_fp64_step0": full_stats({n: p.grad.detach().reshape(-1)
+                                          for n, p in ref_model.named_parameters() if p.requires_grad}),
+            "frozen": [n for n, p in ref_model.named_parameters() if not p.requires_grad]}
 
 
 CASES = {
@@ -157,6 +199,7 @@ CASES = {
     "ds_z3": dict(kind="deepspeed", stage=3),
     "ds_z2_lora": dict(kind="deepspeed", stage=2, lora=True, max_norm=0.1),
     "fsdp2": dict(kind="fsdp2"),
+    "accelerate_ds": dict(kind="accelerate"),
 }
 
 
@@ -174,7 +217,7 @@ def main() -> None:
         if a.only and name not in a.only.split(","):
             continue
         try:
-            results[name] = run_case(name, **kw)
+            results[name] = run_accelerate_ds(name) if kw.get("kind") == "accelerate" else run_case(name, **kw)
         except Exception as e:  # noqa: BLE001 - reported by the test with the traceback
             results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
             if rank == 0:

@@ -1,0 +1,46 @@
+"""The Hugging Face fine-tuning example (launch/hf_finetune.py) as the README starts it: 2 ranks
+under torchrun, LoRA on a random-init Llama, metrics served by rank 0 while it holds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, free_port
+
+pytestmark = pytest.mark.multirank
+
+
+def test_hf_finetune_example_serves_lora_metrics(tmp_path):
+    port = free_port()
+    jsonl = tmp_path / "records.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "launch/hf_finetune.py", "--steps", "3", "--port", str(port),
+           "--jsonl", str(jsonl), "--hold", "60"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    text, deadline = "", time.monotonic() + 400
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if jsonl.exists() and len(jsonl.read_text().splitlines()) >= 3:
+                try:
+                    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                    break
+                except OSError:
+                    pass
+            time.sleep(1)
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=60)[0]
+    assert text, f"no metrics served:\n{out[-4000:]}"
+    assert "distgrad_loss " in text and "distgrad_grad_norm " in text
+    params = {line.split('param="', 1)[1].split('"', 1)[0] for line in text.splitlines()
+              if line.startswith("distgrad_param_grad_norm{")}
+    assert params and all(".lora_A." in p or ".lora_B." in p for p in params)  # frozen base weights: none
+    assert 'distgrad_clip_ratio' in text  # max_grad_norm from TrainingArguments
