@@ -1,7 +1,7 @@
 """PyTorch Lightning integration (``distgrad.integrations.lightning.DistgradCallback``) on 2 gloo
 ranks with the real lightning / deepspeed: one launch of tests/dist/lightning_cases.py.
 
-FSDP and DDP run automatic optimization with ``accumulate_grad_batches=2`` and clipping active:
+FSDP1, FSDP2 (ModelParallelStrategy) and DDP run automatic optimization with ``accumulate_grad_batches=2`` and clipping active:
 Lightning runs forward and backward inside ``optimizer.step(closure)``, after the optimizer's
 step pre-hooks, so a pre-hook boundary would read the previous step's gradients (step 0: none);
 a boundary after clipping would report the clip threshold.
@@ -19,7 +19,7 @@ from tests.reference import case, check_against
 
 pytestmark = pytest.mark.multirank
 
-CASES = ["fsdp_auto", "ddp_auto", "fsdp_manual", "deepspeed"]
+CASES = ["fsdp_auto", "ddp_auto", "fsdp2_auto", "fsdp_manual", "deepspeed"]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,8 @@ def test_engines_and_accumulation(lightning_results):
     got = {k: (case(lightning_results, k)["engine"], case(lightning_results, k)["n_sequences_step0"])
            for k in CASES}
     # ranks x accumulate_grad_batches x batch
-    assert got == {"fsdp_auto": ("fsdp1", 8), "ddp_auto": ("ddp", 8), "fsdp_manual": ("fsdp1", 4),
+    assert got == {"fsdp_auto": ("fsdp1", 8), "ddp_auto": ("ddp", 8), "fsdp2_auto": ("fsdp2", 8),
+                   "fsdp_manual": ("fsdp1", 4),
                    "deepspeed": ("deepspeed", 4)}
 
 

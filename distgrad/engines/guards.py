@@ -10,8 +10,9 @@ Three ways a boundary can read the wrong gradient, each detected here without a 
 - **already clipped**: ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` /
   ``clip_grads_with_norm_`` or FSDP1's ``FullyShardedDataParallel.clip_grad_norm_`` ran on the
   instrumented parameters between the last boundary and this one, before distgrad read them.
-  Detected by :class:`ClipWatch`, which wraps those functions (process-wide, while at least one
-  boundary is registered) and tells the boundaries whose parameters they touch.
+  Detected by :class:`ClipWatch`, which wraps those functions (process-wide, from the first
+  PyTorch-model ``instrument()`` on; the wrappers call the originals unchanged) and tells the
+  boundaries whose parameters they touch.
 - **no backward since the last boundary**: every gradient is the very tensor seen at the last
   boundary with the same version counter (``Tensor._version``, bumped by every in-place
   write: accumulation, DDP's bucket copy, FSDP's reduce-scatter output), or there is no gradient

@@ -9,7 +9,8 @@ step's mean loss and its gradient). Cases: FSDP (FSDP1) and DDP under automatic 
 with ``accumulate_grad_batches=2`` and ``gradient_clip_val`` below the step-0 norm (clipping
 active), FSDP under manual optimization, DeepSpeed ZeRO-2 (accumulation 1: Lightning divides the
 loss by ``accumulate_grad_batches`` and DeepSpeed divides again, so its gradient is not the
-step's mean-loss gradient with accumulation).
+step's mean-loss gradient with accumulation), and FSDP2 (``ModelParallelStrategy`` with
+``fully_shard`` in ``configure_model``) under automatic optimization.
 
 Making Lightning run these strategies on CPU at all (not distgrad's business): small strategy
 subclasses that skip the CUDA-only checks and use gloo. Writes JSON to --out.
@@ -93,6 +94,13 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
         def configure_model(self):
             # FSDP1 on CPU needs device_id=cpu, which FSDPStrategy cannot pass: wrap here (Lightning
             # keeps a model already wrapped in configure_model)
+            if strategy == "model_parallel":  # FSDP2: fully_shard over the data-parallel mesh
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.device_mesh["data_parallel"]
+                for layer in self.net.model.layers:
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(self.net, mesh=mesh)
             if strategy == "fsdp" and not isinstance(self.net, FSDP):
                 self.net = FSDP(self.net, device_id=torch.device("cpu"), use_orig_params=True,
                                 auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}))
@@ -116,6 +124,10 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
         strat = CPUDeepSpeed(stage=2, process_group_backend="gloo")
     elif strategy == "fsdp":
         strat = CPUFSDP(process_group_backend="gloo")
+    elif strategy == "model_parallel":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strat = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo")
     else:
         strat = DDPStrategy(process_group_backend="gloo")
     records: list[dict] = []
@@ -155,6 +167,7 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
 CASES = {
     "fsdp_auto": dict(strategy="fsdp", ga=2, clip=1.0),
     "ddp_auto": dict(strategy="ddp", ga=2, clip=1.0),
+    "fsdp2_auto": dict(strategy="model_parallel", ga=2, clip=1.0),
     "fsdp_manual": dict(strategy="fsdp", ga=1, clip=None, manual=True),
     "deepspeed": dict(strategy="deepspeed", ga=1, clip=1.0),
 }
