@@ -322,7 +322,7 @@ reports. How each way of training gets there:
 | raw PyTorch loop (DDP / FSDP / one process) | the loss the model's forward returns, or each `dg.observe_loss(loss)` (pass the unscaled micro-batch loss) | mean over micro-batches and ranks |
 | Hugging Face `Trainer` (`distgrad.integrations.hf.attach`), DeepSpeed or FSDP/DDP | the loss the Trainer hands to backward (already divided by GA, or by `num_items_in_batch` and multiplied by the world size) | sum over the step's micro-batches, mean over ranks: the Trainer's own step loss (with `num_items_in_batch`: the mean per-token loss of all tokens of the step) |
 | Accelerate loop (`distgrad.integrations.hf.instrument_accelerate`) | the loss handed to `accelerator.backward`, divided by Accelerate's `gradient_accumulation_steps` as Accelerate does | sum over micro-batches, mean over ranks |
-| PyTorch Lightning (`distgrad.integrations.lightning.DistgradCallback`) | the loss handed to backward (`training_step`'s loss / `accumulate_grad_batches`) | sum over micro-batches, mean over ranks |
+| PyTorch Lightning (`distgrad.integrations.lightning.DistgradCallback`) | the loss handed to backward (`training_step`'s loss / `accumulate_grad_batches` under automatic optimization) | sum over micro-batches, mean over ranks |
 
 With equal-sized micro-batches the two coincide with the plain mean of the micro-batch losses.
 The tests compare it with a float64 recomputation of the step's loss for each integration
