@@ -38,7 +38,8 @@ if [ ! -f "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ]; then
   echo "[setup] installing distgrad and its dependencies (torch stays $torch_spec)"
   # the constraint keeps every other requirement from replacing the pinned torch
   cons="$(mktemp)"; echo "$torch_spec" > "$cons"
-  DS_BUILD_OPS=0 "${pip[@]}" -c "$cons" -e "$here[test,report,gpu,hf,lightning]"
+  # deepspeed and mpi are optional extras of distgrad; the example job and the tests need both
+  DS_BUILD_OPS=0 "${pip[@]}" -c "$cons" -e "$here[test,report,gpu,hf,lightning,deepspeed,mpi]"
   rm -f "$cons"
   touch "$stamp"
 fi

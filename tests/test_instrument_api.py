@@ -114,3 +114,58 @@ def test_missing_loss_is_pointed_out_once(caplog):
         assert dg.last_record.loss == 2.5
     finally:
         dg.close()
+
+
+_WITHOUT_DEEPSPEED = r"""
+import json, sys
+
+
+class Unimportable:  # deepspeed and mpi4py are not installed, as for a PyTorch-only user
+    attempts = []
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("deepspeed", "mpi4py"):
+            Unimportable.attempts.append(name)
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return None
+
+
+sys.meta_path.insert(0, Unimportable())
+import torch
+import distgrad
+
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+dg = distgrad.instrument(m, optimizer=opt, prometheus=False)
+loss = m(torch.randn(5, 4)).pow(2).mean()
+loss.backward()
+dg.observe_loss(loss)
+ref = float(torch.cat([p.grad.detach().double().reshape(-1) for p in m.parameters()]).norm())
+opt.step()
+rec = dg.last_record
+dg.close()
+print(json.dumps({"grad_norm": rec.grad_norm, "ref": ref, "loss": rec.loss, "ref_loss": float(loss),
+                  "attempts": Unimportable.attempts}))
+"""
+
+
+def test_pytorch_use_needs_neither_deepspeed_nor_mpi4py(tmp_path):
+    """deepspeed and mpi4py are extras: with both unimportable, ``import distgrad`` and
+    instrumenting a plain module work, the recorded grad norm equals the float64 norm of the
+    gradients, and distgrad never even tried to import them (the DeepSpeed check is lazy)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", _WITHOUT_DEEPSPEED], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["attempts"] == []
+    assert res["grad_norm"] == pytest.approx(res["ref"], rel=1e-6)
+    assert res["loss"] == pytest.approx(res["ref_loss"], rel=1e-6)

@@ -1,6 +1,6 @@
 """DeepSpeed adapter: where a ``DeepSpeedEngine`` keeps the reduced local gradient on each ZeRO
 stage, its loss scale and overflow state (measured against deepspeed 0.19; see
-``shared/notes/engines.md``).
+``docs/engines.md``).
 
 - Stage 0: ``param.grad`` is the full gradient averaged over ranks, identical on every rank.
 - Stage 1/2: ``param.grad`` is None; ``param._hp_mapping.get_lp_grad_fragment(
@@ -20,6 +20,7 @@ reduce-scatter (stage 2/3) has completed (also in unmanaged accumulation mode, w
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
 
 import torch
@@ -30,13 +31,14 @@ from distgrad.step import StepOutcome
 
 
 def is_deepspeed_engine(obj: object) -> bool:
-    """True if ``obj`` is a ``deepspeed.runtime.engine.DeepSpeedEngine`` (False when DeepSpeed
-    cannot be imported)."""
-    try:
-        from deepspeed.runtime.engine import DeepSpeedEngine
-    except Exception:  # noqa: BLE001 - deepspeed import can fail in many ways
-        return False
-    return isinstance(obj, DeepSpeedEngine)
+    """True if ``obj`` is a ``deepspeed.runtime.engine.DeepSpeedEngine``.
+
+    Never imports DeepSpeed (an optional extra, ``distgrad[deepspeed]``): an engine can only
+    exist once its module is loaded, so the class is looked up in ``sys.modules``, and
+    PyTorch-only users neither need DeepSpeed nor pay for its import."""
+    mod = sys.modules.get("deepspeed.runtime.engine")
+    cls = getattr(mod, "DeepSpeedEngine", None)
+    return isinstance(cls, type) and isinstance(obj, cls)
 
 
 class DeepSpeedSource(GradSource):
@@ -198,7 +200,7 @@ class DeepSpeedSource(GradSource):
 
     def grad_scale(self) -> float:
         """ZeRO 1-3 under fp16 keep the loss-scaled gradient until ``step()`` unscales it.
-        Stage 0 fp16 was measured unscaled at this point on deepspeed 0.19 CPU (see notes);
+        Stage 0 fp16 was measured unscaled at this point on deepspeed 0.19 CPU (docs/engines.md);
         the reference tests pin both behaviours."""
         if not self.has_loss_scaler() or self.zero_stage == 0:
             return 1.0

@@ -2,7 +2,7 @@
 (``FullyShardedDataParallel``), FSDP2 (``fully_shard``) and a plain ``nn.Module`` keep the reduced
 gradient when ``optimizer.step()`` starts, and the optimizer-step boundary that reads it.
 
-Facts relied on (measured on torch 2.13.0+cpu with 2 gloo ranks, ``shared/notes/engines.md``,
+Facts relied on (measured on torch 2.13.0+cpu with 2 gloo ranks, ``docs/engines.md``,
 and pinned by ``tests/test_torch_reference.py``):
 
 - ``torch.optim.Optimizer.register_step_pre_hook`` fires once per ``optimizer.step()``, after

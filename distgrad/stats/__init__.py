@@ -30,7 +30,7 @@ auto; :func:`kernel_use` counts the pieces each one computed):
 - ``eager`` (auto for fp64 and non-contiguous pieces, and on CUDA without triton): about ten
   torch kernels per piece. fp32
   ``torch._foreach_norm`` / ``vector_norm`` reach ~1e-3 relative error on 13M elements on this
-  project's CPU build (``shared/notes/engines.md``), so they are not used: the sum uses torch's
+  project's CPU build (``docs/engines.md``), so they are not used: the sum uses torch's
   cascade ``sum`` in fp32 (~1e-8 relative to sum |g|) and the sum of squares fp32 dot products
   over chunks of 2**16 elements accumulated in float64 (~4e-8 to 3e-7 relative on gradients,
   up to ~1e-5 on heavy-tailed data).

@@ -339,7 +339,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
     # fp16 on CPU: DeepSpeed refuses it by default (CPU_Accelerator.is_fp16_supported() is
-    # False); the arithmetic works, so the test enables it (see shared notes)
+    # False); the arithmetic works, so the test enables it (see docs/engines.md)
     type(get_accelerator()).is_fp16_supported = lambda self: True
     cases = []
     for stage in (0, 1, 2, 3):
