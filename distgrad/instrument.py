@@ -61,6 +61,11 @@ class _Refused(Exception):
 class Instrument:
     """Watches one training run. Built by :func:`distgrad.instrument`; not constructed directly.
 
+    Engine boundaries and integrations (Hugging Face Trainer, Lightning callbacks) drive it only
+    through its public boundary API: :meth:`start`, :meth:`begin_step` / :meth:`end_step`,
+    :meth:`observe_loss`, :meth:`after_micro_batch`, :meth:`on_close` and :meth:`count_error`
+    (table and rules in ``docs/engines.md``, "Writing a boundary").
+
     Attributes:
         config: the validated :class:`DistgradConfig`.
         rank, world_size: this process's rank and the number of ranks combined.
