@@ -9,8 +9,9 @@ __version__ = "0.1.0"
 
 from distgrad.config import ConfigError, DistgradConfig  # noqa: E402
 from distgrad.record import ParamStats, StepRecord  # noqa: E402
+from distgrad.step import StepOutcome, StepToken  # noqa: E402
 from distgrad.instrument import Instrument  # noqa: E402
 from distgrad.api import instrument  # noqa: E402
 
 __all__ = ["instrument", "Instrument", "DistgradConfig", "ConfigError", "StepRecord", "ParamStats",
-           "__version__"]
+           "StepOutcome", "StepToken", "__version__"]
