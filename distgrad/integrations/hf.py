@@ -160,7 +160,7 @@ def instrument_accelerate(accelerator: Any, model: Any, optimizer: Any = None, c
         try:
             inst.observe_loss(loss.detach() / ga)
         except Exception:  # noqa: BLE001 - never break training
-            inst._internal_error("capturing the loss")
+            inst.count_error("capturing the loss")
         return backward(loss, **kwargs)
 
     accelerator.backward = _backward
@@ -171,7 +171,7 @@ def instrument_accelerate(accelerator: Any, model: Any, optimizer: Any = None, c
         else:
             vars(accelerator).pop("backward", None)
 
-    inst._restore.append(restore)
+    inst.on_close(restore)
     return inst
 
 
