@@ -33,7 +33,9 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
             Without it, steps the scaler skips never reach ``optimizer.step`` and go unseen.
         **overrides: individual config keys, applied on top (e.g. ``port=0``, ``interval=10``).
 
-    Must be called on every rank (it makes one small collective to agree that set-up worked).
+    Must be called on every rank (it makes one small collective to agree that set-up worked and
+    that every rank has the same model and collective settings; with ``enabled: false`` too, so
+    that one rank disabled alone raises on every rank instead of hanging the others).
     The engine keeps working as before; the statistics of every sampled optimizer step are read
     after the gradient reduction and before the optimizer consumes the gradients.
 
@@ -44,7 +46,9 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
             torch.distributed with several ranks, an optimizer without the model's parameters).
         ConfigError: an unknown config key or a bad value (named).
         OSError: rank 0 cannot bind the Prometheus port (the message says how to fix it).
-        RuntimeError: set-up failed on another rank, or ranks disagree on the model.
+        RuntimeError: set-up failed on another rank, or ranks disagree on the model or on a
+            setting that decides the collectives (``enabled``, ``interval``, ``replica_check``,
+            ``update_ratio``).
     """
     import torch
 
@@ -77,7 +81,8 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
     else:
         source = _torch_source(engine, optimizer, scaler)
     inst = Instrument(source, cfg, group=source.group)
-    if not cfg.enabled:  # the off switch: no exporter, no hooks, no collectives
+    if not cfg.enabled:  # the off switch: no exporter, no hooks, only the set-up agreement
+        inst.agree()  # so that enabled: false on some ranks only raises on every rank
         if not deepspeed:
             _mark(inst, engine, optimizer)
         return inst

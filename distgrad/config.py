@@ -136,6 +136,9 @@ class DistgradConfig:
             raise bad("async_records", "must be 'auto', 'on' or 'off'")
         if self.interval < 1:
             raise bad("interval", "must be >= 1 (sample every N optimizer steps)")
+        if not self.host.strip():
+            raise bad("host", "must be an address of this machine to bind the exporter to: '127.0.0.1' "
+                              "(scrapes from this machine only) or '0.0.0.0' (all interfaces)")
         if not 0 <= self.port <= 65535:
             raise bad("port", "must be in 0..65535 (0 picks a free port)")
         if self.max_param_series < 50:
@@ -168,8 +171,9 @@ class DistgradConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DistgradConfig":
         """Build from a mapping; raises ConfigError on unknown keys (with the known ones). A whole
-        DeepSpeed config dict is accepted: its ``"distgrad"`` section is used."""
-        if isinstance(d, Mapping) and "distgrad" in d and set(d) & _DEEPSPEED_KEYS:
+        DeepSpeed config dict is accepted: its ``"distgrad"`` section is used (one without that
+        section raises, naming the fix), as is ``{"distgrad": {...}}``."""
+        if isinstance(d, Mapping) and "distgrad" in d and (set(d) & _DEEPSPEED_KEYS or set(d) == {"distgrad"}):
             d = d["distgrad"]
         if not isinstance(d, Mapping):
             raise ConfigError(f"distgrad config must be a mapping of keys to values, got {type(d).__name__}")
@@ -206,20 +210,19 @@ class DistgradConfig:
             text = path.read_text()
             try:
                 if path.suffix == ".json":
-                    data = json.loads(text)
-                    if isinstance(data, dict) and ("distgrad" in data or set(data) & _DEEPSPEED_KEYS):
-                        data = data.get("distgrad", {})  # a DeepSpeed config: its section
+                    data = json.loads(text)  # a DeepSpeed config: from_dict takes its section
                 else:
                     import yaml
 
                     data = yaml.safe_load(text) or {}
-                    if isinstance(data, dict) and set(data) == {"distgrad"}:
-                        data = data["distgrad"]
             except (ValueError, ImportError) as e:  # yaml.YAMLError subclasses Exception
                 raise ConfigError(f"distgrad config file {str(path)!r} cannot be parsed: {e}") from e
             except Exception as e:  # noqa: BLE001 - yaml.YAMLError
                 raise ConfigError(f"distgrad config file {str(path)!r} cannot be parsed: {e}") from e
-            return cls.from_dict(data)
+            try:
+                return cls.from_dict(data)
+            except ConfigError as e:
+                raise ConfigError(f"{str(path)!r}: {e}") from None
         raise ConfigError(
             f"distgrad config must be a DistgradConfig, a dict or a file path, got {type(source).__name__}")
 

@@ -24,6 +24,7 @@ from distgrad.grouping import aggregate, group_keys, select_series, series_count
 from distgrad.health import LayerHealth, clip_ratio, post_clip_norm
 from distgrad.naming import classify, forward_order_key
 from distgrad.record import StepRecord
+from distgrad.sinks.base import SinkError
 
 log = logging.getLogger("distgrad")
 
@@ -115,13 +116,20 @@ class Diagnostics:
             self._nonfinite(rec)
         else:
             self._event = None
+            self._dump_failed = False  # a failed report is retried at the next non-finite event
         if self.recorder is not None:
             self.recorder.record(rec)
             if rec.nonfinite and self.config.flight_recorder_dir and self.global_rank == 0 \
                     and not self.recorder.dumped_nonfinite and not rec.overflow and not self._dump_failed:
                 self._dump_failed = True  # until it succeeds: a failing dump is reported once, not per step
-                path = self.recorder.maybe_dump_on_nonfinite(
-                    rec, provenance=x.get("provenance"), loss_scale_history=self._loss_scale_history)
+                try:
+                    path = self.recorder.maybe_dump_on_nonfinite(
+                        rec, provenance=x.get("provenance"), loss_scale_history=self._loss_scale_history)
+                except OSError as e:  # a full or unwritable directory: a sink failure, not distgrad's
+                    log.warning("distgrad: flight-recorder report for step %d not written to "
+                                "flight_recorder_dir=%r: %s (counted in distgrad_sink_errors_total"
+                                "{sink=\"flight_recorder\"})", rec.step, self.config.flight_recorder_dir, e)
+                    raise SinkError(f"flight recorder: {e}") from e
                 self._dump_failed = False
                 if path is not None:
                     self.reports.append(Path(path))

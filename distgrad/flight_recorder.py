@@ -342,7 +342,11 @@ class FlightRecorder:
         }
         text = self.render_summary(recs, doc)
         _atomic_write(json_path, json.dumps(doc, default=_jsonable, allow_nan=True, indent=1))
-        _atomic_write(json_path.with_suffix(".txt"), text)
+        try:
+            _atomic_write(json_path.with_suffix(".txt"), text)
+        except BaseException:  # both files or neither (a lone one would shift the next name)
+            json_path.unlink(missing_ok=True)
+            raise
         self.dumps.append(json_path)
         return json_path
 
@@ -420,7 +424,13 @@ class FlightRecorder:
 
 
 def _atomic_write(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all (temporary file + rename; no partial or 0-byte file is
+    left behind when the disk is full)."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

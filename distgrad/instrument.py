@@ -24,6 +24,7 @@ the event there normally costs nothing (a whole step of device work was queued a
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -36,11 +37,12 @@ from distgrad import __version__
 from distgrad.config import DistgradConfig
 from distgrad.engines.base import GradSource, slice_for_rank
 from distgrad.record import StepRecord
-from distgrad.sinks.base import Sink
+from distgrad.sinks.base import Sink, SinkError
 from distgrad.step import StepOutcome, StepToken
 from distgrad.step_collectives import provenance, update_ratio_sums, update_ratio_values, weight_pieces
 from distgrad.stats import (RANK_COLS, SUM_COLS, HostCopy, Layout, error_blocks, global_norm, pack_local,
                             reduce_blocks, reduce_blocks_async, replica_outliers, unpack)
+from distgrad.watch import UnsampledWatch, step_ranges
 
 log = logging.getLogger("distgrad")
 
@@ -48,6 +50,10 @@ log = logging.getLogger("distgrad")
 _REFUSED = 2.0
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+class _BadLoss(ValueError):
+    """observe_loss got something that is not one loss value (message: what it got)."""
 
 
 def _dist_ready() -> bool:
@@ -84,7 +90,7 @@ class Instrument:
         self.layout = Layout(len(source.names), self.world_size)
         self.counters: dict[str, int] = {k: 0 for k in (
             "nonfinite_steps", "sampled_steps", "internal_errors", "replica_mismatch",
-            "overflow_steps", "skipped_steps", "samples")}
+            "overflow_steps", "skipped_steps", "samples", "nonfinite_unsampled_steps", "nonfinite_loss_steps")}
         self.last_record: StepRecord | None = None
         self.sinks: list[Sink] = []
         self.prometheus = None
@@ -105,6 +111,13 @@ class Instrument:
         self._restore: list[Callable[[], None]] = []
         self._hooks: list[Callable[[StepRecord], None]] = []
         self._closed = False
+        self._logged_errors: set[tuple[str, str]] = set()
+        self._logged_bad_input: set[str] = set()
+        #: records each sink failed to publish, by sink name (``distgrad_sink_errors_total{sink}``)
+        self.sink_errors: dict[str, int] = {}
+        self._watcher = UnsampledWatch(config.interval)  # non-finite flags of unsampled steps
+        self._unsampled: dict[str, list[int]] | None = None
+        self._unsampled_logged = False
         self.diagnostics = None
         mode = config.async_records
         self.async_records = mode == "on" or (mode == "auto" and self._device_type() == "cuda")
@@ -144,6 +157,18 @@ class Instrument:
 
         start(self)
 
+    def agree(self) -> None:
+        """Only the set-up agreement of :meth:`start` (no sinks): what an instrument with
+        ``enabled: false`` does on every rank, so that ranks disabled while others are not raise
+        on every rank instead of leaving the others to hang.
+
+        Raises:
+            RuntimeError: ranks disagree (on ``enabled`` or another collective-deciding setting,
+                or on the parameters)."""
+        from distgrad.startup import agree
+
+        agree(self)
+
     # ----------------------------------------------------------------------------------
     # user-facing
     def observe_loss(self, loss: "torch.Tensor | float", *, automatic: bool = False) -> None:
@@ -153,6 +178,10 @@ class Instrument:
         averaged over micro-batches and ranks inside the sampled step's SUM collective; the
         result is ``StepRecord.loss`` / ``distgrad_loss``. DeepSpeed engines call this
         automatically from ``engine.backward(loss)``.
+
+        Something that is not one loss value (a per-token loss tensor, a string) is ignored: the
+        first time, one error naming the argument and the fix is logged; every time, it is counted
+        in ``distgrad_internal_errors_total``. Never raises.
 
         Args:
             loss: 0-d tensor (any float dtype, any device) or a Python float.
@@ -168,11 +197,27 @@ class Instrument:
             if self._auto_seen:
                 self._loss_sum, self._loss_count = None, 0
         try:
-            t = loss.detach().reshape(()).to(torch.float64) if isinstance(loss, torch.Tensor) \
-                else torch.tensor(float(loss), dtype=torch.float64)
+            if isinstance(loss, torch.Tensor):
+                if loss.numel() != 1 or loss.is_complex():
+                    raise _BadLoss(f"a tensor of shape {list(loss.shape)} and dtype {loss.dtype}")
+                t = loss.detach().reshape(()).to(torch.float64)
+            else:
+                try:
+                    t = torch.tensor(float(loss), dtype=torch.float64)
+                except (TypeError, ValueError):
+                    raise _BadLoss(f"a {type(loss).__name__}") from None
             self._loss_sum = t if self._loss_sum is None else self._loss_sum + t.to(self._loss_sum.device)
             self._loss_count += 1
             self._auto_seen = self._auto_seen or automatic
+        except _BadLoss as e:
+            self.counters["internal_errors"] += 1
+            if "observe_loss" not in self._logged_bad_input:
+                self._logged_bad_input.add("observe_loss")
+                log.error("distgrad: observe_loss(loss) needs the scalar training loss (a tensor with one "
+                          "element, or a float), got %s: pass the reduced loss, e.g. loss.mean(); until "
+                          "then losses are ignored (each call counted in distgrad_internal_errors_total, "
+                          "not logged again)", e)
+            self._publish_counters()
         except Exception:  # noqa: BLE001 - never break training
             self._internal_error("observe_loss")
 
@@ -259,6 +304,8 @@ class Instrument:
             The :class:`~distgrad.step.StepToken` to hand to :meth:`end_step`.
         """
         sampled = self.is_sampled(step)
+        if not sampled:
+            self.watch(step)  # device-side non-finite flag, folded into the next sampled step
         return StepToken(int(step), sampled, self.collect(step, refuse) if sampled else None)
 
     def end_step(self, token: StepToken, outcome: StepOutcome) -> StepRecord | None:
@@ -320,6 +367,9 @@ class Instrument:
                 self._weights_before = [w.clone() if w is not None else None for w in weight_pieces(self)]
             except Exception:  # noqa: BLE001
                 self._internal_error("copying the weights for the update ratio")
+        flags = self._watcher.take(device)  # the unsampled steps' flags ride in the MAX collective
+        if flags is not None:
+            max_block = torch.cat([max_block, flags])
         try:
             if self.async_records:
                 return reduce_blocks_async(sum_block, max_block, self.group)
@@ -327,6 +377,36 @@ class Instrument:
         except Exception:  # noqa: BLE001
             self._internal_error("cross-rank reduction")
             return None
+
+    def watch(self, step: int) -> None:
+        """Non-finite check of an optimizer step that is not sampled (``interval`` > 1): see
+        :mod:`distgrad.watch`. Called on every rank at the boundary of unsampled step ``step``,
+        before the optimizer consumes the gradients; device work only (no collective, no host
+        sync); the next sampled step's record counts the flagged steps
+        (``nonfinite_unsampled_steps``, ``nonfinite_loss_steps``) and names them
+        (``extra["unsampled_nonfinite"]``). Never raises (a failure is counted)."""
+        if not self.config.enabled or self.config.interval < 2 or step % self.config.interval == 0:
+            return
+        try:
+            pieces = list(self.source.local_pieces())
+            if self.source.replicated:
+                pieces = [slice_for_rank(p, self.rank, self.world_size) if p is not None else None for p in pieces]
+            self._watcher.observe(step, pieces, self._loss_sum, self.source.device())
+        except Exception:  # noqa: BLE001
+            self._internal_error("non-finite check of an unsampled step")
+
+    def _fold_watch(self, step: int, host: np.ndarray) -> np.ndarray:
+        """Split the unsampled steps' flags off the reduced array, count them, return the rest."""
+        host, self._unsampled = self._watcher.fold(step, host)
+        grad = self._unsampled["grad"] if self._unsampled else []
+        self.counters["nonfinite_unsampled_steps"] += len(grad)
+        self.counters["nonfinite_loss_steps"] += len(self._unsampled["loss"]) if self._unsampled else 0
+        if grad and not self._unsampled_logged and self.global_rank == 0:
+            log.warning("distgrad: non-finite gradients on unsampled optimizer step(s) %s (interval %d): "
+                        "counted in distgrad_nonfinite_unsampled_steps_total; set interval=1 for per-parameter "
+                        "detail on every step", step_ranges(grad), self.config.interval)
+        self._unsampled_logged = bool(grad)
+        return host
 
     def finish(self, step: int, micro_step: int, host: "np.ndarray | HostCopy | None", grad_scale: float,
                loss_scale: float | None, overflow: bool | None, step_applied: bool,
@@ -376,6 +456,7 @@ class Instrument:
         ``ratio``: the update-ratio sums on their way to the host (asynchronous records), or
         None to make that all-reduce now (synchronous)."""
         step, micro_step, grad_scale, loss_scale, overflow, step_applied = args
+        host = self._fold_watch(step, host)  # sets self._unsampled for _build
         red = unpack(host, self.layout, self.source.names, grad_scale)
         if red.rank_error.sum():
             # this rank counted its own failure already; learn of the others' from the flags.
@@ -397,6 +478,8 @@ class Instrument:
         if self.diagnostics is not None:
             try:
                 self.diagnostics.on_record(rec)
+            except SinkError:  # the flight-recorder report could not be written (logged)
+                self._sink_error("flight_recorder")
             except Exception:  # noqa: BLE001
                 self._internal_error("diagnostics")
         for hook in self._hooks:
@@ -435,6 +518,7 @@ class Instrument:
         """Boundary of a step that is not sampled: account it, drop the observed losses."""
         self._drain(collectives=True)
         try:
+            self._watcher.overflow(overflow)  # fp16 overflow steps are expected: not "non-finite"
             self.account(overflow, step_applied, samples)
             self._publish_counters()
         except Exception:  # noqa: BLE001
@@ -474,6 +558,10 @@ class Instrument:
             mn = self.source.min_loss_scale()
             extra["loss_scale_at_minimum"] = int(mn is not None and loss_scale <= mn)
         loss = red.loss_sum / red.loss_count if red.loss_count else None
+        if loss is not None and not np.isfinite(loss):
+            self.counters["nonfinite_loss_steps"] += 1
+        if self._unsampled is not None:
+            extra["unsampled_nonfinite"] = self._unsampled
         if loss is None and self.counters["sampled_steps"] == 10 and self.global_rank == 0:
             log.warning("distgrad: no training loss observed in 10 sampled steps, so distgrad_loss, the "
                         "NaN-loss alert and loss-spike detection are off: call dg.observe_loss(loss) after "
@@ -501,10 +589,11 @@ class Instrument:
         for s in self.sinks:
             try:
                 s.write(rec)
+            except SinkError:  # lost for a reason outside distgrad (disk full, ...), logged by the sink
+                self._sink_error(s.name)
             except Exception:  # noqa: BLE001
                 self._internal_error(f"sink {s.name}")
-                if self.prometheus is not None:
-                    self.prometheus.collector.inc_labeled("distgrad_sink_errors", {"sink": s.name})
+                self._sink_error(s.name)
         self._publish_counters()  # errors of sinks that ran before this one's snapshot
 
     def _publish_counters(self) -> None:
@@ -514,10 +603,21 @@ class Instrument:
     def count_error(self, where: str) -> None:
         """Count and log a failure of distgrad's own work (``distgrad_internal_errors_total``)
         with the current traceback; call from an ``except`` block of a boundary or an
-        integration, then carry on: training must not stop for distgrad."""
+        integration, then carry on: training must not stop for distgrad. The traceback is logged
+        the first time ``where`` fails with that exception type only (one log line per failure
+        kind, not one per step)."""
         self.counters["internal_errors"] += 1
-        log.error("distgrad: internal error in %s (training continues; counted in "
-                  "distgrad_internal_errors_total):\n%s", where, traceback.format_exc())
+        kind = (where, type(sys.exc_info()[1]).__name__)
+        if kind not in self._logged_errors:
+            self._logged_errors.add(kind)
+            log.error("distgrad: internal error in %s (training continues; counted in "
+                      "distgrad_internal_errors_total, further %s errors here are not logged):\n%s",
+                      where, kind[1], traceback.format_exc())
         self._publish_counters()
+
+    def _sink_error(self, name: str) -> None:
+        self.sink_errors[name] = self.sink_errors.get(name, 0) + 1
+        if self.prometheus is not None:
+            self.prometheus.collector.inc_labeled("distgrad_sink_errors", {"sink": name})
 
     _internal_error = count_error

@@ -57,7 +57,8 @@ LABELS: dict[str, Label] = {lab.name: lab for lab in (
                          "taken by `nan`/`inf`)"),
     Label("detector", "spike detector", ("ema", "window")),
     Label("rank", "rank in [0, world size)"),
-    Label("sink", "sink name", ("prometheus", "jsonl", "tensorboard")),
+    Label("sink", "sink name (`flight_recorder`: its reports)", ("prometheus", "jsonl", "tensorboard",
+                                                                  "flight_recorder")),
     Label("engine", "engine adapter (`deepspeed`, `ddp`, `fsdp`, `fsdp2`, ...)"),
     Label("zero_stage", "DeepSpeed ZeRO stage, empty for other engines"),
     Label("dtype", "training (compute) dtype: `fp32`, `fp16`, `bf16`"),
@@ -159,8 +160,10 @@ CATALOGUE: tuple[Metric, ...] = (
        doc="static run info (value 1)"),
     _g("distgrad_world_size", "ranks", "Number of ranks.", "always"),
     # --- global statistics --------------------------------------------------------------------
-    _g("distgrad_grad_norm", "grad", "Global L2 norm of the reduced gradient (NaN when non-finite).",
-       doc="global L2 norm of the reduced gradient; NaN when non-finite"),
+    _g("distgrad_grad_norm", "grad", "Global L2 norm of the reduced gradient (NaN if an element is NaN, "
+       "+Inf if one is +-Inf).",
+       doc="global L2 norm of the reduced gradient, non-finite as `torch.linalg.vector_norm` is: NaN when an "
+           "element is NaN, +Inf when one is +-Inf (and none is NaN)"),
     _g("distgrad_optimizer_step", "steps", "Optimizer step of the last sample."),
     _g("distgrad_last_sample_timestamp_seconds", "seconds", "Unix time of the last sample."),
     _g("distgrad_last_step_timestamp_seconds", "seconds", "Unix time of the last optimizer step (sampled or not).",
@@ -171,6 +174,16 @@ CATALOGUE: tuple[Metric, ...] = (
            "loss function defines it (see below)"),
     # --- counters ---------------------------------------------------------------------------
     _c("distgrad_nonfinite_steps_total", "steps", "Sampled optimizer steps with any NaN/Inf gradient element."),
+    _c("distgrad_nonfinite_unsampled_steps_total", "steps",
+       "Unsampled optimizer steps (interval > 1) with any NaN/Inf gradient element, counted at the next "
+       "sampled step (fp16 overflow steps left out).",
+       doc="optimizer steps *not* sampled (`interval` > 1) with any NaN/Inf gradient element (fp16 overflow "
+           "steps left out: see `distgrad_overflow_steps_total`), counted at the next sampled step (a "
+           "device-side flag per step carried in that step's MAX collective; the JSONL record of that step "
+           "names them in `unsampled_nonfinite`)"),
+    _c("distgrad_nonfinite_loss_steps_total", "steps",
+       "Optimizer steps whose observed training loss was NaN/Inf on some rank.",
+       doc="optimizer steps, sampled or not, whose observed training loss was NaN/Inf on some rank"),
     _c("distgrad_sampled_steps_total", "steps", "Sampled optimizer steps."),
     _c("distgrad_internal_errors_total", "errors", "Failures inside distgrad; training continued."),
     _c("distgrad_replica_mismatch_total", "steps", "Sampled steps where replicated gradients differed across ranks."),
@@ -179,7 +192,8 @@ CATALOGUE: tuple[Metric, ...] = (
     _c("distgrad_samples_total", "samples", "Training samples consumed (engine's count).", "samples",
        doc="training samples consumed (engine's global_samples)"),
     _c("distgrad_sink_errors_total", "errors", "Failures of one sink (the others and training went on).",
-       labels=("sink",), doc="failures of one sink (exported at 0 for every configured sink)"),
+       labels=("sink",), doc="records (or flight-recorder reports) one sink failed to write, exported at 0 for "
+                             "every configured sink; for `jsonl` it equals the JSONL records lost"),
     # --- per parameter ------------------------------------------------------------------------
     _g("distgrad_param_grad_norm", "grad", "Per-parameter L2 norm of the reduced gradient.", "per_param", _P),
     _g("distgrad_param_grad_mean", "grad", "Per-parameter mean gradient element.", "per_param", _P),

@@ -30,14 +30,35 @@ def start(inst: Any) -> None:
             inst.port = inst.prometheus.port
             inst.sinks.append(inst.prometheus)
             if inst.config.file_sd_path:
-                write_file_sd(inst)
+                try:
+                    write_file_sd(inst)
+                except OSError as e:
+                    from distgrad.config import ConfigError
+
+                    err = ConfigError(f"distgrad config: 'file_sd_path' = {inst.config.file_sd_path!r} cannot "
+                                      f"be written: {type(e).__name__}: {e}; choose a writable path (a "
+                                      "directory Prometheus reads) or set it to null")
+                    err.__cause__ = e
         except OSError as e:
             err = e
     if inst.global_rank == 0 and err is None:
         err = start_file_sinks(inst)
     if inst.prometheus is not None:
-        for sink in inst.sinks:  # labelled counters at 0 from the start, like the others
-            inst.prometheus.collector.inc_labeled("distgrad_sink_errors", {"sink": sink.name}, 0)
+        names = [sink.name for sink in inst.sinks] + (["flight_recorder"] if inst.config.flight_recorder_dir else [])
+        for name in names:  # labelled counters at 0 from the start, like the others
+            inst.prometheus.collector.inc_labeled("distgrad_sink_errors", {"sink": name}, 0)
+    agree(inst, err)
+
+
+def agree(inst: Any, err: BaseException | None = None) -> None:
+    """The set-up agreement: one small MAX all-reduce at ``instrument()`` time, made by every
+    rank -- a rank with ``enabled: false`` too, before it returns its inert instrument -- so that
+    set-up failing on one rank (``err``), a different number of trainable parameters, or
+    different settings that decide the collectives (``enabled``, ``interval``,
+    ``replica_check``, ``update_ratio``) raise on every rank instead of a deadlock later.
+
+    Raises:
+        ``err`` or RuntimeError naming the disagreement (after ``inst.close()``)."""
     if _dist_ready() and inst.world_size > 1:
         h = float(collective_settings_hash(inst))
         flag = torch.tensor([1.0 if err else 0.0, float(inst.layout.n_params), -float(inst.layout.n_params),
@@ -51,11 +72,13 @@ def start(inst: Any) -> None:
                 f"ranks disagree on the number of trainable parameters ({int(-f[2])}..{int(f[1])}): "
                 "every rank must instrument the same model with the same requires_grad settings")
         if err is None and f[3] != -f[4]:
+            c = inst.config
             err = RuntimeError(
-                "ranks disagree on distgrad settings that decide its collectives (interval, "
-                "replica_check, update_ratio, enabled, async_records): every rank must call "
-                "distgrad.instrument() with the same config, or the job would deadlock at the first "
-                "sampled step")
+                f"ranks disagree on distgrad settings that decide its collectives (this rank, "
+                f"{inst.global_rank}: enabled={c.enabled}, interval={c.interval}, "
+                f"replica_check={c.replica_check}, update_ratio={c.update_ratio}, async_records={getattr(c, 'async_records', None)}): every rank must call "
+                "distgrad.instrument() with the same config (enabled: false on every rank or none), or "
+                "the job would deadlock at the first sampled step")
     if err is not None:
         inst.close()
         raise err

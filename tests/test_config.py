@@ -69,3 +69,26 @@ def test_file_sd_target_written_by_rank0_and_removed_at_close(tmp_path):
     finally:
         inst.close()
     assert not path.exists()
+
+
+def test_deepspeed_json_file_without_section_is_refused_like_the_same_dict(tmp_path):
+    ds = {"train_batch_size": 8, "zero_optimization": {"stage": 2}}
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps(ds))
+    with pytest.raises(ConfigError, match="'distgrad' section") as from_dict:
+        DistgradConfig.from_dict(ds)
+    with pytest.raises(ConfigError, match="'distgrad' section") as from_file:
+        DistgradConfig.load(p)
+    assert str(p) in str(from_file.value) and str(from_dict.value) in str(from_file.value)
+    # a file holding only the section, as JSON or YAML, is that section
+    p.write_text(json.dumps({"distgrad": {"interval": 4}}))
+    assert DistgradConfig.load(p).interval == 4
+    y = tmp_path / "c.yaml"
+    y.write_text("distgrad:\n  interval: 6\n")
+    assert DistgradConfig.load(y).interval == 6
+
+
+@pytest.mark.parametrize("host", ["", "  "])
+def test_empty_host_names_the_host_key(host):
+    with pytest.raises(ConfigError, match=r"'host' must be an address of this machine.*127\.0\.0\.1"):
+        DistgradConfig(host=host)

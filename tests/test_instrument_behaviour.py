@@ -35,6 +35,16 @@ def test_two_collectives_and_one_host_sync_per_sampled_step(ds_results):
 
 
 @pytest.mark.multirank
+def test_nan_on_an_unsampled_step_is_reported_by_the_next_sampled_step_zero2(ds_results):
+    """Injected: a NaN input on rank 1 at step 1 (interval 2: not sampled)."""
+    c = ds_results["special"]["unsampled_nan"]
+    assert c["step"] == 2 and c["reported"] == {"grad": [1], "loss": [1]}
+    k = c["counters"]
+    assert (k["nonfinite_unsampled_steps"], k["nonfinite_steps"], k["internal_errors"]) == (1, 1, 0)
+    assert k["nonfinite_loss_steps"] == 2  # step 1 (rank 1's loss) and step 2 (NaN weights since)
+
+
+@pytest.mark.multirank
 def test_port_in_use_raises_on_every_rank_at_instrument_time(ds_results):
     msg = ds_results["special"]["port_taken"]
     assert msg is not None and msg.startswith("OSError") and "port=0" in msg
@@ -75,6 +85,13 @@ def test_update_ratio_equals_full_master_weight_reference(ds_results, key):
 def test_ranks_with_different_sampling_settings_are_refused_at_instrument_time(ds_results):
     msg = ds_results["special"]["disagree"]  # rank 0's message; rank 1 raised too (else no JSON)
     assert msg is not None and "same config" in msg
+
+
+@pytest.mark.multirank
+def test_enabled_false_on_one_rank_raises_on_every_rank(ds_results):
+    msgs = ds_results["special"]["disabled_on_one_rank"]  # rank 0 enabled, rank 1 enabled: false
+    assert len(msgs) == 2 and all(m and m.startswith("RuntimeError") and "same config" in m for m in msgs), msgs
+    assert "enabled=True" in msgs[0] and "enabled=False" in msgs[1]
 
 
 @pytest.mark.multirank

@@ -376,3 +376,69 @@ def test_summary_skips_a_corrupt_middle_line_and_flags_appended_runs(tmp_path):
     assert a.restarts == 1
     text = format_summary(a)
     assert "skipped 1 malformed line(s)" in text and "went back 1 time(s)" in text
+
+
+def test_verdict_names_records_lost_by_the_sink_and_torn_lines(tmp_path, monkeypatch, capsys):
+    """Disk full for steps 5..24 (a short write tears step 5's line, and it cannot be cut off),
+    then freed: the summary is not HEALTHY and names the gap and the torn line."""
+    import errno
+
+    from distgrad.sinks import jsonl as jsonl_mod
+    from distgrad.sinks.base import SinkError
+
+    names = ["layers.0.w", "layers.1.w"]
+    rng = np.random.default_rng(0)
+    path = tmp_path / "run.jsonl"
+    sink = JsonlSink(path, retry_min_s=0.0)
+    real_write = os.write
+    state = {"full": False, "room": 0}
+
+    def write(fd, data):
+        if fd == sink._fd and state["full"]:
+            if state["room"]:
+                n, state["room"] = state["room"], 0
+                return real_write(fd, bytes(data[:n]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    def fail(*a):
+        raise OSError(errno.EIO, "cannot cut")
+
+    monkeypatch.setattr(jsonl_mod.os, "write", write)
+    monkeypatch.setattr(jsonl_mod.os, "ftruncate", fail)
+    monkeypatch.setattr(jsonl_mod, "_drop_torn_tail", fail)
+    lost = []
+    for step in range(40):
+        state.update(full=5 <= step < 25, room=100 if step == 5 else 0)
+        try:
+            sink.write(make_record(step, names, rng))
+        except SinkError:
+            lost.append(step)
+    sink.close()
+    assert lost == list(range(5, 25))
+    a = analyze(path)
+    assert not a.healthy and a.n_records == 20 and a.bad_lines == 1
+    v = a.verdict()
+    assert v.startswith("PROBLEM at step 5: 20 sampled-step record(s) missing from the log: 20 between steps 4 and 25")
+    assert "malformed_lines at step 5" in v
+    assert a.counts["missing_records"] == 20
+    assert main(["summary", str(path), "--fail-on-problem"]) == 3
+    assert "20 between steps 4 and 25" in capsys.readouterr().out
+
+
+def test_verdict_names_nonfinite_unsampled_steps(tmp_path):
+    names = ["layers.0.w", "layers.1.w"]
+    rng = np.random.default_rng(0)
+    path = tmp_path / "run.jsonl"
+    with JsonlSink(path) as sink:
+        for i, step in enumerate(range(0, 40, 4)):  # interval 4
+            extra = {"unsampled_nonfinite": {"grad": [13, 14, 15], "loss": [15]}} if step == 16 else {}
+            r = make_record(step, names, rng, extra=extra)
+            r.counters["sampled_steps"] = i + 1
+            sink.write(r)
+    a = analyze(path)
+    assert a.counts["nonfinite_unsampled"] == 3 and a.counts["nonfinite_loss"] == 1
+    assert "missing_records" not in a.counts or a.counts["missing_records"] == 0  # interval 4 is no gap
+    assert a.verdict().startswith("PROBLEM at step 13: non-finite gradient on unsampled step(s) 13..15, "
+                                  "reported by sampled step 16")
+    assert "nonfinite_loss at step 15" in a.verdict()

@@ -242,6 +242,22 @@ def test_instrument_errors_under_two_ranks(torch_results):
     assert msg and msg.startswith("ValueError") and "DistributedDataParallel" in msg and "fully_shard" in msg
     msg = c["optimizer_before_wrap"]
     assert msg and msg.startswith("ValueError") and "after DDP / FSDP wrapping" in msg
+    msgs = c["disabled_on_one_rank"]  # rank 0 enabled, rank 1 enabled: false
+    assert len(msgs) == 2 and all(m and m.startswith("RuntimeError") and "same config" in m for m in msgs), msgs
+    assert "enabled=True" in msgs[0] and "enabled=False" in msgs[1]
+
+
+@pytest.mark.multirank
+def test_nonfinite_gradient_and_loss_on_unsampled_steps_under_ddp(torch_results):
+    """Injected: a NaN in rank 1's gradient on step 1 (before the all-reduce), a NaN loss on rank 0
+    on step 3; interval 2
+    samples steps 0, 2, 4. The sampled steps after them report them (a flag carried in their
+    MAX collective: no collective on unsampled steps)."""
+    c = _case(torch_results, "unsampled-nonfinite")
+    assert c["reported"] == {"0": None, "2": {"grad": [1], "loss": []}, "4": {"grad": [], "loss": [3]}}
+    k = c["counters"]
+    assert (k["nonfinite_unsampled_steps"], k["nonfinite_loss_steps"], k["nonfinite_steps"]) == (1, 1, 0)
+    assert c["collectives_per_step"] == [2, 0, 2, 0, 2]
 
 
 # ---------------------------------------------------------------------------------------------

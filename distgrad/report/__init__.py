@@ -33,7 +33,11 @@ Problems (the verdict names the first one, in file order):
 * ``nonfinite_loss``: a NaN/Inf loss;
 * ``replica_mismatch``: replicated gradients differed across ranks;
 * ``overflow_streak``: at least ``overflow_streak_limit`` consecutive fp16 overflow steps (the
-  loss scale is collapsing).
+  loss scale is collapsing);
+* ``nonfinite_unsampled``: a NaN/Inf gradient on a step that was not sampled (``interval`` > 1),
+  flagged by the instrument in the next sampled step's record;
+* ``missing_records``: records lost from the log (the detail names each gap);
+* ``malformed_lines``: a torn or otherwise malformed line (skipped).
 
 Modules: :mod:`~distgrad.report.layers` (name -> layer), :mod:`~distgrad.report.downsample`,
 :mod:`~distgrad.report.spikes`, :mod:`~distgrad.report.analysis` (the streaming pass),

@@ -14,6 +14,7 @@ from distgrad.record import StepRecord
 from distgrad.report.downsample import Downsampled, Downsampler
 from distgrad.report.layers import LayerIndex, layer_of, layer_sort_key
 from distgrad.report.spikes import RecordSpikes, RollingMadSpikes, _to_float
+from distgrad.watch import step_ranges
 
 #: At most this many spike markers / example steps are kept (the first ones); counts stay exact.
 MAX_MARKERS = 10_000
@@ -24,7 +25,8 @@ class Problem:
     """One detected problem.
 
     Attributes:
-        kind: ``nonfinite_grad``, ``nonfinite_loss``, ``replica_mismatch`` or ``overflow_streak``.
+        kind: ``nonfinite_grad``, ``nonfinite_loss``, ``nonfinite_unsampled``,
+            ``replica_mismatch``, ``overflow_streak``, ``missing_records`` or ``malformed_lines``.
         step: optimizer step where it (first) happened.
         param: parameter name, when one is implicated (else None).
         layer: that parameter's layer label (else None).
@@ -44,6 +46,8 @@ ANOMALY_LABELS = {
     "nonfinite_steps": "non-finite gradient steps",
     "nonfinite_grad": "  of which not fp16 overflows",
     "nonfinite_loss": "non-finite loss steps",
+    "nonfinite_unsampled": "non-finite unsampled steps",
+    "missing_records": "records missing from the log",
     "overflow_steps": "fp16 overflow steps",
     "skipped_steps": "skipped optimizer steps",
     "replica_mismatch": "replica mismatch steps",
@@ -178,6 +182,9 @@ class RunAnalyzer:
         self._mask_src: np.ndarray | None = None
         self._mask = np.zeros(0, bool)
         self._mask_all = True
+        self._prev_sampled: int | None = None
+        self._gaps: list[tuple[int, int, int]] = []  # (last step before, first step after, records)
+        self._bad_lines: list[tuple[int | None, str]] = []
 
     def _grow(self) -> None:
         L = len(self._li.layers)
@@ -201,9 +208,63 @@ class RunAnalyzer:
     def _problem(self, p: Problem) -> None:
         self._problems.setdefault(p.kind, p)
 
+    def bad_line(self, msg: str) -> None:
+        """A malformed (torn) line met after the records added so far (``read_jsonl``'s
+        ``on_bad_line``): a ``malformed_lines`` problem."""
+        after = int(self._last.step) if self._last is not None else None
+        self._bad_lines.append((after, msg))
+        if "malformed_lines" not in self._problems:
+            self._problems["malformed_lines"] = Problem("malformed_lines", 0 if after is None else after + 1, detail=(
+                f"malformed (torn) line after step {after}: {msg}; the JSONL sink lost that record "
+                "(distgrad_sink_errors_total{sink=\"jsonl\"} and rank 0's log say why)"))
+
+    def _missing(self, after: int, before: int, n: int) -> None:
+        """``n`` records lost between the records of steps ``after`` and ``before``."""
+        self._counts["missing_records"] += n
+        self._first_of.setdefault("missing_records", after + 1)
+        if len(self._gaps) < MAX_MARKERS:
+            self._gaps.append((after, before, n))
+        gaps = ", ".join(f"{k} between steps {a} and {b}" for a, b, k in self._gaps[:5])
+        more = f" and {len(self._gaps) - 5} more gap(s)" if len(self._gaps) > 5 else ""
+        self._problems["missing_records"] = Problem("missing_records", self._gaps[0][0] + 1, detail=(
+            f"{self._counts['missing_records']} sampled-step record(s) missing from the log: {gaps}{more} "
+            "(lost by the JSONL sink: distgrad_sink_errors_total{sink=\"jsonl\"} and rank 0's log say why)"))
+        if "malformed_lines" in self._problems:  # a torn line is one of the records missing: after
+            self._problems["malformed_lines"] = self._problems.pop("malformed_lines")
+
+    def _unsampled(self, r: StepRecord, step: int) -> None:
+        """Non-finite gradients / losses the instrument flagged on steps it did not sample."""
+        un = r.extra.get("unsampled_nonfinite") if isinstance(r.extra, dict) else None
+        if not isinstance(un, dict):
+            return
+        grad = sorted(int(s) for s in un.get("grad") or [])
+        loss = sorted(int(s) for s in un.get("loss") or [])
+        if grad:
+            self._counts["nonfinite_unsampled"] += len(grad)
+            self._first_of.setdefault("nonfinite_unsampled", grad[0])
+            self._problem(Problem("nonfinite_unsampled", grad[0], detail=(
+                f"non-finite gradient on unsampled step(s) {step_ranges(grad)}, reported by sampled step "
+                f"{step} without per-parameter detail (sample every step, interval: 1, to see where)")))
+        if loss:
+            self._counts["nonfinite_loss"] += len(loss)
+            self._first_of.setdefault("nonfinite_loss", loss[0])
+            self._problem(Problem("nonfinite_loss", loss[0], detail=(
+                f"non-finite loss on unsampled step(s) {step_ranges(loss)}")))
+
     def add(self, r: StepRecord) -> None:
-        """Fold one record in (records must come in file order)."""
+        """Fold one record in (records must come in file order).
+
+        Records lost from the log are found from the cumulative ``counters["sampled_steps"]``:
+        when it grows by more than one between consecutive records of one run (the step going
+        forward), the records in between were lost (a ``missing_records`` problem)."""
         step = int(r.step)
+        sampled = r.counters.get("sampled_steps") if isinstance(r.counters, dict) else None
+        sampled = int(sampled) if isinstance(sampled, (int, float)) and not isinstance(sampled, bool) else None
+        if sampled is not None and self._prev_sampled is not None and self._last is not None \
+                and step > int(self._last.step) and sampled > self._prev_sampled + 1:
+            self._missing(int(self._last.step), step, sampled - self._prev_sampled - 1)
+        self._prev_sampled = sampled
+        self._unsampled(r, step)
         if self._first_step is None:
             self._first_step = step
         self._n += 1
@@ -424,8 +485,10 @@ def analyze(path: str | os.PathLike[str], *, max_points: int = 1024, include_rot
         overflow_streak_limit: see :class:`RunAnalyzer`.
 
     Malformed lines in the middle of the log are skipped and counted (``bad_lines`` and
-    ``first_bad_line`` on the result); steps that go back (another run appended to the same file)
-    are counted in ``restarts``. :func:`format_summary` reports both.
+    ``first_bad_line`` on the result) and are a ``malformed_lines`` problem; records missing
+    between two records (lost by the sink, see :meth:`RunAnalyzer.add`) are a
+    ``missing_records`` problem whose detail names the gaps; steps that go back (another run
+    appended to the same file) are counted in ``restarts``. :func:`format_summary` reports them.
 
     Raises:
         FileNotFoundError: no log at ``path``.
@@ -436,7 +499,11 @@ def analyze(path: str | os.PathLike[str], *, max_points: int = 1024, include_rot
     an = RunAnalyzer(os.fspath(path), max_points=max_points, overflow_streak_limit=overflow_streak_limit)
     bad: list[str] = []
     restarts, prev = 0, None
-    for rec in read_jsonl(path, include_rotated=include_rotated, on_bad_line=bad.append):
+    def on_bad(msg: str) -> None:
+        bad.append(msg)
+        an.bad_line(msg)
+
+    for rec in read_jsonl(path, include_rotated=include_rotated, on_bad_line=on_bad):
         if prev is not None and rec.step <= prev:
             restarts += 1  # the step went back: another run appended to the same file
         prev = rec.step

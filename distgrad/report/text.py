@@ -54,8 +54,8 @@ def format_summary(a: RunAnalysis, top: int = 10) -> str:
     out.append("")
     rows = [(ANOMALY_LABELS[k], a.counts.get(k, 0), a.first_step_of.get(k)) for k in ANOMALY_LABELS]
     rows.append(("longest overflow streak", a.max_overflow_streak, None))
-    for k in ("internal_errors", "replica_mismatch", "nonfinite_steps", "overflow_steps", "skipped_steps",
-              "sampled_steps"):
+    for k in ("internal_errors", "replica_mismatch", "nonfinite_steps", "nonfinite_unsampled_steps",
+              "nonfinite_loss_steps", "overflow_steps", "skipped_steps", "sampled_steps"):
         if k in a.counters:
             rows.append((f"counter {k} (last record)", a.counters[k], None))
     out += _table(("anomaly", "count", "first step"), rows)

@@ -11,8 +11,9 @@ class Sink(abc.ABC):
     """Receives every sampled step's record on global rank 0.
 
     ``write`` is called from the training thread right after the step's statistics are ready;
-    it must be cheap (no network round trips) and may raise: the caller logs the exception,
-    counts it in ``distgrad_internal_errors_total`` and ``distgrad_sink_errors_total{sink}``, and
+    it must be cheap (no network round trips) and may raise: the caller
+    counts it in ``distgrad_sink_errors_total{sink}`` (and, unless it is a :class:`SinkError`, in
+    ``distgrad_internal_errors_total``, logging its traceback once per sink and exception type), and
     carries on with the other sinks. ``close`` is called once at shutdown.
     """
 
@@ -25,3 +26,9 @@ class Sink(abc.ABC):
 
     def close(self) -> None:
         """Flush and release resources; idempotent."""
+
+
+class SinkError(OSError):
+    """A sink could not publish a record for a reason outside distgrad (disk full, directory
+    removed, ...) and has already logged that once. The caller counts it in
+    ``distgrad_sink_errors_total{sink}`` only (not as an internal error) and logs nothing more."""

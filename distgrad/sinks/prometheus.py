@@ -39,6 +39,8 @@ COUNTERS = {
     "overflow_steps": "distgrad_overflow_steps_total",
     "skipped_steps": "distgrad_skipped_steps_total",
     "samples": "distgrad_samples_total",
+    "nonfinite_unsampled_steps": "distgrad_nonfinite_unsampled_steps_total",
+    "nonfinite_loss_steps": "distgrad_nonfinite_loss_steps_total",
 }
 
 #: per-parameter families: catalogue name -> ParamStats property

@@ -216,7 +216,7 @@ def special_cases(rank: int, world: int) -> dict:
         setattr(tdist, fn, wrapper)
     per_step = []
     sync = SyncCounter()
-    for name in ("collect", "finish", "skip"):
+    for name in ("collect", "finish", "skip", "watch"):
         meth = getattr(inst, name)
 
         def timed(*a, __m=meth, **kw):
@@ -242,6 +242,26 @@ def special_cases(rank: int, world: int) -> dict:
         setattr(tdist, fn, f)
     out["counts"] = per_step
     out["counts_nonfinite_steps"] = inst.counters["nonfinite_steps"]
+    inst.close()
+
+    # 2b. ZeRO-2 (sharded gradients), interval 2: a NaN input on rank 1 at unsampled step 1 makes
+    # its loss and, after the reduction, every gradient partition NaN; AdamW applies it, so the
+    # sampled step 2 is non-finite too. Step 2's record names step 1 for gradient and loss.
+    torch.manual_seed(0)
+    model = TinyModel()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=ds_config(2, "fp32", 1))
+    inst = distgrad.instrument(engine, prometheus=False, interval=2)
+    for step in range(3):
+        x, y = batch_for(step, 0, rank)
+        if step == 1 and rank == 1:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        engine.backward(engine(x, y))
+        engine.step()
+    out["unsampled_nan"] = {"step": inst.last_record.step,
+                            "reported": inst.last_record.extra.get("unsampled_nonfinite"),
+                            "counters": dict(inst.counters)}
     inst.close()
 
     # 3. a port taken on rank 0 raises at instrument() time on every rank, with the fix
@@ -323,6 +343,15 @@ def special_cases(rank: int, world: int) -> dict:
         out["disagree"] = None
     except RuntimeError as e:
         out["disagree"] = str(e)
+    # 5b. enabled: false on rank 1 only: every rank raises (was: rank 0 hung in the agreement)
+    msg = None
+    try:
+        distgrad.instrument(engine, prometheus=False, enabled=rank == 0).close()
+    except Exception as e:  # noqa: BLE001
+        msg = f"{type(e).__name__}: {e}"
+    msgs: list = [None] * world
+    tdist.all_gather_object(msgs, msg)
+    out["disabled_on_one_rank"] = msgs
     out["update_ratio"] = {f"z{st}-{dt}": update_ratio_case(st, dt, rank)
                            for st, dt in ((0, "fp32"), (1, "fp32"), (2, "bf16"), (3, "fp32"), (3, "bf16"))}
     return out

@@ -21,8 +21,9 @@ steps with distgrad attached and records on rank 0:
   * reference B (step 0): a float64 copy of the model on one process over all ranks'
     micro-batches.
 Plus: a DDP run whose rank 1 gradient is corrupted (replica check), GradScaler runs with an
-injected overflow (non-fused without and with ``unscale_``, fused AdamW), and the errors for a
-plain module under 2 ranks and an optimizer built before FSDP wrapping.
+injected overflow (non-fused without and with ``unscale_``, fused AdamW), the errors for a
+plain module under 2 ranks, an optimizer built before FSDP wrapping and ``enabled: false`` on one
+rank, and a NaN gradient and a NaN loss on steps that are not sampled (interval 2).
 Writes JSON to the path given by --out.
 """
 
@@ -289,6 +290,77 @@ def run_errors(rank: int) -> dict:
         out["optimizer_before_wrap"] = None
     except Exception as e:  # noqa: BLE001
         out["optimizer_before_wrap"] = f"{type(e).__name__}: {e}"
+    # enabled: false on rank 1 only: every rank raises (was: a gloo abort), both messages kept
+    msg = None
+    try:
+        m = DDP(TinyModel())
+        distgrad.instrument(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), prometheus=False,
+                            enabled=rank == 0).close()
+    except Exception as e:  # noqa: BLE001
+        msg = f"{type(e).__name__}: {e}"
+    msgs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(msgs, msg)
+    out["disabled_on_one_rank"] = msgs
+    return out
+
+
+def run_unsampled_nonfinite(rank: int, world: int) -> dict:
+    """DDP fp32, interval 2, steps 0..4: a NaN put into rank 1's local gradient of one element
+    on unsampled step 1 (before DDP's all-reduce, so every replica gets it; wiped by a pre-hook
+    after distgrad's before SGD applies it) and a NaN loss observed on rank 0 on unsampled step 3.
+    Reference: the steps injected. Also counts the collectives made inside ``optimizer.step`` per
+    step (2 on sampled steps, 0 on the others)."""
+    torch.manual_seed(0)
+    w = DDP(TinyModel())
+    opt = torch.optim.SGD(w.parameters(), lr=0.01)
+    state = {"step": 0, "count": False, "collectives": 0}
+
+    def inject(g):
+        if state["step"] == 1 and rank == 1:
+            g = g.clone()
+            g.view(-1)[4] = float("nan")
+        return g
+
+    w.module.inp.weight.register_hook(inject)  # runs before DDP reduces the gradient
+    inst = distgrad.instrument(w, optimizer=opt, prometheus=False, interval=2)
+
+    def wipe(o, a, k):  # after distgrad's: the NaN never reaches the weights
+        for p in w.parameters():
+            if p.grad is not None:
+                p.grad.nan_to_num_(nan=0.0)
+
+    opt.register_step_pre_hook(wipe)
+    originals = {fn: getattr(dist, fn) for fn in ("all_reduce", "all_gather_into_tensor", "broadcast")}
+
+    def counting(fn):
+        def call(*a, **kw):
+            if state["count"]:
+                state["collectives"] += 1
+            return originals[fn](*a, **kw)
+        return call
+
+    for fn in originals:
+        setattr(dist, fn, counting(fn))
+    reported, per_step = {}, []
+    inst.add_hook(lambda r: reported.__setitem__(r.step, r.extra.get("unsampled_nonfinite")))
+    try:
+        for step in range(5):
+            state["step"] = step
+            x, y = batch_for(step, 0, rank)
+            loss = w(x, y)
+            loss.backward()
+            inst.observe_loss(torch.tensor(float("nan")) if (step == 3 and rank == 0) else loss)
+            state["count"], state["collectives"] = True, 0
+            opt.step()
+            state["count"] = False
+            per_step.append(state["collectives"])
+            opt.zero_grad()
+    finally:
+        for fn, f in originals.items():
+            setattr(dist, fn, f)
+    out = {"reported": {str(k): v for k, v in reported.items()}, "counters": dict(inst.counters),
+           "collectives_per_step": per_step}
+    inst.close()
     return out
 
 
@@ -325,6 +397,7 @@ def main() -> None:
     for mode in ("plain", "unscale", "fused"):
         jobs.append((f"scaler-{mode}", functools.partial(run_scaler_case, mode, rank, world)))
     jobs.append(("errors", functools.partial(run_errors, rank)))
+    jobs.append(("unsampled-nonfinite", functools.partial(run_unsampled_nonfinite, rank, world)))
     results, t0 = {}, time.time()
     for key, fn in jobs:
         if want is not None and key not in want:

@@ -1,0 +1,101 @@
+"""Non-finite gradients and losses on steps that are not sampled (interval > 1) are flagged on the
+device, carried in the next sampled step's MAX collective and counted (one process here; the
+2-rank DDP case is in tests/dist/torch_cases.py)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from prometheus_client import generate_latest
+
+from distgrad.config import DistgradConfig
+from distgrad.engines.base import GradSource
+from distgrad.instrument import Instrument
+
+
+class Mixed(GradSource):
+    """Three parameters of different dtypes; ``bad[step]`` names the one holding NaN/Inf."""
+
+    names, numels = ["a", "b", "c"], [3, 2, 2]
+
+    def __init__(self):
+        self.bad: dict[int, str] = {}
+        self.step = 0
+
+    def local_pieces(self):
+        a = torch.tensor([1.0, -2.0, 2.0])
+        b = torch.tensor([0.5, 4.0], dtype=torch.bfloat16)
+        c = torch.tensor([2.0, -3.0])
+        which = self.bad.get(self.step)
+        if which == "a":
+            a[1] = float("nan")
+        elif which == "b":
+            b[0] = float("inf")
+        return [a, b, c]
+
+
+def drive(inst, src, steps, nan_loss=(), overflow=()):
+    """The boundary a DeepSpeed or PyTorch engine runs: watch() on unsampled steps, collect() and
+    finish() on sampled ones."""
+    records = {}
+    for step in steps:
+        src.step = step
+        inst.observe_loss(float("nan") if step in nan_loss else 1.0)
+        if inst.is_sampled(step):
+            rec = inst.finish(step, step, inst.collect(step), 1.0, None, None, True, None)
+            records[step] = rec
+        else:
+            inst.watch(step)
+            inst.skip(step in overflow, step not in overflow, None)
+    return records
+
+
+def test_nan_and_inf_on_unsampled_steps_are_counted_at_the_next_sampled_step(caplog):
+    src = Mixed()
+    src.bad = {1: "a", 5: "b", 7: "a", 8: "b"}
+    inst = Instrument(src, DistgradConfig(port=0, interval=3))
+    inst.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="distgrad"):
+            recs = drive(inst, src, range(13), nan_loss={4, 9})
+        text = generate_latest(inst.prometheus.registry).decode()
+    finally:
+        inst.close()
+    got = {s: r.extra.get("unsampled_nonfinite") for s, r in recs.items()}
+    assert got == {0: None, 3: {"grad": [1], "loss": []}, 6: {"grad": [5], "loss": [4]},
+                   9: {"grad": [7, 8], "loss": []}, 12: None}
+    assert math.isnan(recs[9].loss)  # the sampled step's own NaN loss
+    c = inst.counters
+    assert (c["nonfinite_unsampled_steps"], c["nonfinite_loss_steps"], c["nonfinite_steps"]) == (4, 2, 0)
+    assert "distgrad_nonfinite_unsampled_steps_total 4.0" in text
+    assert "distgrad_nonfinite_loss_steps_total 2.0" in text
+    warned = [m for m in caplog.messages if "unsampled" in m]
+    assert len(warned) == 1 and "step(s) 1 " in warned[0]  # once per streak of flagged folds
+    assert c["internal_errors"] == 0
+
+
+def test_interval_one_adds_nothing_to_the_collective():
+    src = Mixed()
+    inst = Instrument(src, DistgradConfig(prometheus=False, interval=1))
+    host = inst.collect(0)
+    assert host.size == inst.layout.sum_size + inst.layout.max_size
+    inst3 = Instrument(src, DistgradConfig(prometheus=False, interval=3))
+    assert inst3.collect(0).size == inst.layout.sum_size + inst.layout.max_size + 2 * 2
+
+
+def test_fp16_overflow_steps_are_not_reported_as_unsampled_nonfinite():
+    """An unsampled step the engine reports as an fp16 overflow has Inf gradients by design: it
+    is counted in overflow_steps, not as a non-finite step."""
+    src = Mixed()
+    src.bad = {1: "b", 2: "b", 4: "a"}
+    inst = Instrument(src, DistgradConfig(prometheus=False, interval=3))
+    try:
+        recs = drive(inst, src, range(7), overflow={1, 4})
+    finally:
+        inst.close()
+    assert recs[3].extra["unsampled_nonfinite"] == {"grad": [2], "loss": []}
+    assert "unsampled_nonfinite" not in recs[6].extra
+    c = inst.counters
+    assert (c["nonfinite_unsampled_steps"], c["overflow_steps"], c["skipped_steps"]) == (1, 2, 2)
