@@ -245,8 +245,9 @@ def special_cases(rank: int, world: int) -> dict:
     inst.close()
 
     # 2b. ZeRO-2 (sharded gradients), interval 2: a NaN input on rank 1 at unsampled step 1 makes
-    # its loss and, after the reduction, every gradient partition NaN; AdamW applies it, so the
-    # sampled step 2 is non-finite too. Step 2's record names step 1 for gradient and loss.
+    # its loss and, after the reduction, every gradient partition NaN; DeepSpeed's ZeRO-2 optimizer
+    # skips that step (fp32 too), so the sampled step 2 is finite. Step 2's record names step 1 for
+    # gradient and loss.
     torch.manual_seed(0)
     model = TinyModel()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
