@@ -187,6 +187,11 @@ class MonitoringStack:
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> "MonitoringStack":
+        """Start Alertmanager (with a webhook) and Prometheus; a no-op when already started (so
+        ``stack.start()`` followed by ``with stack:`` never runs a second Prometheus on the same
+        TSDB directory, which crashes it: "expected newly cut file to have sequence...")."""
+        if self._procs:
+            return self
         prometheus = find_binary("PROMETHEUS", "prometheus")
         alertmanager = find_binary("ALERTMANAGER", "prometheus-alertmanager", "alertmanager") if self.webhook_url else None
         self.work_dir.mkdir(parents=True, exist_ok=True)
