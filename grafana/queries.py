@@ -97,7 +97,7 @@ def iter_panels(panels: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 def substitute(expr: str, variables: dict[str, str]) -> str:
     """Replace ``$var``, ``${var}``, ``${var:fmt}`` and ``[[var]]`` by ``variables[var]``."""
 
-    def repl(m: re.Match) -> str:
+    def repl(m: re.Match[str]) -> str:
         name = m.group(1) or m.group(2) or m.group(3)
         if name not in variables:
             raise ValueError(f"no value for template variable {name!r} in {expr!r}")
