@@ -176,7 +176,7 @@ CATALOGUE: tuple[Metric, ...] = (
     _c("distgrad_nonfinite_steps_total", "steps", "Sampled optimizer steps with any NaN/Inf gradient element."),
     _c("distgrad_nonfinite_unsampled_steps_total", "steps",
        "Unsampled optimizer steps (interval > 1) with any NaN/Inf gradient element, counted at the next "
-       "sampled step (fp16 overflow steps left out).",
+       "sampled step (steps the fp16 loss scaler skips are not counted here).",
        doc="optimizer steps *not* sampled (`interval` > 1) with any NaN/Inf gradient element (fp16 overflow "
            "steps left out: see `distgrad_overflow_steps_total`), counted at the next sampled step (a "
            "device-side flag per step carried in that step's MAX collective; the JSONL record of that step "
