@@ -18,12 +18,16 @@ from __future__ import annotations
 import math
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from distgrad import stats
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
+from common import HostSyncs as _Syncs  # noqa: E402
 
 CPU = torch.device("cpu")
 DEV = torch.device(os.environ.get("DISTGRAD_TEST_DEVICE", "cpu"))
@@ -216,21 +220,6 @@ def test_auto_on_cpu_never_uses_triton(st, monkeypatch):
     before = stats.kernel_use()
     stats.stats_table([_data(100, 1).cpu()], CPU)
     assert stats.kernel_use().get("triton", 0) == before.get("triton", 0)
-
-
-class _Syncs(torch.overrides.TorchFunctionMode):
-    """Counts calls of the tensor methods that wait for the device (as tests/test_stats_kernels.py)."""
-
-    SYNCING = {"cpu", "item", "tolist", "__bool__", "__float__", "__int__", "__index__"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.SYNCING:
-            self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_no_host_sync_in_the_statistics_pass(st, monkeypatch):

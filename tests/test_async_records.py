@@ -21,24 +21,11 @@ import distgrad
 from distgrad.stats import HostCopy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
-from common import TinyModel, batch_for  # noqa: E402
+from common import HostSyncs as _Syncs, TinyModel, batch_for  # noqa: E402
 
 DEV = torch.device(os.environ.get("DISTGRAD_TEST_DEVICE", "cpu"))
 
 
-class _Syncs(torch.overrides.TorchFunctionMode):
-    """Counts calls of the tensor methods that wait for the device."""
-
-    SYNCING = {"cpu", "item", "tolist", "__bool__", "__float__", "__int__", "__index__"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.SYNCING:
-            self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _run(mode: str, monkeypatch, steps: int = 4, nan_at: int | None = None, **cfg) -> dict:

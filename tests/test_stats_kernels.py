@@ -7,12 +7,17 @@ never reach the vectorised loop; these do. Single process, no launcher."""
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from distgrad import stats
 from distgrad.stats import kernels as stats_kernels, native as stats_native
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
+from common import HostSyncs as _Syncs  # noqa: E402
 
 SIZES = [1, 15, 16, 17, 2047, 2048, 2049, 65535, 65536, 65537, 3 * 65536 + 5, 1_000_003]
 
@@ -136,17 +141,6 @@ def test_eager_fallback_when_native_is_unavailable(monkeypatch):
     _check(stats.stats_table([x], torch.device("cpu"))[0], _reference(x), native=False)
 
 
-class _Syncs(torch.overrides.TorchFunctionMode):
-    SYNCING = {"cpu", "item", "tolist", "__bool__", "__float__", "__int__", "__index__"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.SYNCING:
-            self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("kernel", ["auto", "eager"])

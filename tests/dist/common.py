@@ -81,3 +81,20 @@ def reference_b(ref_model: nn.Module, gas: int, world: int) -> tuple[dict, float
             n += 1
     grads = {name: (p.grad / n).reshape(-1) for name, p in ref_model.named_parameters() if p.requires_grad}
     return full_stats(grads), loss_sum / n
+
+
+class HostSyncs(torch.overrides.TorchFunctionMode):
+    """Counts calls of the tensor methods that wait for the device (``.cpu()``, ``.item()``,
+    ``.tolist()``, truth and number conversions) in ``self.n``; used by the tests that assert a
+    path makes no host sync."""
+
+    SYNCING = {"cpu", "item", "tolist", "__bool__", "__float__", "__int__", "__index__"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.SYNCING:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
