@@ -11,9 +11,14 @@ float64 reference of step 0: every rank's step-0 micro-batches (recorded inside
 loss (mean per-token cross entropy over all of them: every sequence has the same length and no
 ignored label) and its gradient, which is the pre-clip reduced gradient the optimizer receives.
 
+Cases: DeepSpeed ZeRO-2 and ZeRO-3 (fp32), ZeRO-3 bf16, ZeRO-2 fp16 (loss scaling), ZeRO-2 +
+PEFT LoRA, FSDP2, FSDP1, DDP, and a plain Accelerate loop with the DeepSpeed plugin; the
+one-process case runs in the pytest process (``run_case("single", "single")``).
+
 Making these frameworks run on CPU at all (not distgrad's business): a gloo ``PartialState``
 before ``TrainingArguments(accelerator_config={"use_configured_state": True})``; FSDP needs
-the state labelled MULTI_GPU. Writes JSON to --out.
+the state labelled MULTI_GPU, DDP a ``cpu=True`` state (MULTI_CPU, which accelerate wraps in
+DDP); bf16 and fp16 need the two CPU refusals lifted (:func:`allow_half_precision_on_cpu`). Writes JSON to --out.
 """
 
 from __future__ import annotations
@@ -61,19 +66,36 @@ def reset_accelerate() -> None:
 
 
 def make_state(kind: str) -> None:
-    """A gloo accelerate state for DeepSpeed or FSDP on CPU."""
+    """A gloo accelerate state for DeepSpeed, FSDP (1 or 2) or DDP on CPU; or one process
+    without torch.distributed (``"single"``, what tests/test_integrations_hf.py runs in-process)."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
     reset_accelerate()
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true" if kind == "deepspeed" else "false"
     os.environ["ACCELERATE_USE_FSDP"] = "true" if kind.startswith("fsdp") else "false"
-    state = PartialState(backend="gloo")
+    if kind == "single":  # one process, no torch.distributed: DistributedType.NO
+        PartialState(cpu=True)
+        return
+    state = PartialState(backend="gloo", cpu=kind == "ddp")  # cpu: MULTI_CPU, accelerate wraps in DDP
     if kind.startswith("fsdp"):
         state.distributed_type = DistributedType.MULTI_GPU
 
 
-def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm: float = 1.0) -> dict:
+def allow_half_precision_on_cpu() -> None:
+    """bf16 / fp16 under DeepSpeed on CPU: transformers refuses bf16 without a bf16 GPU
+    (``TrainingArguments``: "Your setup doesn't support bf16/gpu") and DeepSpeed refuses fp16
+    without mkldnn fp16 (``Type fp16 is not supported on your device``); both checks are about
+    speed on this machine, not correctness, and are lifted here (docs/engines.md)."""
+    import transformers.training_args as ta
+    from deepspeed.accelerator import get_accelerator
+
+    ta.is_torch_bf16_gpu_available = lambda: True
+    type(get_accelerator()).is_fp16_supported = lambda self: True
+
+
+def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm: float = 1.0,
+             dtype: str = "fp32") -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from distgrad.integrations.hf import attach
@@ -86,15 +108,27 @@ def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm:
         torch.manual_seed(99)
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                  init_lora_weights=False, lora_dropout=0.0))
-    ref_model = copy.deepcopy(model).double()
+    # bf16 / fp16: DeepSpeed trains the low-precision copy of the weights; so does the reference
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+    ref_model = (copy.deepcopy(model).to(low) if low is not None else copy.deepcopy(model)).double()
     extra: dict = {}
+    if dtype != "fp32":
+        allow_half_precision_on_cpu()
+        extra[dtype] = True
     if kind == "deepspeed":
         extra["deepspeed"] = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
                               "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-                              "zero_optimization": {"stage": stage}, "distgrad": {"interval": 1}}
+                              "zero_optimization": {"stage": stage}, "distgrad": {"interval": 1},
+                              "bf16": {"enabled": "auto"},
+                              # a small initial loss scale: no overflow-skipped step in 2 steps
+                              "fp16": {"enabled": "auto", "initial_scale_power": 8}}
     elif kind == "fsdp2":
         extra["fsdp"] = "full_shard"
         extra["fsdp_config"] = {"version": 2, "reshard_after_forward": True,
+                                "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+    elif kind == "fsdp1":
+        extra["fsdp"] = "full_shard"
+        extra["fsdp_config"] = {"version": 1, "sync_module_states": False, "use_orig_params": True,
                                 "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
     args = TrainingArguments(
         output_dir=f"/tmp/distgrad_hf_{name}_{os.getpid()}", per_device_train_batch_size=BATCH,
@@ -128,12 +162,15 @@ def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm:
     trainer.train()
     inst = cb.instrument
     out = {"args_max_grad_norm": max_norm, "records": records, "logs": logs, "engine": inst.source.engine_name,
-           "zero_stage": inst.source.zero_stage, "loss_reduction": inst.loss_reduction,
+           "zero_stage": inst.source.zero_stage, "loss_reduction": inst.loss_reduction, "dtype": dtype,
+           "refusals": dict(inst.boundary.refusals.counts) if getattr(inst, "boundary", None) is not None
+           and hasattr(inst.boundary, "refusals") else {},
            "max_grad_norm": inst.config.max_grad_norm if inst.config.max_grad_norm is not None else
            (inst.diagnostics.max_norm if inst.diagnostics is not None else None)}
     out.update(reference(ref_model, seen))  # float64, on every rank (rank 0 writes it)
     del trainer
-    dist.barrier()
+    if dist.is_initialized():
+        dist.barrier()
     return out
 
 
@@ -181,8 +218,10 @@ def run_accelerate_ds(name: str) -> dict:
 
 def reference(ref_model, seen: list) -> dict:
     """Every rank's step-0 micro-batches gathered; float64 loss and gradient of the step."""
-    everything: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, [t.tolist() for t in seen])
+    everything: list = [[t.tolist() for t in seen]]
+    if dist.is_initialized():
+        everything = [None] * dist.get_world_size()
+        dist.all_gather_object(everything, [t.tolist() for t in seen])
     ids = torch.tensor([row for per_rank in everything for batch in per_rank for row in batch])
     ref_model.train()
     ref_model.zero_grad()
@@ -198,7 +237,11 @@ CASES = {
     "ds_z2": dict(kind="deepspeed", stage=2),
     "ds_z3": dict(kind="deepspeed", stage=3),
     "ds_z2_lora": dict(kind="deepspeed", stage=2, lora=True, max_norm=0.1),
+    "ds_z3_bf16": dict(kind="deepspeed", stage=3, dtype="bf16"),
+    "ds_z2_fp16": dict(kind="deepspeed", stage=2, dtype="fp16"),
     "fsdp2": dict(kind="fsdp2"),
+    "fsdp1": dict(kind="fsdp1"),
+    "ddp": dict(kind="ddp"),
     "accelerate_ds": dict(kind="accelerate"),
 }
 
