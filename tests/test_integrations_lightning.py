@@ -5,6 +5,11 @@ FSDP1, FSDP2 (ModelParallelStrategy) and DDP run automatic optimization with ``a
 Lightning runs forward and backward inside ``optimizer.step(closure)``, after the optimizer's
 step pre-hooks, so a pre-hook boundary would read the previous step's gradients (step 0: none);
 a boundary after clipping would report the clip threshold.
+
+DeepSpeed with ``accumulate_grad_batches=2``: Lightning divides the loss by 2 and
+``engine.backward`` divides it by 2 again, so the gradient DeepSpeed clips and applies is half the
+gradient of the step's mean loss. distgrad reports the gradient as applied (equal to DeepSpeed's
+own ``get_global_grad_norm()``), the loss as the step's mean loss, and warns once about the factor.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from tests.reference import case, check_against
 
 pytestmark = pytest.mark.multirank
 
-CASES = ["fsdp_auto", "ddp_auto", "fsdp2_auto", "fsdp_manual", "deepspeed"]
+CASES = ["fsdp_auto", "ddp_auto", "fsdp2_auto", "fsdp_manual", "deepspeed", "deepspeed_ga2"]
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +55,33 @@ def test_engines_and_accumulation(lightning_results):
     # ranks x accumulate_grad_batches x batch
     assert got == {"fsdp_auto": ("fsdp1", 8), "ddp_auto": ("ddp", 8), "fsdp2_auto": ("fsdp2", 8),
                    "fsdp_manual": ("fsdp1", 4),
-                   "deepspeed": ("deepspeed", 4)}
+                   "deepspeed": ("deepspeed", 4), "deepspeed_ga2": ("deepspeed", 8)}
 
 
 def test_framework_norms_agree(lightning_results):
     fsdp = case(lightning_results, "fsdp_auto")  # FSDP1's clip_grad_norm_ returns the pre-clip norm
     assert [r["grad_norm"] for r in fsdp["records"]] == pytest.approx(fsdp["fsdp_clip_norms"], rel=1e-5)
-    ds = case(lightning_results, "deepspeed")  # engine.get_global_grad_norm() after each step
-    assert [r["grad_norm"] for r in ds["records"]] == pytest.approx(ds["engine_grad_norms"], rel=1e-5)
+    for key in ("deepspeed", "deepspeed_ga2"):  # engine.get_global_grad_norm() after each step
+        ds = case(lightning_results, key)
+        assert len(ds["engine_grad_norms"]) == 2
+        assert [r["grad_norm"] for r in ds["records"]] == pytest.approx(ds["engine_grad_norms"], rel=1e-5)
+
+
+def _about_double_division(c):
+    return [m for m in c["warnings"] if "accumulate_grad_batches" in m and "divides it by" in m]
+
+
+def test_deepspeed_accumulation_gradient_is_divided_twice_and_said_once(lightning_results):
+    c = case(lightning_results, "deepspeed_ga2")
+    # the reference of the other tests is the gradient of (step's mean loss / 2) ...
+    assert c["ref_divided_by"] == 2 and c["ga"] == 2
+    # ... which is what DeepSpeed itself measures (test_framework_norms_agree), and half the norm
+    # of the mean-loss gradient the same data gives under DDP with accumulation 2
+    ddp = case(lightning_results, "ddp_auto")
+    rec, rec_ddp = StepRecord.from_dict(c["records"][0]), StepRecord.from_dict(ddp["records"][0])
+    assert ddp["ref_divided_by"] == 1 and c["n_sequences_step0"] == ddp["n_sequences_step0"]
+    assert rec.grad_norm == pytest.approx(rec_ddp.grad_norm / 2, rel=1e-5)
+    assert rec.loss == pytest.approx(rec_ddp.loss, rel=1e-6)  # the loss is the step's mean loss
+    msgs = _about_double_division(c)
+    assert len(msgs) == 1 and "accumulate_grad_batches=2" in msgs[0] and "get_global_grad_norm" in msgs[0]
+    assert not any(_about_double_division(case(lightning_results, k)) for k in CASES if k != "deepspeed_ga2")

@@ -7,7 +7,13 @@ What Lightning does, and what the callback does about it (measured on lightning 
 
 - ``DeepSpeedStrategy``: ``trainer.model`` is the ``DeepSpeedEngine``; it is instrumented at
   ``on_train_start`` exactly like a raw engine (boundary inside ``engine.step()``, before
-  DeepSpeed's own clipping).
+  DeepSpeed's own clipping). With ``accumulate_grad_batches`` = GA > 1 under automatic
+  optimization, Lightning divides ``training_step``'s loss by GA and ``engine.backward`` divides
+  it by GA again (DeepSpeed's ``scale_wrt_gas``), so the gradient DeepSpeed clips and applies is
+  the gradient of the step's mean loss divided by GA. distgrad reports that gradient, as applied
+  (it equals ``engine.get_global_grad_norm()``, and the clip ratio is the one DeepSpeed uses),
+  and warns once at ``on_train_start`` that its norms are 1/GA of those the same run would show
+  under DDP or FSDP; ``distgrad_loss`` is still the step's mean loss.
 - ``FSDPStrategy`` (FSDP1), ``ModelParallelStrategy`` (FSDP2 via ``fully_shard`` in
   ``configure_model``), ``DDPStrategy``, one device: under automatic optimization Lightning runs
   ``training_step`` and ``backward`` inside ``optimizer.step(closure)``, i.e. *after* the
@@ -28,6 +34,7 @@ One optimizer per LightningModule is supported (several raise at ``on_train_star
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import distgrad
@@ -40,6 +47,8 @@ except ImportError:  # pragma: no cover - the standalone package
         from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
     except ImportError as e:
         raise ImportError("distgrad.integrations.lightning needs lightning: pip install 'distgrad[lightning]'") from e
+
+log = logging.getLogger("distgrad")
 
 
 class DistgradCallback(Callback):
@@ -73,6 +82,7 @@ class DistgradCallback(Callback):
             self._deepspeed = True
             self.instrument = distgrad.instrument(model, self.config, **self.overrides)
             self.instrument.loss_reduction = "sum"
+            self._warn_double_division(trainer, pl_module)
             return
         optimizers = list(trainer.optimizers)
         if len(optimizers) != 1:
@@ -87,6 +97,22 @@ class DistgradCallback(Callback):
         if getattr(self.instrument, "boundary", None) is not None:
             self.instrument.loss_reduction = "sum"
             self.instrument.boundary.read_at = "external"
+
+    @staticmethod
+    def _warn_double_division(trainer: Any, pl_module: Any) -> None:
+        """Lightning + DeepSpeed, automatic optimization, accumulate_grad_batches > 1: the loss is
+        divided by the accumulation twice before backward (Lightning's closure, then
+        ``engine.backward``); say once (rank 0) what the served gradient statistics are."""
+        ga = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+        if ga <= 1 or not getattr(pl_module, "automatic_optimization", True) or trainer.global_rank != 0:
+            return
+        log.warning(
+            "distgrad: Lightning's DeepSpeedStrategy with accumulate_grad_batches=%d divides the loss by %d "
+            "and DeepSpeed's engine.backward divides it by %d again, so the gradient DeepSpeed clips and "
+            "applies is the gradient of the step's mean loss divided by %d. distgrad reports that gradient as "
+            "applied (its norms equal engine.get_global_grad_norm(); the clip ratio is DeepSpeed's): they are "
+            "1/%d of the norms of the same run under DDP or FSDP (and DeepSpeed's gradient_clipping compares "
+            "against them). distgrad_loss is the step's mean loss.", ga, ga, ga, ga, ga)
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         if self.instrument is not None and not self._deepspeed:

@@ -7,9 +7,10 @@ record of every step and a float64 reference of step 0 (every rank's step-0 micr
 recorded in ``training_step``, gathered, and the float64 copy of the initial model computes the
 step's mean loss and its gradient). Cases: FSDP (FSDP1) and DDP under automatic optimization
 with ``accumulate_grad_batches=2`` and ``gradient_clip_val`` below the step-0 norm (clipping
-active), FSDP under manual optimization, DeepSpeed ZeRO-2 (accumulation 1: Lightning divides the
-loss by ``accumulate_grad_batches`` and DeepSpeed divides again, so its gradient is not the
-step's mean-loss gradient with accumulation), and FSDP2 (``ModelParallelStrategy`` with
+active), FSDP under manual optimization, DeepSpeed ZeRO-2 with accumulation 1 and 2 (Lightning
+divides the loss by ``accumulate_grad_batches`` and ``engine.backward`` divides it again, so with
+accumulation the gradient DeepSpeed applies is the step's mean-loss gradient divided by it: the
+reference gradient is computed from that loss), and FSDP2 (``ModelParallelStrategy`` with
 ``fully_shard`` in ``configure_model``) under automatic optimization.
 
 Making Lightning run these strategies on CPU at all (not distgrad's business): small strategy
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import os
 import sys
 import traceback
@@ -56,6 +58,17 @@ def strategies():
         pass
 
     return CPUDeepSpeed, CPUFSDP, DDPStrategy
+
+
+class Warnings(logging.Handler):
+    """Collects the messages distgrad logs at WARNING and above."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool = False) -> dict:
@@ -115,8 +128,8 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
-            eng = self.trainer.model
-            if hasattr(eng, "get_global_grad_norm") and eng.is_gradient_accumulation_boundary() is not None:
+            eng = self.trainer.model  # DeepSpeed's own norm of each optimizer step (after the step)
+            if hasattr(eng, "get_global_grad_norm") and (batch_idx + 1) % ga == 0:
                 gn = eng.get_global_grad_norm()
                 engine_norms.append(None if gn is None else float(gn))
 
@@ -131,6 +144,8 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
     else:
         strat = DDPStrategy(process_group_backend="gloo")
     records: list[dict] = []
+    warnings = Warnings()
+    logging.getLogger("distgrad").addHandler(warnings)
     # FSDP: Lightning's gradient_clip_val cannot clip by norm; the module clips, distgrad is told
     cb = DistgradCallback(prometheus=False, **({"max_grad_norm": clip} if strategy == "fsdp" and clip else {}))
 
@@ -142,10 +157,14 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strat, max_steps=2, accumulate_grad_batches=ga,
                         gradient_clip_val=None if manual or strategy == "fsdp" else clip, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, Hook()])
-    trainer.fit(Module(), loader)
+    try:
+        trainer.fit(Module(), loader)
+    finally:
+        logging.getLogger("distgrad").removeHandler(warnings)
     inst = cb.instrument
     out = {"records": records, "engine": inst.source.engine_name, "loss_reduction": inst.loss_reduction,
-           "clip": clip, "engine_grad_norms": engine_norms, "fsdp_clip_norms": fsdp_norms,
+           "clip": clip, "engine_grad_norms": engine_norms, "fsdp_clip_norms": fsdp_norms, "ga": ga,
+           "warnings": warnings.messages,
            "max_grad_norm": inst.diagnostics.max_norm if inst.diagnostics is not None else None,
            "refusals": dict(getattr(getattr(inst, "boundary", None), "refusals", None).counts)
            if getattr(inst, "boundary", None) is not None else {}}
@@ -155,8 +174,12 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
     out["n_sequences_step0"] = int(ids.shape[0])
     ref_model.train()
     loss = ref_model(input_ids=ids, labels=ids).loss
-    loss.backward()
+    # the gradient the optimizer receives: of the step's mean loss, except under DeepSpeed with
+    # accumulation, where Lightning and engine.backward both divide by it (module docstring)
+    divided = ga if strategy == "deepspeed" and not manual else 1
+    (loss / divided).backward()
     out["ref_loss_step0"] = loss.item()
+    out["ref_divided_by"] = divided
     # Lightning's names start at the LightningModule ("net." + the model's own names)
     out["ref_fp64_step0"] = full_stats({"net." + n: p.grad.detach().reshape(-1)
                                         for n, p in ref_model.named_parameters() if p.requires_grad})
@@ -170,6 +193,7 @@ CASES = {
     "fsdp2_auto": dict(strategy="model_parallel", ga=2, clip=1.0),
     "fsdp_manual": dict(strategy="fsdp", ga=1, clip=None, manual=True),
     "deepspeed": dict(strategy="deepspeed", ga=1, clip=1.0),
+    "deepspeed_ga2": dict(strategy="deepspeed", ga=2, clip=0.5),  # below the applied (halved) norm
 }
 
 
