@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from distgrad import __version__
 from distgrad.config import DistgradConfig
-from distgrad.engines.base import GradSource, slice_for_rank
+from distgrad.engines.base import GradSource
 from distgrad.record import StepRecord
 from distgrad.sinks.base import Sink, SinkError
 from distgrad.step import StepOutcome, StepToken
@@ -88,6 +88,8 @@ class Instrument:
         self.world_size = dist.get_world_size(group) if _dist_ready() else 1
         self.global_rank = dist.get_rank() if _dist_ready() else 0
         self.layout = Layout(len(source.names), self.world_size)
+        #: which share of each local piece this rank counts (exactly-once ownership, decided once)
+        self.own = source.ownership(self.rank, self.world_size)
         self.counters: dict[str, int] = {k: 0 for k in (
             "nonfinite_steps", "sampled_steps", "internal_errors", "replica_mismatch",
             "overflow_steps", "skipped_steps", "samples", "nonfinite_unsampled_steps", "nonfinite_loss_steps")}
@@ -345,12 +347,11 @@ class Instrument:
                 raise _Refused(refuse)
             pieces = list(self.source.local_pieces())
             fingerprint = None
-            if self.source.replicated:
-                if self.config.replica_check and self.world_size > 1:
-                    present = [p for p in pieces if p is not None and p.numel()]
-                    fingerprint = (torch.stack([torch.dot(p.float(), p.float()).double() for p in present]).sum()
-                                   if present else torch.zeros((), dtype=torch.float64, device=device))
-                pieces = [slice_for_rank(p, self.rank, self.world_size) for p in pieces]
+            if self.own.groups and self.config.replica_check and self.world_size > 1:
+                present = [p for p, c in zip(pieces, self.own.check) if c and p is not None and p.numel()]
+                fingerprint = (torch.stack([torch.dot(p.float(), p.float()).double() for p in present]).sum()
+                               if present else torch.zeros((), dtype=torch.float64, device=device))
+            pieces = self.own.take(pieces)
             count = self._loss_count if self.loss_reduction == "mean" else min(self._loss_count, 1)
             sum_block, max_block = pack_local(pieces, self.layout, self.rank, device, fingerprint,
                                               self._loss_sum, count)
@@ -388,9 +389,7 @@ class Instrument:
         if not self.config.enabled or self.config.interval < 2 or step % self.config.interval == 0:
             return
         try:
-            pieces = list(self.source.local_pieces())
-            if self.source.replicated:
-                pieces = [slice_for_rank(p, self.rank, self.world_size) if p is not None else None for p in pieces]
+            pieces = self.own.take(list(self.source.local_pieces()))
             self._watcher.observe(step, pieces, self._loss_sum, self.source.device())
         except Exception:  # noqa: BLE001
             self._internal_error("non-finite check of an unsampled step")
@@ -541,13 +540,17 @@ class Instrument:
         with np.errstate(invalid="ignore"):
             extra["headroom"] = (stats.abs_max * grad_scale / dtype_max).tolist()
         mismatched: list[int] = []
-        if self.source.replicated and self.config.replica_check and self.world_size > 1:
-            mismatched = replica_outliers(red.fingerprints, self.config.replica_check_rtol)
+        if self.own.groups and self.config.replica_check and self.world_size > 1:
+            for members in self.own.groups:  # ranks that must hold identical replicated pieces
+                sub = replica_outliers(red.fingerprints[members], self.config.replica_check_rtol)
+                mismatched += [members[j] for j in sub]
+            mismatched.sort()
             if mismatched:
                 self.counters["replica_mismatch"] += 1
                 self._replica_mismatch_rank = mismatched[0]
-                log.warning("distgrad: step %d: replicated gradients differ across ranks; rank(s) %s "
-                            "disagree (fingerprints %s)", step, mismatched, red.fingerprints.tolist())
+                log.warning("distgrad: step %d: replicated gradients differ across ranks; %s disagree "
+                            "(fingerprints %s)", step, ", ".join(self.own.name(r) for r in mismatched),
+                            red.fingerprints.tolist())
             extra["replica_mismatch_rank"] = self._replica_mismatch_rank
         # a rank's shard held NaN/Inf, or (replicated) its full copy did: its fingerprint, which
         # stays 0 where none is computed, is then non-finite

@@ -73,7 +73,7 @@ CONDITIONS: dict[str, str] = {
     "loss": "after a sampled step with an observed loss",
     "loss_scaler": "fp16 with a dynamic loss scaler only (never under bf16/fp32)",
     "samples": "engines that count samples (DeepSpeed)",
-    "replicated": "replicated gradients (DDP, ZeRO-0) with `replica_check`, world size > 1",
+    "replicated": "replicated gradients (DDP, ZeRO-0, HSDP, tensor-parallel-replicated parameters) with `replica_check`, world size > 1",
     "clip": "with a clip threshold (the engine's or `max_grad_norm`)",
     "per_param": "`per_param: true`, for the parameters selected by the series budget",
     "update_ratio": "`update_ratio: true` (and `per_param`), for the selected parameters",

@@ -12,8 +12,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distgrad.engines.base import slice_for_rank
-
 
 def _dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -21,11 +19,8 @@ def _dist_ready() -> bool:
 
 def weight_pieces(inst: Any) -> list[torch.Tensor | None]:
     """This rank's pieces of the (master) weights, aligned with the gradient pieces: per
-    parameter a 1-D tensor or None (replicated engines: this rank's 1/W slice)."""
-    pieces = list(inst.source.local_param_pieces())
-    if inst.source.replicated:
-        pieces = [slice_for_rank(p, inst.rank, inst.world_size) for p in pieces]
-    return pieces
+    parameter a 1-D tensor or None (replicated pieces: this rank's share, ``inst.own``)."""
+    return inst.own.take(list(inst.source.local_param_pieces()))
 
 
 def update_ratio_sums(inst: Any, n_params: int) -> torch.Tensor:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, Sequence
+import dataclasses
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -18,7 +19,9 @@ class GradSource(abc.ABC):
         numels: P full (unsharded) element counts.
         replicated: True when every rank holds the same full reduced gradient (DDP, ZeRO-0):
             the core then splits each gradient into W slices and each rank reads only its own
-            slice, so nothing is counted twice and the work is divided by W.
+            slice, so nothing is counted twice and the work is divided by W. Layouts with
+            several mesh dimensions (HSDP, tensor parallel) describe themselves with
+            :meth:`ownership` instead.
         grad_dtype: dtype the gradients are held in (for headroom to its largest finite value).
         group: the process group the gradients are reduced over, whose ranks the
             :class:`~distgrad.instrument.Instrument` combines statistics over (None: the
@@ -33,6 +36,18 @@ class GradSource(abc.ABC):
     grad_dtype: torch.dtype = torch.float32
     compute_dtype: torch.dtype = torch.float32
     group: Any = None
+
+    def ownership(self, rank: int, world: int) -> "Ownership":
+        """Which part of each local piece this rank counts, so that every element of every
+        gradient is counted by exactly one rank of the job (``rank``/``world`` in the
+        instrument's process group). The default follows :attr:`replicated`: every rank holds
+        a full copy (``copies = world``, ``index = rank``, all ranks checked against each
+        other) or its own shard (``copies = 1``, no replica check). Called once, at
+        ``instrument()``."""
+        n = len(self.names)
+        if self.replicated and world > 1:
+            return Ownership([rank] * n, [world] * n, [True] * n, [list(range(world))])
+        return Ownership([0] * n, [1] * n, [False] * n, [])
 
     @abc.abstractmethod
     def local_pieces(self) -> Sequence[torch.Tensor | None]:
@@ -90,3 +105,39 @@ def slice_for_rank(flat: torch.Tensor | None, rank: int, world: int) -> torch.Te
     c = -(-n // world)
     start = min(n, rank * c)
     return flat.narrow(0, start, max(0, min(n, start + c) - start))
+
+
+@dataclasses.dataclass
+class Ownership:
+    """Exactly-once ownership of this rank's gradient pieces (engine contract).
+
+    A local piece may be held identically by several ranks (replicated mesh dimensions: DDP,
+    ZeRO-0, the replicate dimension of HSDP, tensor-parallel-replicated norms and biases). Of
+    such a piece this rank counts the contiguous slice ``index`` of ``copies`` (the split of
+    :func:`slice_for_rank`), the other holders the other slices, so the packed SUM / MAX over
+    the job count each element once. Sharded dimensions need nothing: their pieces are
+    disjoint.
+
+    Attributes:
+        index: per parameter (length P), this rank's position among the holders of its piece.
+        copies: per parameter, the number of ranks holding an identical copy (1: not replicated).
+        check: per parameter, whether the piece enters this rank's replica fingerprint.
+        groups: partition of the instrument group's ranks (as group ranks) into sets that must
+            hold identical fingerprints; empty: no replica check.
+        describe: ``describe(rank)`` -> text naming a group rank for messages (global rank and
+            mesh coordinate), or None for ``"rank <r>"``.
+    """
+
+    index: list[int]
+    copies: list[int]
+    check: list[bool]
+    groups: list[list[int]]
+    describe: Callable[[int], str] | None = None
+
+    def take(self, pieces: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """This rank's share of each piece: the piece itself when ``copies == 1``, else its
+        ``index``-th of ``copies`` contiguous slices."""
+        return [p if c == 1 else slice_for_rank(p, i, c) for p, i, c in zip(pieces, self.index, self.copies)]
+
+    def name(self, rank: int) -> str:
+        return self.describe(rank) if self.describe is not None else f"rank {rank}"

@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 
 from distgrad.canonical import clean_name
-from distgrad.engines.torch_base import TorchSource, _comm_device, _first_float_dtype, _unwrap_compiled
+from distgrad.engines.torch_base import (TorchSource, _comm_device, _first_float_dtype, _unwrap_compiled,
+    require_whole_job)
 
 
 class DDPSource(TorchSource):
@@ -21,6 +22,7 @@ class DDPSource(TorchSource):
 
     Raises:
         TypeError: ``model`` is not a DistributedDataParallel.
+        ValueError: its process group does not span the job (pipeline stages).
     """
 
     engine_name = "ddp"
@@ -32,6 +34,7 @@ class DDPSource(TorchSource):
             raise TypeError(f"expected DistributedDataParallel, got {type(model).__name__}")
         ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
         self.group = ddp.process_group
+        require_whole_job(self.group, "DistributedDataParallel")
         self._params: list[torch.Tensor] = []
         self.names, self.numels, skipped = [], [], []
         for name, p in ddp.module.named_parameters():

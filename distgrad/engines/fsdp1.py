@@ -9,7 +9,9 @@ import torch
 import torch.nn as nn
 
 from distgrad.canonical import clean_name
-from distgrad.engines.torch_base import TorchSource, _comm_device, _first_float_dtype, _unwrap_compiled
+from distgrad.engines.base import Ownership
+from distgrad.engines.torch_base import (TorchSource, _comm_device, _first_float_dtype, _unwrap_compiled,
+    require_whole_job)
 
 
 def _check_flat_layout(fp: Any, where: str) -> None:
@@ -64,12 +66,15 @@ class FSDP1Source(TorchSource):
     the position of the owning module (``_param_infos[i].module``) in ``model.modules()``.
 
     ``NO_SHARD`` units hold full, identical gradients: the source is then ``replicated``.
+    ``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2``: shards as FULL_SHARD / SHARD_GRAD_OP within the
+    shard group, one identical copy per rank of the replica group: each rank counts its share of
+    its shard (:meth:`ownership`); statistics are combined over the whole job.
 
     Raises:
         TypeError: no FSDP unit in ``model``.
-        ValueError: hybrid sharding (``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2``: the shards are
-            replicated across groups and would be counted several times), or units mixing
-            ``NO_SHARD`` with sharded strategies.
+        ValueError: units mixing strategies (hybrid with others, ``NO_SHARD`` with sharded
+            ones), hybrid units on different groups, or a process group that does not span the
+            job (pipeline stages).
         RuntimeError: the private FlatParameter layout is not the expected one.
     """
 
@@ -84,14 +89,19 @@ class FSDP1Source(TorchSource):
             raise TypeError(f"no FullyShardedDataParallel unit in {type(model).__name__}")
         strategies = {u.sharding_strategy for u in units}
         hybrid = {s for s in strategies if "HYBRID" in s.name}
-        if hybrid:
-            raise ValueError(f"FSDP1 {sorted(s.name for s in hybrid)} is not supported: shards are "
-                             "replicated across replica groups; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD")
+        if hybrid and len(strategies) > 1:
+            raise ValueError("FSDP1 units mix hybrid sharding with other strategies "
+                             f"({sorted(s.name for s in strategies)}); use one strategy for all units")
         if ShardingStrategy.NO_SHARD in strategies and len(strategies) > 1:
             raise ValueError("FSDP1 units mix NO_SHARD with sharded strategies "
                              f"({sorted(s.name for s in strategies)}); use one strategy for all units")
         self.replicated = strategies == {ShardingStrategy.NO_SHARD}
         self.group = units[0].process_group
+        self._own: Ownership | None = None
+        if hybrid:
+            self._own = self._hybrid_ownership(units)
+            self.group = None  # shard groups x replica groups: the whole job
+        require_whole_job(self.group, "FSDP1")
         mp = units[0].mixed_precision
         flat = [(n, p) for n, p in root.named_parameters() if getattr(p, "_is_flat_param", False)]
         self.use_orig_params = not flat
@@ -109,6 +119,49 @@ class FSDP1Source(TorchSource):
         self.compute_dtype = (mp.param_dtype if mp is not None and mp.param_dtype is not None
                               else _first_float_dtype(ref))
         self._device = _comm_device(self.group, units[0].compute_device)
+
+    def ownership(self, rank: int, world: int) -> Ownership:
+        """Hybrid sharding: of its shard, held identically by the ranks of its replica group
+        (``_inter_node_pg``), this rank counts slice ``rank in that group``; the replica check
+        compares ranks of equal shard index."""
+        if self._own is None:
+            return super().ownership(rank, world)
+        n, o = len(self.names), self._own
+        return Ownership(o.index[:1] * n, o.copies[:1] * n, [True] * n, o.groups, o.describe)
+
+    @staticmethod
+    def _hybrid_ownership(units: list) -> Ownership:
+        """``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2``: gradients are reduce-scattered in the shard
+        group (``process_group``) and all-reduced over the replica group (``_inter_node_pg``, read
+        in ``torch/distributed/fsdp/_init_utils.py``), so each shard has one copy per replica
+        group rank. One ``all_gather_object`` of every rank's (replica, shard) index, at
+        ``instrument()``.
+
+        Raises:
+            ValueError: units on different process groups, or groups that do not tile the job."""
+        import torch.distributed as dist
+
+        intra, inter = units[0].process_group, getattr(units[0], "_inter_node_pg", None)
+        if inter is None or any(u.process_group is not intra or getattr(u, "_inter_node_pg", None) is not inter
+                                for u in units):
+            raise ValueError("FSDP1 hybrid-sharded units use different process groups; distgrad needs one "
+                             "(shard group, replica group) pair for the whole model")
+        world = dist.get_world_size()
+        if intra.size() * inter.size() != world:
+            raise ValueError(f"FSDP1 hybrid sharding over {intra.size()} x {inter.size()} ranks in a job of "
+                             f"{world}: ranks outside these groups (pipeline stages?) are not combined yet; "
+                             "instrument a model sharded over every rank")
+        mine = (dist.get_rank(inter), dist.get_rank(intra))
+        every: list = [None] * world
+        dist.all_gather_object(every, mine)
+        groups: dict[int, list[int]] = {}
+        for r, (_, shard) in enumerate(every):
+            groups.setdefault(shard, []).append(r)
+
+        def describe(r: int) -> str:
+            return f"global rank {r} (replica {every[r][0]}, shard {every[r][1]})"
+        # per-parameter lists are filled in by ownership() once the names are known
+        return Ownership([mine[0]], [inter.size()], [True], sorted(groups.values()), describe)
 
     def _init_orig(self, root: nn.Module, units: list) -> None:
         full: dict[int, int] = {}

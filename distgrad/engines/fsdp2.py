@@ -9,56 +9,81 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distgrad.canonical import clean_name
+from distgrad.engines.base import Ownership
 from distgrad.engines.torch_base import (TorchSource, _comm_device, _first_float_dtype, _fsdp2_module_type,
-    _unwrap_compiled, is_fsdp2)
+    _unwrap_compiled, is_fsdp2, require_whole_job)
 
 
 class FSDP2Source(TorchSource):
-    """A module sharded with ``fully_shard`` (FSDP2): each trainable parameter is a ``DTensor``
-    sharded on dim 0 over a 1-D mesh; the reduced gradient's ``to_local()`` is this rank's chunk.
+    """A module sharded with ``fully_shard`` (FSDP2), alone on a 1-D mesh or with more mesh
+    dimensions: HSDP (``fully_shard(mesh=2-D (replicate, shard) mesh)``) and FSDP2 + tensor
+    parallelism (``parallelize_module`` on the ``tp`` dimension of a ``(dp, tp)`` mesh, then
+    ``fully_shard(mesh=mesh["dp"])``). Each trainable parameter is a ``DTensor``; the reduced
+    gradient's ``to_local()`` is this rank's block, counted once over the job by
+    :func:`distgrad.engines.mesh.mesh_ownership` (facts there).
+
+    Statistics are combined over the parameters' mesh: its process group for a 1-D mesh, the
+    default group (the whole job) for more dimensions.
 
     Raises:
         TypeError: no ``fully_shard`` module in ``model``.
-        ValueError: a parameter is not ``(Shard(0),)`` on a 1-D mesh (HSDP, tensor parallel),
-            or parameters live on different meshes.
+        ValueError: a ``Partial`` placement, meshes that are not one mesh and its named
+            sub-meshes, or a multi-dimensional mesh that does not span the job (pipeline stages:
+            not supported yet).
     """
 
     engine_name = "fsdp2"
 
     def __init__(self, model: Any) -> None:
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor
+
+        from distgrad.engines.mesh import full_placements, mesh_ownership, root_mesh
 
         root = _unwrap_compiled(model)
         if not is_fsdp2(root):
             raise TypeError(f"no fully_shard module in {type(model).__name__}")
         self._params: list[torch.Tensor] = []
         self.names, self.numels, skipped = [], [], []
-        mesh = None
         for name, p in root.named_parameters():
             if not p.requires_grad:
                 continue
             if not isinstance(p, DTensor):
                 skipped.append(clean_name(name, strip_module=False))
                 continue
-            if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
-                raise ValueError(f"parameter {name!r} has placements {p.placements} on a "
-                                 f"{p.device_mesh.ndim}-D mesh; distgrad supports FSDP2 on a 1-D mesh "
-                                 "(Shard(0)) only, not HSDP or tensor parallelism")
-            if mesh is None:
-                mesh = p.device_mesh
-            elif p.device_mesh != mesh:
-                raise ValueError("FSDP2 parameters live on different device meshes; distgrad "
-                                 "needs one data-parallel mesh")
             self._params.append(p)
             self.names.append(clean_name(name, strip_module=False))
             self.numels.append(p.numel())  # DTensor.numel() is the global element count
         self._exclude_unmanaged(skipped, "plain tensors (not sharded by fully_shard; apply "
                                 "fully_shard to the root module)")
-        self.group = mesh.get_group() if mesh is not None else None
+        mesh = root_mesh([p.device_mesh for p in self._params]) if self._params else None
+        self._placements = []
+        for name, p in zip(self.names, self._params):
+            try:
+                self._placements.append(full_placements(p, mesh))
+            except ValueError as e:
+                raise ValueError(f"parameter {name!r} has placements {p.placements}: {e}; distgrad reads "
+                                 "gradients after their reduction (Shard / Replicate placements)") from None
+        self.mesh = mesh
+        if mesh is None or mesh.ndim == 1:
+            self.group = mesh.get_group() if mesh is not None else None
+            require_whole_job(self.group, "FSDP2 (fully_shard)")
+        else:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            if mesh.size() != world:
+                raise ValueError(f"FSDP2 parameters live on a {mesh.ndim}-D device mesh {mesh} of {mesh.size()} "
+                                 f"ranks in a job of {world}: ranks outside the mesh (pipeline stages?) hold other "
+                                 "parameters, which distgrad does not combine yet; instrument a model whose "
+                                 "mesh spans every rank")
+            self.group = None  # the whole job
+        self._own = mesh_ownership(self._placements, mesh, self.group) if mesh is not None else None
         self.grad_dtype = _first_float_dtype(self._params)
         self.compute_dtype = self._param_dtype(root) or self.grad_dtype
         first = self._params[0].to_local().device if self._params else torch.device("cpu")
         self._device = _comm_device(self.group, first)
+
+    def ownership(self, rank: int, world: int) -> Ownership:
+        """From the placements over the mesh (:func:`distgrad.engines.mesh.mesh_ownership`)."""
+        return self._own if self._own is not None else super().ownership(rank, world)
 
     @staticmethod
     def _param_dtype(root: nn.Module) -> torch.dtype | None:
@@ -75,10 +100,22 @@ class FSDP2Source(TorchSource):
 
     def local_offsets(self) -> list[tuple[int, int] | None]:
         """``Shard(0)`` follows ``torch.chunk`` on dim 0 (FSDP2 ``FSDPParam`` pads the last
-        chunks): rank r holds rows ``[r*c, min(d0, (r+1)*c))`` with ``c = ceil(d0 / W)``."""
+        chunks): the rank of coordinate c on the sharding mesh dimension (of size W) holds rows
+        ``[c*k, min(d0, (c+1)*k))`` with ``k = ceil(d0 / W)``; ``Replicate`` dimensions hold
+        copies. Only for layouts with at most one ``Shard(0)`` dimension and otherwise
+        ``Replicate`` (FSDP2, HSDP); tensor-parallel blocks are not contiguous.
+
+        Raises:
+            NotImplementedError: a tensor-parallel (other sharding) placement."""
+        from torch.distributed.tensor import Shard
+
         out: list[tuple[int, int] | None] = []
-        rank, world = self._rank_world()
-        for p, n in zip(self._params, self.numels):
+        coord = list(self.mesh.get_coordinate() or []) if self.mesh is not None else []
+        for p, n, pls in zip(self._params, self.numels, self._placements):
+            shard = [d for d, pl in enumerate(pls) if not pl.is_replicate()]
+            if len(shard) > 1 or any(type(pls[d]) is not Shard or pls[d].dim != 0 for d in shard):
+                raise NotImplementedError(f"local_offsets: placements {pls} are not contiguous blocks")
+            rank, world = (coord[shard[0]], self.mesh.size(shard[0])) if shard else (0, 1)
             d0 = p.shape[0] if p.dim() else 1
             row = n // d0 if d0 else 0
             c = -(-d0 // world)
@@ -89,11 +126,6 @@ class FSDP2Source(TorchSource):
     def local_param_pieces(self) -> Sequence[torch.Tensor | None]:
         """This rank's chunk of each sharded parameter, ``p.to_local()`` flattened."""
         return [p.detach().to_local().reshape(-1) for p in self._params]
-
-    def _rank_world(self) -> tuple[int, int]:
-        if self.group is None or not dist.is_initialized():
-            return 0, 1
-        return dist.get_rank(self.group), dist.get_world_size(self.group)
 
     def local_pieces(self) -> Sequence[torch.Tensor | None]:
         """P 1-D views of ``p.grad.to_local()``: this rank's rows of the dim-0 sharded reduced

@@ -18,9 +18,10 @@ log = logging.getLogger("distgrad")
 
 SUPPORTED = ("torch.nn.parallel.DistributedDataParallel, "
              "torch.distributed.fsdp.FullyShardedDataParallel (FSDP1, use_orig_params True or False, "
-             "FULL_SHARD / SHARD_GRAD_OP / NO_SHARD), a module sharded with "
-             "torch.distributed.fsdp.fully_shard (FSDP2, 1-D mesh), a plain torch.nn.Module on one "
-             "process (optionally torch.compile'd)")
+             "FULL_SHARD / SHARD_GRAD_OP / NO_SHARD / HYBRID_SHARD / _HYBRID_SHARD_ZERO2), a module "
+             "sharded with torch.distributed.fsdp.fully_shard (FSDP2 on a 1-D mesh, HSDP on a 2-D mesh, with "
+             "tensor parallelism on a (dp, tp) mesh), a plain torch.nn.Module on one process (optionally "
+             "torch.compile'd)")
 
 
 def _unwrap_compiled(model: Any) -> Any:
@@ -83,6 +84,25 @@ def _comm_device(group: Any, fallback: torch.device) -> torch.device:
     except Exception:  # noqa: BLE001 - a group without a backend string: keep the fallback
         pass
     return fallback
+
+
+def require_whole_job(group: Any, what: str) -> None:
+    """Refuse a model whose gradients are reduced over a process group smaller than the job:
+    the other ranks (pipeline stages, another model) hold gradients this instrument would not
+    combine, so its global norm and per-parameter statistics would silently cover part of the
+    model only.
+
+    Raises:
+        ValueError: ``group`` has fewer ranks than the default group (names both sizes)."""
+    if group is None or not dist.is_initialized():
+        return
+    n, world = dist.get_world_size(group), dist.get_world_size()
+    if n != world:
+        raise ValueError(f"{what} reduces gradients over {n} of the job's {world} ranks; the other ranks "
+                         "(pipeline stages?) hold gradients this instrument would not combine, so its numbers "
+                         "would cover part of the model only. distgrad supports data, hybrid and tensor "
+                         "parallelism over every rank of the job; instrument a model whose data-parallel "
+                         "group spans the job")
 
 
 class TorchSource(GradSource):
