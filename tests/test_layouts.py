@@ -136,3 +136,14 @@ def test_nan_in_one_tp_shard_is_named_with_parameter_and_global_rank(tp_results)
     assert bad.nonfinite_ranks == [3]
     i = bad.params.names.index("up.weight")
     assert bad.params.nan[i] == 1 and sum(bad.params.nan) == 1
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("key", ["ddp-subgroup", "fsdp2-submesh"])
+def test_model_reduced_over_part_of_the_job_is_refused(hsdp_results, key):
+    """2 pipeline stages x 2-way data parallelism, each rank instrumenting its stage's DDP or
+    FSDP2 module: refused at instrument() with why and what to do (was: one stage reported as
+    the whole model)."""
+    msg = _case(hsdp_results, "refusals")[key]
+    assert msg is not None and msg.startswith("ValueError")
+    assert "over 2 of the job's 4 ranks" in msg and "pipeline stages" in msg

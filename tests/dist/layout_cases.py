@@ -280,9 +280,29 @@ def run_case(layout: str, rank: int) -> dict:
     return out
 
 
+def run_refusals(rank: int) -> dict:
+    """instrument() on models reduced over half of the job (the layout of 2 pipeline stages x
+    2-way data parallelism, each rank instrumenting its own stage): DDP on a 2-rank group and
+    FSDP2 on the 1-D ``dp`` sub-mesh. Both must raise, not report one stage as the model."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    for key, make in (("ddp-subgroup", lambda m: DDP(m, process_group=groups[rank // 2])),
+                      ("fsdp2-submesh", lambda m: fully_shard(m, mesh=mesh["dp"]))):
+        try:
+            m = make(TinyModel())
+            distgrad.instrument(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), prometheus=False).close()
+            out[key] = None
+        except Exception as e:  # noqa: BLE001
+            out[key] = f"{type(e).__name__}: {e}"
+    return out
+
+
 GROUPS = {
     "hsdp": ["fsdp1-hybrid-orig", "fsdp1-hybrid-zero2-orig", "fsdp1-hybrid-flat", "fsdp2-hsdp",
-             "fsdp2-hsdp-double", "fsdp2-hsdp-corrupt", "fsdp1-hybrid-orig-corrupt"],
+             "fsdp2-hsdp-double", "fsdp2-hsdp-corrupt", "fsdp1-hybrid-orig-corrupt", "refusals"],
     "tp": ["fsdp2-tp", "fsdp2-tp-double", "fsdp2-tp-corrupt", "fsdp2-tp-nan"],
 }
 
@@ -299,7 +319,7 @@ def main() -> None:
     for key in GROUPS[args.group]:
         t = time.time()
         try:
-            results[key] = run_case(key, rank)
+            results[key] = run_refusals(rank) if key == "refusals" else run_case(key, rank)
         except Exception as e:  # noqa: BLE001 - reported per case by the pytest side
             results[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         if rank == 0:
