@@ -47,18 +47,19 @@ metric; ``Metric.series()`` is the series of one metric per value of its scope l
   ``LAYER_SERIES = 4``: ``distgrad_layer_grad_{norm, nonfinite, zero_ratio, headroom_ratio}``;
 * ``K``: module-kind groups (kind-granularity keys); ``KIND_SERIES = 1``
   (``distgrad_module_kind_grad_norm``);
-* ``GLOBAL_SERIES = 67``: the catalogue's metrics of a fixed or capped series count (57 today:
+* ``GLOBAL_SERIES = 70``: the catalogue's metrics of a fixed or capped series count (60 today:
   unlabelled ones, the two-valued ``detector`` families, ``distgrad_sink_errors_total{sink}``
-  for its 4 sinks, ``distgrad_nonfinite_params`` capped at 20) plus :data:`GLOBAL_RESERVE`
+  for its 4 sinks, ``distgrad_refused_steps_total{reason}`` for its 3 reasons,
+  ``distgrad_nonfinite_params`` capped at 20) plus :data:`GLOBAL_RESERVE`
   (10) for exporter-side extras and metrics still to come. (prometheus_client's ``*_created``
   samples and process collectors are not served by distgrad's exporter.)
 
 The default budget is :data:`DEFAULT_SERIES_BUDGET` ``= 2000`` and the default ``top_k`` is
 :data:`DEFAULT_TOP_K` ``= 100``. Example, LLaMA-70B (723 tensors, 80 blocks): L = 83 (80 blocks +
-embed, norm, head), K = 10, fixed part 4*83 + 10 + 67 = 409, so at most
-floor((2000 - 409) / 10) = 159 parameters can have per-parameter series; with the default
-top-k, 10*100 + 409 = 1409 series, and a step with many non-finite parameters is capped at
-10*159 + 409 = 1999.
+embed, norm, head), K = 10, fixed part 4*83 + 10 + 70 = 412, so at most
+floor((2000 - 412) / 10) = 158 parameters can have per-parameter series; with the default
+top-k, 10*100 + 412 = 1412 series, and a step with many non-finite parameters is capped at
+10*158 + 412 = 1992.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distgrad import __version__
+from distgrad import __version__, metrics
 from distgrad.config import DistgradConfig
 from distgrad.engines.base import GradSource
 from distgrad.record import StepRecord
@@ -46,8 +46,10 @@ from distgrad.watch import UnsampledWatch, step_ranges
 
 log = logging.getLogger("distgrad")
 
-#: value of a rank's error slot in the SUM block when it refuses a step (see Instrument.collect)
+#: value of a rank's error slot in the SUM block when it refuses a step (see Instrument.collect):
+#: 2 + the index of the reason in the ``reason`` label's values, so that every rank learns why
 _REFUSED = 2.0
+REFUSAL_REASONS: tuple[str, ...] = metrics.LABELS["reason"].values or ()
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
@@ -117,6 +119,9 @@ class Instrument:
         self._logged_bad_input: set[str] = set()
         #: records each sink failed to publish, by sink name (``distgrad_sink_errors_total{sink}``)
         self.sink_errors: dict[str, int] = {}
+        #: sampled steps not exported because a rank could not vouch for its gradients, by the
+        #: reason of the lowest such rank (``distgrad_refused_steps_total{reason}``; same on every rank)
+        self.refused_steps: dict[str, int] = {}
         self._watcher = UnsampledWatch(config.interval)  # non-finite flags of unsampled steps
         self._unsampled: dict[str, list[int]] | None = None
         self._unsampled_logged = False
@@ -357,7 +362,8 @@ class Instrument:
                                               self._loss_sum, count)
         except _Refused:  # join the collectives with the "refused" flag: every rank drops the step
             sum_block, max_block = error_blocks(self.layout, self.rank, device)
-            sum_block[self.layout.rank_offset + self.rank * len(RANK_COLS) + 2] = _REFUSED
+            code = REFUSAL_REASONS.index(refuse) if refuse in REFUSAL_REASONS else 0
+            sum_block[self.layout.rank_offset + self.rank * len(RANK_COLS) + 2] = _REFUSED + code
         except Exception:  # noqa: BLE001 - join the collectives anyway, with the error flag set
             self._internal_error("local statistics")
             sum_block, max_block = error_blocks(self.layout, self.rank, device)
@@ -463,6 +469,10 @@ class Instrument:
             # of distgrad's; that rank warned): the step is dropped, nothing is exported.
             failed = (red.rank_error > 0) & (red.rank_error < _REFUSED)
             self.counters["internal_errors"] += int(failed.sum() - failed[self.rank])
+            refused = np.flatnonzero(red.rank_error >= _REFUSED)
+            if refused.size:
+                code = int(round(float(red.rank_error[refused[0]]) - _REFUSED))
+                self._count_refused(REFUSAL_REASONS[min(max(code, 0), len(REFUSAL_REASONS) - 1)])
             self._publish_counters()
             return None
         rec = self._build(step, micro_step, red, grad_scale, loss_scale, overflow, step_applied,
@@ -622,5 +632,10 @@ class Instrument:
         self.sink_errors[name] = self.sink_errors.get(name, 0) + 1
         if self.prometheus is not None:
             self.prometheus.collector.inc_labeled("distgrad_sink_errors", {"sink": name})
+
+    def _count_refused(self, reason: str) -> None:
+        self.refused_steps[reason] = self.refused_steps.get(reason, 0) + 1
+        if self.prometheus is not None:
+            self.prometheus.collector.inc_labeled("distgrad_refused_steps", {"reason": reason})
 
     _internal_error = count_error

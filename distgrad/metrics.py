@@ -59,6 +59,9 @@ LABELS: dict[str, Label] = {lab.name: lab for lab in (
     Label("rank", "rank in [0, world size)"),
     Label("sink", "sink name (`flight_recorder`: its reports)", ("prometheus", "jsonl", "tensorboard",
                                                                   "flight_recorder")),
+    Label("reason", "why a rank could not vouch for its gradients: `closure` (read before the step's "
+                    "backward: `optimizer.step(closure)`), `clipped` (clipped before distgrad read them), "
+                    "`no_backward` (no backward since the last step)", ("closure", "clipped", "no_backward")),
     Label("engine", "engine adapter (`deepspeed`, `ddp`, `fsdp`, `fsdp2`, ...)"),
     Label("zero_stage", "DeepSpeed ZeRO stage, empty for other engines"),
     Label("dtype", "training (compute) dtype: `fp32`, `fp16`, `bf16`"),
@@ -194,6 +197,14 @@ CATALOGUE: tuple[Metric, ...] = (
     _c("distgrad_sink_errors_total", "errors", "Failures of one sink (the others and training went on).",
        labels=("sink",), doc="records (or flight-recorder reports) one sink failed to write, exported at 0 for "
                              "every configured sink; for `jsonl` it equals the JSONL records lost"),
+    _c("distgrad_refused_steps_total", "steps",
+       "Sampled optimizer steps not exported because a rank could not vouch for its gradients.",
+       labels=("reason",),
+       doc="sampled optimizer steps distgrad did not export because the gradients it read at the boundary "
+           "could not be the step's reduced, pre-clip gradient on some rank (labelled with the reason of the "
+           "lowest such rank; rank logs name the fix once per reason); exported at 0 for every reason. "
+           "PyTorch-native engines only: the DeepSpeed boundary cannot read in the wrong order",
+       ),
     # --- per parameter ------------------------------------------------------------------------
     _g("distgrad_param_grad_norm", "grad", "Per-parameter L2 norm of the reduced gradient.", "per_param", _P),
     _g("distgrad_param_grad_mean", "grad", "Per-parameter mean gradient element.", "per_param", _P),

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distgrad import __version__
+from distgrad import __version__, metrics
 from distgrad.instrument import _DTYPE_NAMES, _dist_ready
 
 
@@ -47,6 +47,8 @@ def start(inst: Any) -> None:
         names = [sink.name for sink in inst.sinks] + (["flight_recorder"] if inst.config.flight_recorder_dir else [])
         for name in names:  # labelled counters at 0 from the start, like the others
             inst.prometheus.collector.inc_labeled("distgrad_sink_errors", {"sink": name}, 0)
+        for reason in metrics.LABELS["reason"].values or ():
+            inst.prometheus.collector.inc_labeled("distgrad_refused_steps", {"reason": reason}, 0)
     agree(inst, err)
 
 

@@ -148,6 +148,11 @@ def _groups() -> dict[str, Any]:
     a = config.ALERTS
     overflow_n = a["DistgradRepeatedOverflow"]["threshold"]
     stall_s = a["DistgradTrainingStalled"]["threshold_seconds"]
+    refused_w = a["DistgradRefusedSteps"]["window"]
+    # the running total of the alert's own reason (tvalue() selects by job and instance only)
+    refused_n = ('{{ with printf "distgrad_refused_steps_total{job=%q,instance=%q,reason=%q}" $labels.job '
+                 '$labels.instance $labels.reason | query }}{{ . | first | value | printf "%.0f" }}'
+                 "{{ else }}unknown{{ end }}")
     gradients = [
         _nonfinite_rule(),
         _rule(
@@ -202,6 +207,15 @@ def _groups() -> dict[str, Any]:
             f"distgrad itself failed in {WHO} in the last {a['DistgradInternalErrors']['window']} "
             f"({tvalue('distgrad_internal_errors_total')} failures since start); training "
             "continued, but some metrics may be missing or stale.",
+        ),
+        _rule(
+            "DistgradRefusedSteps",
+            f"increase(distgrad_refused_steps_total{sel()}[{refused_w}]) > 0",
+            "distgrad refuses to export steps of {{ $labels.job }}.",
+            f"{WHO} did not export sampled optimizer steps in the last {refused_w}: the gradients "
+            "distgrad read could not be the step's reduced, pre-clip gradient (reason "
+            f"{{{{ $labels.reason }}}}; {refused_n} such steps since start). The refusing rank's log "
+            "names the fix once; the runbook lists it per reason.",
         ),
     ]
     exporter = [

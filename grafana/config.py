@@ -44,6 +44,9 @@ ALERTS: dict[str, dict[str, Any]] = {
     "DistgradExporterAbsent": {"severity": "warning", "for": "5m"},
     "DistgradReplicaMismatch": {"severity": "critical", "for": "0s", "window": "10m"},
     "DistgradInternalErrors": {"severity": "warning", "for": "0s", "window": "10m"},
+    # sampled steps distgrad refused to export (gradients read in the wrong order, clipped
+    # before distgrad read them, or no backward since the last step): the loop needs a fix
+    "DistgradRefusedSteps": {"severity": "warning", "for": "0s", "window": "10m"},
 }
 
 #: Dashboard settings shared by every dashboard.

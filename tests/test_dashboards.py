@@ -89,7 +89,7 @@ def test_overview_covers_the_training_signals():
     for needle in ("distgrad_loss{", "distgrad_grad_norm{", "distgrad_loss_scale{", "distgrad_overflow_steps_total{",
                    "distgrad_nonfinite_steps_total{", "distgrad_skipped_steps_total{", "rate(distgrad_samples_total{",
                    "time() - distgrad_last_step_timestamp_seconds{", "distgrad_internal_errors_total{",
-                   "distgrad_replica_mismatch_total{"):
+                   "distgrad_replica_mismatch_total{", "distgrad_refused_steps_total{"):
         assert needle in exprs, needle
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import distgrad
+from tests.reference import case
 
 
 def _model():
@@ -120,3 +121,61 @@ def test_optimizer_wrappers():
 
     with pytest.raises(TypeError, match="DeepSpeedEngine"):
         distgrad.instrument(m, optimizer=DeepSpeedZeroOptimizer.__new__(DeepSpeedZeroOptimizer), prometheus=False)
+
+
+def _served(dg) -> dict:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = generate_latest(dg.prometheus.registry).decode()
+    return {(s.name, s.labels.get("reason")): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name in ("distgrad_refused_steps_total", "distgrad_sampled_steps_total")}
+
+
+def test_refused_steps_are_served_by_reason(caplog):
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    dg = distgrad.instrument(m, optimizer=opt, port=0)
+    try:
+        want = {("distgrad_refused_steps_total", r): 0.0 for r in ("closure", "clipped", "no_backward")}
+        want[("distgrad_sampled_steps_total", None)] = 0.0
+        assert _served(dg) == want  # every reason at 0 from the start
+        with caplog.at_level(logging.WARNING, logger="distgrad"):
+            opt.zero_grad()
+            _loss(m, 0).backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            opt.step()  # clipped before the read
+            opt.zero_grad()
+            _loss(m, 1).backward()
+            opt.step()  # a good step: exported, no refusal
+            opt.step()  # no backward since the last step
+            opt.step()  # again
+
+            def closure():
+                opt.zero_grad()
+                loss = _loss(m, 2)
+                loss.backward()
+                return loss
+            opt.step(closure)
+        want.update({("distgrad_refused_steps_total", "clipped"): 1.0,
+                     ("distgrad_refused_steps_total", "no_backward"): 2.0,
+                     ("distgrad_refused_steps_total", "closure"): 1.0,
+                     ("distgrad_sampled_steps_total", None): 1.0})
+        assert _served(dg) == want
+        assert dg.refused_steps == dg.boundary.refusals.counts == {"clipped": 1, "no_backward": 2, "closure": 1}
+        assert "distgrad_refused_steps_total" in _errors(caplog)[0]
+    finally:
+        dg.close()
+
+
+@pytest.mark.multirank
+def test_refusal_on_one_rank_drops_the_step_on_every_rank_and_counts_its_reason(torch_results):
+    # tests/dist/torch_cases.py run_refused: DDP, steps 1-3 refused (rank 1 alone clips at step 1)
+    r0, r1 = case(torch_results, "refused")["ranks"]
+    assert r0["exported"] == r1["exported"] == [0, 4]
+    assert r0["refused_steps"] == r1["refused_steps"] == {"clipped": 1, "no_backward": 1, "closure": 1}
+    # rank 0 did not see the clipping: it learned the reason from rank 1's flag
+    assert r0["local_refusals"] == {"no_backward": 1, "closure": 1}
+    assert r1["local_refusals"] == {"clipped": 1, "no_backward": 1, "closure": 1}
+    for r in (r0, r1):  # a refusal is not an error of distgrad's
+        assert (r["counters"]["sampled_steps"], r["counters"]["internal_errors"]) == (2, 0)

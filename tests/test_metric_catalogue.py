@@ -32,6 +32,8 @@ def _sink(features: set[str]) -> PrometheusSink:
                           has_loss_scaler="loss_scaler" in f, has_samples="samples" in f)
     for s in ("prometheus", "jsonl"):
         sink.collector.inc_labeled("distgrad_sink_errors", {"sink": s}, 0)
+    for reason in metrics.LABELS["reason"].values or ():  # as distgrad.startup does
+        sink.collector.inc_labeled("distgrad_refused_steps", {"reason": reason}, 0)
     if "step" in f:
         sink.collector.step_time = 1.0
     if "sample" not in f:

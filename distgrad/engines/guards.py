@@ -19,8 +19,10 @@ Three ways a boundary can read the wrong gradient, each detected here without a 
   at all. Detected by :class:`GradSignature` (weak references, so no gradient is kept alive).
 
 A rank that detects one of these still joins the step's collectives, with a "refused" flag
-(``Instrument.collect(step, refuse=...)``), so every rank drops the step and nothing false is
-exported; the reason and its fix are logged once per reason, at ERROR level.
+that encodes the reason (``Instrument.collect(step, refuse=...)``), so every rank drops the step
+and nothing false is exported; the reason and its fix are logged once per reason, at ERROR
+level, and every rank counts the sampled step in ``Instrument.refused_steps`` (served as
+``distgrad_refused_steps_total{reason}``, the reason of the lowest refusing rank).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class Refusals:
         self.counts[reason] = n + 1
         if n == 0:
             log.error("distgrad: step %d is NOT exported: %s (logged once; later steps with the same "
-                      "problem are dropped silently, counted in Instrument.boundary.refusals.counts)",
+                      "problem are dropped without a message, counted in distgrad_refused_steps_total{reason} and "
+                      "Instrument.boundary.refusals.counts)",
                       step, _FIX[reason])
         return reason
 

@@ -73,9 +73,11 @@ def build() -> Dashboard:
                    (f"distgrad_exploding_params{{{S}}}", "exploding {{instance}}")), 8, 8, min_=0),
         ts("Gradient clip ratio", "Below 1: the step was clipped.",
            queries((f"distgrad_clip_ratio{{{S}}}", "{{instance}}")), 12, 8, min_=0, max_=1),
-        ts("Sampled steps", "Sampled optimizer steps per interval.",
-           queries((f"increase(distgrad_sampled_steps_total{{{S}}}[{RATE}])", "{{instance}}")), 12, 8,
-           bars=True, min_=0),
+        ts("Sampled and refused steps", "Sampled optimizer steps per interval, and those distgrad refused to export "
+           "per reason (its gradients could not be the step's pre-clip gradient; DistgradRefusedSteps).",
+           queries((f"increase(distgrad_sampled_steps_total{{{S}}}[{RATE}])", "sampled {{instance}}"),
+                   (f"increase(distgrad_refused_steps_total{{{S}}}[{RATE}])", "refused {{reason}} {{instance}}")),
+           12, 8, bars=True, min_=0),
     ]
     return dashboard("overview", "distgrad / Overview",
                      "Training health from distgrad's rank-0 exporter: loss, gradient norm, fp16 loss scaling, non-finite steps, throughput, stalls, errors.",

@@ -364,6 +364,45 @@ def run_unsampled_nonfinite(rank: int, world: int) -> dict:
     return out
 
 
+def run_refused(rank: int, world: int) -> dict:
+    """DDP fp32, steps 0..4, every step sampled; what each rank does before ``opt.step()``:
+    step 0 and 4 backward (exported); step 1 rank 1 alone clips its gradients before distgrad
+    reads them ("clipped" on rank 1 only: rank 0 must learn the reason from rank 1's flag);
+    step 2 no backward on either rank ("no_backward"); step 3 ``opt.step(closure)`` on both
+    ("closure"; on one rank only the closure's DDP all-reduce would come after the other rank's
+    distgrad collectives: not a loop that can run). Reference: the script itself."""
+    torch.manual_seed(0)
+    w = DDP(TinyModel())
+    opt = torch.optim.SGD(w.parameters(), lr=0.01)
+    inst = distgrad.instrument(w, optimizer=opt, prometheus=False)
+    exported: list[int] = []
+    inst.add_hook(lambda r: exported.append(r.step))
+
+    def backward(step: int):
+        loss = w(*batch_for(step, 0, rank))
+        loss.backward()
+        return loss
+
+    for step in range(5):
+        if step == 2:
+            opt.step()  # the gradients of step 1 again
+            continue
+        opt.zero_grad()
+        if step == 3:
+            opt.step(lambda: backward(step))
+            continue
+        backward(step)
+        if (step, rank) == (1, 1):
+            torch.nn.utils.clip_grad_norm_(w.parameters(), 1e-3)
+        opt.step()
+    out = {"exported": exported, "refused_steps": dict(inst.refused_steps),
+           "local_refusals": dict(inst.boundary.refusals.counts), "counters": dict(inst.counters)}
+    inst.close()
+    everything: list = [None] * world
+    dist.all_gather_object(everything, out)
+    return {"ranks": everything}
+
+
 def all_cases() -> list[tuple[str, str, str, int, bool]]:
     cases = []
     for engine in ENGINES:
@@ -398,6 +437,7 @@ def main() -> None:
         jobs.append((f"scaler-{mode}", functools.partial(run_scaler_case, mode, rank, world)))
     jobs.append(("errors", functools.partial(run_errors, rank)))
     jobs.append(("unsampled-nonfinite", functools.partial(run_unsampled_nonfinite, rank, world)))
+    jobs.append(("refused", functools.partial(run_refused, rank, world)))
     results, t0 = {}, time.time()
     for key, fn in jobs:
         if want is not None and key not in want:
