@@ -23,7 +23,8 @@ from distgrad.record import StepRecord
 from tests.conftest import DIST, launch
 from tests.reference import case, check_against
 
-TRAINER = ["ds_z2", "ds_z3", "ds_z2_lora", "ds_z3_bf16", "ds_z2_fp16", "fsdp2", "fsdp1", "ddp", "single"]
+LOW = ["ds_z2_bf16", "ds_z3_bf16", "ds_z2_fp16", "ds_z3_fp16"]
+TRAINER = ["ds_z2", "ds_z3", "ds_z2_lora", *LOW, "fsdp2", "fsdp1", "ddp", "single"]
 CASES = TRAINER + ["accelerate_ds"]  # a plain Accelerate loop with the DeepSpeed plugin
 RTOL = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 1e-2}  # against the float64 reference
 
@@ -120,13 +121,19 @@ def test_logged_grad_norm_and_clip_ratio_agree(hf_results, key):
 def test_engines_and_frozen_lora_base_weights(hf_results):
     assert {k: (case(hf_results, k)["engine"], case(hf_results, k)["zero_stage"]) for k in CASES} == {
         "ds_z2": ("deepspeed", 2), "ds_z3": ("deepspeed", 3), "ds_z2_lora": ("deepspeed", 2),
-        "ds_z3_bf16": ("deepspeed", 3), "ds_z2_fp16": ("deepspeed", 2), "fsdp2": ("fsdp2", None),
+        "ds_z2_bf16": ("deepspeed", 2), "ds_z3_bf16": ("deepspeed", 3), "ds_z2_fp16": ("deepspeed", 2),
+        "ds_z3_fp16": ("deepspeed", 3), "fsdp2": ("fsdp2", None),
         "fsdp1": ("fsdp1", None), "ddp": ("ddp", None), "single": ("torch", None),
         "accelerate_ds": ("deepspeed", 2)}
     # the low-precision runs really held bf16 / loss-scaled fp16 gradients (2^initial_scale_power)
-    low = {k: StepRecord.from_dict(case(hf_results, k)["records"][0]) for k in ("ds_z3_bf16", "ds_z2_fp16")}
+    low = {k: StepRecord.from_dict(case(hf_results, k)["records"][0]) for k in LOW}
     assert {k: (r.extra["grad_dtype"], r.loss_scale, r.extra["grad_scale"]) for k, r in low.items()} == {
-        "ds_z3_bf16": ("bf16", None, 1.0), "ds_z2_fp16": ("fp16", 256.0, 256.0)}
+        "ds_z2_bf16": ("bf16", None, 1.0), "ds_z3_bf16": ("bf16", None, 1.0),
+        "ds_z2_fp16": ("fp16", 256.0, 256.0), "ds_z3_fp16": ("fp16", 256.0, 256.0)}
+    # settings: the DeepSpeed config's "distgrad" section under DeepSpeed (spike_window 64 there),
+    # the defaults elsewhere; max_grad_norm from TrainingArguments (test_logged_grad_norm_...)
+    assert {k: case(hf_results, k)["spike_window"] for k in TRAINER} == {
+        k: 64 if k.startswith("ds_") else 128 for k in TRAINER}
     lora = case(hf_results, "ds_z2_lora")
     names = StepRecord.from_dict(lora["records"][0]).params.names
     assert lora["frozen"] and not set(lora["frozen"]) & set(names)

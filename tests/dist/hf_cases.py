@@ -11,7 +11,7 @@ float64 reference of step 0: every rank's step-0 micro-batches (recorded inside
 loss (mean per-token cross entropy over all of them: every sequence has the same length and no
 ignored label) and its gradient, which is the pre-clip reduced gradient the optimizer receives.
 
-Cases: DeepSpeed ZeRO-2 and ZeRO-3 (fp32), ZeRO-3 bf16, ZeRO-2 fp16 (loss scaling), ZeRO-2 +
+Cases: DeepSpeed ZeRO-2 and ZeRO-3 in fp32, bf16 and fp16 (dynamic loss scaling), ZeRO-2 +
 PEFT LoRA, FSDP2, FSDP1, DDP, and a plain Accelerate loop with the DeepSpeed plugin; the
 one-process case runs in the pytest process (``run_case("single", "single")``).
 
@@ -118,7 +118,9 @@ def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm:
     if kind == "deepspeed":
         extra["deepspeed"] = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
                               "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-                              "zero_optimization": {"stage": stage}, "distgrad": {"interval": 1},
+                              "zero_optimization": {"stage": stage},
+                              # read by attach(trainer) (config=None): a non-default to see it
+                              "distgrad": {"interval": 1, "spike_window": 64},
                               "bf16": {"enabled": "auto"},
                               # a small initial loss scale: no overflow-skipped step in 2 steps
                               "fp16": {"enabled": "auto", "initial_scale_power": 8}}
@@ -163,6 +165,7 @@ def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm:
     inst = cb.instrument
     out = {"args_max_grad_norm": max_norm, "records": records, "logs": logs, "engine": inst.source.engine_name,
            "zero_stage": inst.source.zero_stage, "loss_reduction": inst.loss_reduction, "dtype": dtype,
+           "spike_window": inst.config.spike_window,
            "refusals": dict(inst.boundary.refusals.counts) if getattr(inst, "boundary", None) is not None
            and hasattr(inst.boundary, "refusals") else {},
            "max_grad_norm": inst.config.max_grad_norm if inst.config.max_grad_norm is not None else
@@ -237,8 +240,10 @@ CASES = {
     "ds_z2": dict(kind="deepspeed", stage=2),
     "ds_z3": dict(kind="deepspeed", stage=3),
     "ds_z2_lora": dict(kind="deepspeed", stage=2, lora=True, max_norm=0.1),
+    "ds_z2_bf16": dict(kind="deepspeed", stage=2, dtype="bf16"),
     "ds_z3_bf16": dict(kind="deepspeed", stage=3, dtype="bf16"),
     "ds_z2_fp16": dict(kind="deepspeed", stage=2, dtype="fp16"),
+    "ds_z3_fp16": dict(kind="deepspeed", stage=3, dtype="fp16"),
     "fsdp2": dict(kind="fsdp2"),
     "fsdp1": dict(kind="fsdp1"),
     "ddp": dict(kind="ddp"),
