@@ -179,3 +179,41 @@ def test_refusal_on_one_rank_drops_the_step_on_every_rank_and_counts_its_reason(
     assert r1["local_refusals"] == {"clipped": 1, "no_backward": 1, "closure": 1}
     for r in (r0, r1):  # a refusal is not an error of distgrad's
         assert (r["counters"]["sampled_steps"], r["counters"]["internal_errors"]) == (2, 0)
+
+
+def _fp64_norm(m, seed):
+    import copy
+
+    ref = copy.deepcopy(m).double()
+    g = torch.Generator().manual_seed(seed)
+    (ref(torch.randn(6, 4, generator=g).double()).pow(2).mean() * 100.0).backward()
+    return float(torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in ref.parameters()])))
+
+
+@pytest.mark.parametrize("when", ["before_unscale", "after_unscale", "in_scaler_step"])
+def test_read_outside_scaler_step_is_unscaled(when):
+    # AMP: scaler.scale(loss).backward(); [read]; scaler.unscale_(opt); scaler.step(opt). A read
+    # before unscale_ sees the gradients multiplied by the loss scale (1024 here); distgrad
+    # divides by it. Reference: the float64 recomputation of the step's gradient.
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    dg = distgrad.instrument(m, optimizer=opt, scaler=scaler, prometheus=False)
+    try:
+        for s in range(2):
+            ref = _fp64_norm(m, s)
+            opt.zero_grad()
+            scaler.scale(_loss(m, s)).backward()
+            if when == "before_unscale":
+                dg.read_gradients_now()
+            if when != "in_scaler_step":
+                scaler.unscale_(opt)
+            if when == "after_unscale":
+                dg.read_gradients_now()
+            scaler.step(opt)
+            scaler.update()
+            assert dg.last_record.step == s
+            assert dg.last_record.grad_norm == pytest.approx(ref, rel=1e-5)
+        assert dg.boundary.refusals.counts == {} and dg.counters["internal_errors"] == 0
+    finally:
+        dg.close()

@@ -155,7 +155,27 @@ class OptimizerBoundary:
                     gscale = float(gs) if gs is not None else 1.0
             except Exception:  # noqa: BLE001
                 self.inst.count_error("reading the GradScaler state")
+        elif self.scaler is not None and self.inst.is_sampled(self.step):
+            gscale = self._scale_still_applied()
         self._pending = (self.inst.begin_step(self.step, refuse), gscale, fused_overflow)
+
+    def _scale_still_applied(self) -> float:
+        """The loss scale the gradients still carry when they are read outside ``scaler.step``
+        (``read_gradients_now()`` or a read at a clipping call): the scaler's scale while
+        ``scaler.unscale_(optimizer)`` has not run for this step (the scaler's per-optimizer
+        stage is READY), else 1.0. Without this a read before ``unscale_`` would export the
+        gradients multiplied by the loss scale. ``get_scale()`` syncs: sampled steps only."""
+        try:
+            if not self.scaler.is_enabled():
+                return 1.0
+            state = getattr(self.scaler, "_per_optimizer_states", {}).get(id(self.optimizer))
+            stage = state.get("stage") if isinstance(state, dict) else None
+            if stage is not None and getattr(stage, "name", "READY") != "READY":
+                return 1.0  # UNSCALED (unscale_ ran) or STEPPED (scaler.step unscaled and skipped)
+            return float(self.scaler.get_scale())
+        except Exception:  # noqa: BLE001 - a check must never break training
+            self.inst.count_error("reading the GradScaler state")
+            return 1.0
 
     def _end(self, overflow: bool | None, applied: bool, loss_scale: float | None) -> None:
         token, gscale, _ = self._pending
