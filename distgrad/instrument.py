@@ -36,7 +36,7 @@ import torch.distributed as dist
 from distgrad import __version__, metrics
 from distgrad.config import DistgradConfig
 from distgrad.engines.base import GradSource
-from distgrad.record import StepRecord
+from distgrad.record import ScalerState, StepRecord, UnsampledNonfinite
 from distgrad.sinks.base import Sink, SinkError
 from distgrad.step import StepOutcome, StepToken
 from distgrad.step_collectives import provenance, update_ratio_sums, update_ratio_values, weight_pieces
@@ -143,7 +143,8 @@ class Instrument:
 
         info = {"engine": self.source.engine_name, "zero_stage": self.source.zero_stage,
                 "world_size": self.world_size, "config": self.config.to_dict(), "version": __version__}
-        self.diagnostics = Diagnostics(self.config, self.source.names, self.global_rank, max_norm, model, info)
+        self.diagnostics = Diagnostics(self.config, self.source.names, self.global_rank, max_norm, model, info,
+                                       on_error=self.count_error, on_sink_error=self._sink_error)
 
     # ----------------------------------------------------------------------------------
     # set-up
@@ -228,6 +229,22 @@ class Instrument:
         except Exception:  # noqa: BLE001 - never break training
             self._internal_error("observe_loss")
 
+    def state_dict(self) -> dict[str, Any]:
+        """distgrad's state for a checkpoint (counters, overflow streak, every diagnostic's
+        state: detector windows / EMA / warm-up, health streaks, event), plain Python types;
+        see :func:`distgrad.checkpoint.instrument_state`. No collective."""
+        from distgrad.checkpoint import instrument_state
+
+        return instrument_state(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output on every rank before the resumed run's first
+        step (detectors continue without a new warm-up); raises ValueError on a state it cannot
+        use. See :func:`distgrad.checkpoint.load_instrument_state`. No collective."""
+        from distgrad.checkpoint import load_instrument_state
+
+        load_instrument_state(self, state)
+
     def read_gradients_now(self) -> None:
         """Read this optimizer step's reduced gradients now instead of in ``optimizer.step()``:
         call it on every rank after the step's last backward and before anything modifies the
@@ -272,6 +289,8 @@ class Instrument:
                 restore()
             except Exception:  # noqa: BLE001
                 pass
+        if self.diagnostics is not None:
+            self.diagnostics.close()
         for s in self.sinks:
             try:
                 s.close()
@@ -391,7 +410,7 @@ class Instrument:
         before the optimizer consumes the gradients; device work only (no collective, no host
         sync); the next sampled step's record counts the flagged steps
         (``nonfinite_unsampled_steps``, ``nonfinite_loss_steps``) and names them
-        (``extra["unsampled_nonfinite"]``). Never raises (a failure is counted)."""
+        (``StepRecord.unsampled_nonfinite``). Never raises (a failure is counted)."""
         if not self.config.enabled or self.config.interval < 2 or step % self.config.interval == 0:
             return
         try:
@@ -482,15 +501,10 @@ class Instrument:
                          else ratio.wait())
             ratios = update_ratio_values(host_sums, rec.params.names, step_applied)
             if ratios is not None:
-                rec.extra["update_ratio"] = ratios
+                rec.update_ratio = ratios
         self.last_record = rec
-        if self.diagnostics is not None:
-            try:
-                self.diagnostics.on_record(rec)
-            except SinkError:  # the flight-recorder report could not be written (logged)
-                self._sink_error("flight_recorder")
-            except Exception:  # noqa: BLE001
-                self._internal_error("diagnostics")
+        if self.diagnostics is not None:  # each plug-in's failure is counted, the others run
+            self.diagnostics.on_record(rec)
         for hook in self._hooks:
             try:
                 hook(rec)
@@ -517,11 +531,8 @@ class Instrument:
 
     def after_micro_batch(self) -> None:
         """Called after each forward/backward: writes the tracer report once it has finished."""
-        if self.diagnostics is not None and self.diagnostics.tracer is not None:
-            try:
-                self.diagnostics.write_tracer_report(self.global_rank)
-            except Exception:  # noqa: BLE001
-                self._internal_error("tracer report")
+        if self.diagnostics is not None:
+            self.diagnostics.on_micro_batch()
 
     def skip(self, overflow: bool | None, step_applied: bool, samples: int | None) -> None:
         """Boundary of a step that is not sampled: account it, drop the observed losses."""
@@ -542,13 +553,10 @@ class Instrument:
         stats = red.params
         gnorm = global_norm(stats)
         self.counters["sampled_steps"] += 1
-        extra: dict[str, Any] = {
-            "grad_dtype": _DTYPE_NAMES.get(self.source.grad_dtype, str(self.source.grad_dtype)),
-            "grad_scale": grad_scale,
-        }
         dtype_max = float(torch.finfo(self.source.grad_dtype).max)
         with np.errstate(invalid="ignore"):
-            extra["headroom"] = (stats.abs_max * grad_scale / dtype_max).tolist()
+            headroom = (stats.abs_max * grad_scale / dtype_max).tolist()
+        mismatch_rank: int | None = None
         mismatched: list[int] = []
         if self.own.groups and self.config.replica_check and self.world_size > 1:
             for members in self.own.groups:  # ranks that must hold identical replicated pieces
@@ -561,20 +569,18 @@ class Instrument:
                 log.warning("distgrad: step %d: replicated gradients differ across ranks; %s disagree "
                             "(fingerprints %s)", step, ", ".join(self.own.name(r) for r in mismatched),
                             red.fingerprints.tolist())
-            extra["replica_mismatch_rank"] = self._replica_mismatch_rank
+            mismatch_rank = self._replica_mismatch_rank
         # a rank's shard held NaN/Inf, or (replicated) its full copy did: its fingerprint, which
         # stays 0 where none is computed, is then non-finite
         bad = (red.rank_nonfinite > 0) | ~np.isfinite(red.fingerprints)
         nonfinite_ranks = [int(r) for r in np.nonzero(bad)[0]]
+        scaler = None
         if loss_scale is not None:
-            extra["consecutive_overflow_steps"] = self._consecutive_overflow
             mn = self.source.min_loss_scale()
-            extra["loss_scale_at_minimum"] = int(mn is not None and loss_scale <= mn)
+            scaler = ScalerState(self._consecutive_overflow, bool(mn is not None and loss_scale <= mn))
         loss = red.loss_sum / red.loss_count if red.loss_count else None
         if loss is not None and not np.isfinite(loss):
             self.counters["nonfinite_loss_steps"] += 1
-        if self._unsampled is not None:
-            extra["unsampled_nonfinite"] = self._unsampled
         if loss is None and self.counters["sampled_steps"] == 10 and self.global_rank == 0:
             log.warning("distgrad: no training loss observed in 10 sampled steps, so distgrad_loss, the "
                         "NaN-loss alert and loss-spike detection are off: call dg.observe_loss(loss) after "
@@ -584,13 +590,17 @@ class Instrument:
             step=int(step), micro_step=int(micro_step), timestamp=time.time(), world_size=self.world_size,
             params=stats, grad_norm=gnorm, loss=loss, loss_scale=loss_scale, overflow=overflow,
             step_applied=bool(step_applied), replica_mismatch_ranks=mismatched,
-            nonfinite_ranks=nonfinite_ranks, extra=extra)
+            nonfinite_ranks=nonfinite_ranks,
+            grad_dtype=_DTYPE_NAMES.get(self.source.grad_dtype, str(self.source.grad_dtype)),
+            grad_scale=grad_scale, headroom=headroom, replica_mismatch_rank=mismatch_rank, scaler=scaler,
+            unsampled_nonfinite=(None if self._unsampled is None else UnsampledNonfinite(
+                list(self._unsampled["grad"]), list(self._unsampled["loss"]))))
         if rec.nonfinite:
             self.counters["nonfinite_steps"] += 1
             if local_nonfinite is not None:
-                extra["nonfinite_params"] = provenance(self, stats.names, local_nonfinite)
+                rec.nonfinite_params = provenance(self, stats.names, local_nonfinite)
             else:
-                extra["nonfinite_params"] = []
+                rec.nonfinite_params = []
                 log.warning("distgrad: step %d was non-finite; its per-rank provenance was not gathered "
                             "because the record was completed at close()", step)
         return rec

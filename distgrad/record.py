@@ -7,16 +7,23 @@ statistics* (sums, sums of squares, counts, extrema) from which every exported s
 derived exactly, and which can be re-aggregated exactly over groups of parameters
 (norms by root-sum-square, counts summed, max of max).
 
+What distgrad derives beyond the statistics is held in typed parts, one per diagnostic
+(:class:`Spikes`, :class:`Health`, :class:`Clip`, :class:`Aggregates`, :class:`ScalerState`,
+:class:`Provenance` / :class:`NonfiniteEvent`); a part is None when its diagnostic did not run
+or does not apply (e.g. :attr:`StepRecord.scaler` under bf16).
+
 JSON form (:meth:`StepRecord.to_dict`): columnar per-parameter arrays, floats written by
 Python's :mod:`json` (non-finite values as the ``NaN`` / ``Infinity`` literals that Python,
-pandas and JavaScript's JSON5 read; :meth:`StepRecord.from_dict` reverses it exactly).
+pandas and JavaScript's JSON5 read; :meth:`StepRecord.from_dict` reverses it exactly). The
+previous form, which kept the diagnostics in an untyped ``"extra"`` object (JSONL schema 1), is
+still read: :meth:`StepRecord.from_dict` maps its keys onto the typed parts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -114,6 +121,218 @@ class ParamStats:
         return cls(names=list(d["names"]), **{f: np.asarray(d[f], dtype=np.float64) for f in STAT_FIELDS})
 
 
+
+# --------------------------------------------------------------------------------------------
+# Typed parts written by the diagnostics
+# --------------------------------------------------------------------------------------------
+
+
+class _Part:
+    """Base of the record's typed parts: a flat JSON form, nested parts by ``_nested``."""
+
+    #: field name -> part class of its value (a list of parts when the value is a list)
+    _nested: ClassVar[dict[str, type]] = {}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable dict (nested parts as dicts); inverse of :meth:`from_dict`."""
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Any:
+        """Inverse of :meth:`to_dict`; unknown keys are ignored, missing ones raise TypeError."""
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        kw = {}
+        for k, v in d.items():
+            if k not in names:
+                continue
+            t = cls._nested.get(k)
+            if t is not None and v is not None:
+                v = [t.from_dict(x) for x in v] if isinstance(v, list) else t.from_dict(v)
+            kw[k] = v
+        return cls(**kw)
+
+
+@dataclass
+class Spikes(_Part):
+    """Online spike detectors on the scalar series (``"grad_norm"``, ``"loss"``).
+
+    Attributes:
+        flagged: series judged a spike on this step by at least one detector, in the order
+            grad_norm, loss (empty on most steps).
+        zscore: ``{series: {detector: z}}``, the z-score of this step's value against each
+            detector's statistics before it (dimensionless; NaN during warm-up, for a
+            non-finite or missing value, and on an fp16 overflow step); detectors are
+            :data:`distgrad.detectors.DETECTOR_LABELS`. ``distgrad_<series>_zscore``.
+        total: ``{series: {detector: count}}``, spikes since the start of the run (carried
+            over a checkpoint restore), ``distgrad_<series>_spikes_total``.
+    """
+
+    flagged: list[str] = field(default_factory=list)
+    zscore: dict[str, dict[str, float]] = field(default_factory=dict)
+    total: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+@dataclass
+class Health(_Part):
+    """Vanishing / exploding gradients per parameter (:class:`distgrad.health.LayerHealth`).
+
+    Attributes:
+        n_vanishing: parameters flagged vanishing (norm below ``vanish_threshold`` for
+            ``health_patience`` sampled steps), exact count, ``distgrad_vanishing_params``.
+        n_exploding: parameters flagged exploding, exact count, ``distgrad_exploding_params``.
+        vanishing: names of the flagged vanishing parameters, in parameter order, at most 20.
+        exploding: names of the flagged exploding parameters, at most 20.
+    """
+
+    n_vanishing: int = 0
+    n_exploding: int = 0
+    vanishing: list[str] = field(default_factory=list)
+    exploding: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Clip(_Part):
+    """Global-norm gradient clipping (present when a clipping threshold is known).
+
+    Attributes:
+        max_norm: the clipping threshold (gradient-norm units); None in records read from the
+            schema-1 form, which did not carry it.
+        ratio: ``min(1, max_norm / (grad_norm + 1e-6))``, the factor clipping multiplies the
+            gradient by (dimensionless, in (0, 1]), ``distgrad_clip_ratio``.
+        post_clip_norm: the global norm after clipping, ``grad_norm * ratio``,
+            ``distgrad_post_clip_norm``.
+    """
+
+    max_norm: float | None = None
+    ratio: float = float("nan")
+    post_clip_norm: float = float("nan")
+
+
+@dataclass
+class Aggregates(_Part):
+    """Per-layer and per-module-kind aggregates and the per-parameter series selection.
+
+    Layers are the keys of :func:`distgrad.grouping.group_keys` (``"layer"``), module kinds
+    :func:`distgrad.naming.classify`'s ``module_kind`` (``"<kind>/lora_<A|B>"`` for adapters).
+
+    Attributes:
+        layer_norm: ``{layer: root-sum-square of its parameters' gradient norms}``.
+        layer_nonfinite: ``{layer: NaN + Inf gradient elements}`` (float, an exact count).
+        layer_zero_ratio: ``{layer: fraction of exactly-zero gradient elements}``, in [0, 1].
+        layer_headroom: ``{layer: max over its parameters of max|g| / largest finite value of
+            the gradient dtype}`` (NaN when unknown).
+        module_kind_norm: ``{module kind: root-sum-square gradient norm}``.
+        exported_params: indices into ``params.names`` that get per-parameter series this step
+            (the series budget); None means all, ``[]`` none (``per_param`` off).
+    """
+
+    layer_norm: dict[str, float] = field(default_factory=dict)
+    layer_nonfinite: dict[str, float] = field(default_factory=dict)
+    layer_zero_ratio: dict[str, float] = field(default_factory=dict)
+    layer_headroom: dict[str, float] = field(default_factory=dict)
+    module_kind_norm: dict[str, float] = field(default_factory=dict)
+    exported_params: list[int] | None = None
+
+
+@dataclass
+class ScalerState(_Part):
+    """fp16 dynamic loss-scaler state (the record's ``scaler`` is None without a scaler).
+
+    Attributes:
+        consecutive_overflow_steps: current streak of optimizer steps (sampled or not) the
+            scaler skipped for overflow, ``distgrad_consecutive_overflow_steps``.
+        loss_scale_at_minimum: the loss scale sits at the scaler's floor (further overflows
+            cannot lower it), ``distgrad_loss_scale_at_minimum``.
+    """
+
+    consecutive_overflow_steps: int = 0
+    loss_scale_at_minimum: bool = False
+
+
+@dataclass
+class UnsampledNonfinite(_Part):
+    """Non-finite values on optimizer steps the instrument did not sample, reported by the next
+    sampled step (without per-parameter detail; ``interval: 1`` gives it).
+
+    Attributes:
+        grad: optimizer steps since the last sampled step whose reduced gradient held NaN/Inf
+            (``distgrad_nonfinite_unsampled_steps_total`` counts them).
+        loss: optimizer steps whose training loss was NaN/Inf
+            (``distgrad_nonfinite_loss_steps_total``).
+    """
+
+    grad: list[int] = field(default_factory=list)
+    loss: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RankCount(_Part):
+    """Non-finite gradient elements of one parameter in one rank's local shard."""
+
+    param: str
+    rank: int
+    nan: int
+    inf: int
+    count: int  #: nan + inf
+
+
+@dataclass
+class ParamProvenance(_Part):
+    """Non-finite elements of one parameter, summed over ranks (a :class:`Provenance` row).
+
+    Attributes:
+        name: parameter name; nan, inf: element counts summed over ranks;
+        ranks: ranks whose local shard held any, ascending.
+    """
+
+    name: str
+    nan: int
+    inf: int
+    ranks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Provenance(_Part):
+    """Where a non-finite step's NaN/Inf are (:func:`distgrad.flight_recorder.provenance_from`).
+
+    Attributes:
+        step: the optimizer step.
+        params: the non-finite parameters in forward order.
+        first_param: probable origin, the non-finite parameter last in forward order (the
+            rule of :mod:`distgrad.flight_recorder`); None when no parameter row.
+        first_layer: layer of ``first_param`` (None with it).
+    """
+
+    _nested = {"params": ParamProvenance}
+    step: int
+    params: list[ParamProvenance] = field(default_factory=list)
+    first_param: str | None = None
+    first_layer: str | None = None
+
+
+@dataclass
+class NonfiniteEvent(_Part):
+    """The current non-finite event: a streak of consecutive non-finite sampled steps,
+    described by its first step (later steps of the streak show it spreading).
+
+    Attributes:
+        step: first step of the streak; rows: its per-rank counts (at most 20);
+        provenance: its :class:`Provenance`.
+    """
+
+    _nested = {"rows": RankCount, "provenance": Provenance}
+    step: int
+    rows: list[RankCount] = field(default_factory=list)
+    provenance: Provenance | None = None
+
+
+#: record field -> part class of its value (a list of parts when the value is a list)
+_PARTS: dict[str, type] = {"spikes": Spikes, "health": Health, "clip": Clip, "aggregates": Aggregates,
+                           "scaler": ScalerState, "nonfinite_params": RankCount, "provenance": Provenance,
+                           "nonfinite_event": NonfiniteEvent,
+                           "unsampled_nonfinite": UnsampledNonfinite}
+
+
 @dataclass
 class StepRecord:
     """Everything distgrad knows about one sampled optimizer step.
@@ -134,14 +353,31 @@ class StepRecord:
         overflow: True if the engine detected an fp16 overflow and skipped this step; None
             when the engine has no scaler.
         step_applied: False if the optimizer skipped the update.
-        counters: monotonically increasing counts since ``instrument()``:
-            ``nonfinite_steps``, ``overflow_steps``, ``skipped_steps``,
-            ``replica_mismatch``, ``internal_errors``, ``sampled_steps``.
+        counters: monotonically increasing counts since ``instrument()`` (carried over a
+            checkpoint restore): ``nonfinite_steps``, ``overflow_steps``, ``skipped_steps``,
+            ``replica_mismatch``, ``internal_errors``, ``sampled_steps``, ``samples``.
         replica_mismatch_ranks: ranks whose replicated gradient fingerprint disagreed with the
             majority on this step (empty when consistent or not replicated).
         nonfinite_ranks: ranks whose local shards held NaN/Inf on this step.
-        extra: diagnostics attached by later stages (detector z-scores, spikes, layer health,
-            provenance, clip ratio, ...), JSON-serialisable.
+        grad_dtype: dtype of the gradients read (``"fp32"``, ``"bf16"``, ``"fp16"``, ...).
+        grad_scale: factor the engine's gradients were divided by to give ``params`` (the fp16
+            loss scale where the engine reads scaled gradients, else 1.0).
+        headroom: per parameter, shape ``[P]``, ``max|g| * grad_scale / finfo(grad_dtype).max``
+            (dimensionless; near 1 = about to overflow the gradient dtype; NaN when non-finite).
+        replica_mismatch_rank: first rank of the last replica mismatch of the run, -1 if none
+            yet; None when the replica check is off or does not apply.
+        update_ratio: ``{param: ||w_after - w_before|| / ||w_before||}`` of this step (0 for a
+            skipped step); None unless the ``update_ratio`` option is on.
+        scaler: fp16 loss-scaler state, None without a scaler.
+        nonfinite_params: per-rank non-finite counts (one row per rank and parameter holding
+            any), on non-finite steps only.
+        spikes, health, clip, aggregates: the diagnostics' typed parts (None when that
+            diagnostic did not run).
+        provenance: where this step's NaN/Inf are (non-finite steps only).
+        nonfinite_event: the first step of the current non-finite streak (non-finite steps only).
+        flight_recorder_report: path of the flight-recorder dump written on this step.
+        unsampled_nonfinite: non-finite gradients/losses on the unsampled steps since the last
+            sampled one (see :class:`UnsampledNonfinite`), None when there were none.
     """
 
     step: int
@@ -157,7 +393,21 @@ class StepRecord:
     counters: dict[str, int] = field(default_factory=dict)
     replica_mismatch_ranks: list[int] = field(default_factory=list)
     nonfinite_ranks: list[int] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
+    grad_dtype: str | None = None
+    grad_scale: float | None = None
+    headroom: list[float] | None = None
+    replica_mismatch_rank: int | None = None
+    update_ratio: dict[str, float] | None = None
+    scaler: ScalerState | None = None
+    nonfinite_params: list[RankCount] | None = None
+    spikes: Spikes | None = None
+    health: Health | None = None
+    clip: Clip | None = None
+    aggregates: Aggregates | None = None
+    provenance: Provenance | None = None
+    nonfinite_event: NonfiniteEvent | None = None
+    flight_recorder_report: str | None = None
+    unsampled_nonfinite: UnsampledNonfinite | None = None
 
     @property
     def nonfinite(self) -> bool:
@@ -165,15 +415,61 @@ class StepRecord:
         return bool(self.params.nonfinite.sum() > 0) or not np.isfinite(self.grad_norm)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable dict (columnar per-parameter arrays); inverse of :meth:`from_dict`."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "params"}
-        d["params"] = self.params.to_dict()
+        """JSON-serialisable dict (columnar per-parameter arrays, parts as dicts, absent parts
+        as None); inverse of :meth:`from_dict`."""
+        d: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, (_Part, ParamStats)):
+                v = v.to_dict()
+            elif isinstance(v, list) and v and isinstance(v[0], _Part):
+                v = [x.to_dict() for x in v]
+            d[f.name] = v
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "StepRecord":
-        """Inverse of :meth:`to_dict` (unknown keys, e.g. a sink's ``schema``, are ignored)."""
+        """Inverse of :meth:`to_dict`; also reads the schema-1 form, whose diagnostics were in
+        an untyped ``"extra"`` object (unknown keys, e.g. a sink's ``schema``, are ignored).
+
+        Raises:
+            KeyError / TypeError / ValueError: on a malformed dict.
+        """
         kw = dict(d)
+        if isinstance(kw.get("extra"), dict):
+            kw.update(_from_extra(kw.pop("extra")))
         kw["params"] = ParamStats.from_dict(d["params"])
+        for k, part in _PARTS.items():
+            v = kw.get(k)
+            if v is not None:
+                kw[k] = [part.from_dict(x) for x in v] if isinstance(v, list) else part.from_dict(v)
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in kw.items() if k in names})
+
+
+_SERIES = ("grad_norm", "loss")
+_AGG_KEYS = ("layer_norm", "layer_nonfinite", "layer_zero_ratio", "layer_headroom", "module_kind_norm")
+
+
+def _from_extra(x: dict[str, Any]) -> dict[str, Any]:
+    """The typed fields (in their dict form) of a schema-1 record's ``extra`` object."""
+    kw: dict[str, Any] = {k: x[k] for k in ("grad_dtype", "grad_scale", "headroom", "replica_mismatch_rank",
+                                            "update_ratio", "nonfinite_params", "provenance",
+                                            "nonfinite_event", "flight_recorder_report", "unsampled_nonfinite")
+                                           if k in x}
+    if "spikes" in x or any(f"{s}_{k}" in x for s in _SERIES for k in ("zscore", "spikes_total")):
+        kw["spikes"] = {"flagged": list(x.get("spikes") or []),
+                        "zscore": {s: x[f"{s}_zscore"] for s in _SERIES if f"{s}_zscore" in x},
+                        "total": {s: x[f"{s}_spikes_total"] for s in _SERIES if f"{s}_spikes_total" in x}}
+    if any(k in x for k in ("vanishing_params", "exploding_params", "vanishing", "exploding")):
+        van, exp = list(x.get("vanishing") or []), list(x.get("exploding") or [])
+        kw["health"] = {"n_vanishing": int(x.get("vanishing_params", len(van))),
+                        "n_exploding": int(x.get("exploding_params", len(exp))), "vanishing": van, "exploding": exp}
+    if "clip_ratio" in x:
+        kw["clip"] = {"ratio": x["clip_ratio"], "post_clip_norm": x.get("post_clip_norm", float("nan"))}
+    if any(k in x for k in (*_AGG_KEYS, "exported_params")):
+        kw["aggregates"] = {**{k: x.get(k) or {} for k in _AGG_KEYS}, "exported_params": x.get("exported_params")}
+    if "consecutive_overflow_steps" in x or "loss_scale_at_minimum" in x:
+        kw["scaler"] = {"consecutive_overflow_steps": int(x.get("consecutive_overflow_steps", 0)),
+                        "loss_scale_at_minimum": bool(x.get("loss_scale_at_minimum", 0))}
+    return kw

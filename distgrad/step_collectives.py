@@ -12,6 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from distgrad.record import RankCount
+
 
 def _dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -62,10 +64,10 @@ def update_ratio_values(host: np.ndarray, names: list[str], step_applied: bool) 
     return {n: (float(r) if step_applied else 0.0) for n, r in zip(names, ratios)}
 
 
-def provenance(inst: Any, names: list[str], local_nonfinite: torch.Tensor) -> list[dict[str, Any]]:
+def provenance(inst: Any, names: list[str], local_nonfinite: torch.Tensor) -> list[RankCount]:
     """Per-rank non-finite counts per parameter: one all-gather of every rank's float64
-    ``[P, 2]`` NaN/Inf counts of the step (``local_nonfinite``) and one host read; rows
-    ``{"param", "rank", "nan", "inf", "count"}`` for the non-zero ones."""
+    ``[P, 2]`` NaN/Inf counts of the step (``local_nonfinite``) and one host read; one
+    :class:`~distgrad.record.RankCount` per non-zero (rank, parameter)."""
     local = local_nonfinite.reshape(-1)
     if _dist_ready() and inst.world_size > 1:
         out = torch.empty(inst.world_size * local.numel(), dtype=local.dtype, device=local.device)
@@ -78,6 +80,5 @@ def provenance(inst: Any, names: list[str], local_nonfinite: torch.Tensor) -> li
     rows = []
     for r in range(inst.world_size):
         for i in np.nonzero(per[r].sum(axis=1))[0]:
-            rows.append({"param": names[i], "rank": r, "nan": int(per[r, i, 0]),
-                         "inf": int(per[r, i, 1]), "count": int(per[r, i].sum())})
+            rows.append(RankCount(names[i], r, int(per[r, i, 0]), int(per[r, i, 1]), int(per[r, i].sum())))
     return rows

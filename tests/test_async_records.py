@@ -121,7 +121,7 @@ def test_async_records_one_step_late_without_host_reads(monkeypatch, nan_at):
     _same_records(asyn["records"], sync["records"])
     if nan_at is not None:
         rec = asyn["records"][nan_at]
-        assert rec["extra"]["nonfinite_params"] == [{"param": "inp.weight", "rank": 0, "nan": 1, "inf": 0,
+        assert rec["nonfinite_params"] == [{"param": "inp.weight", "rank": 0, "nan": 1, "inf": 0,
                                                      "count": 1}]
 
 
@@ -135,7 +135,7 @@ def test_async_records_with_interval_and_update_ratio(monkeypatch):
     assert all(n == 0 for n in asyn["syncs"])
     assert [w[0] for w in asyn["waits"]] == [1, 1, 3, 3, 5, 5]  # statistics and ratio copies
     _same_records(asyn["records"], sync["records"])
-    assert all(r["extra"]["update_ratio"] for r in asyn["records"])
+    assert all(r["update_ratio"] for r in asyn["records"])
 
 
 def test_close_publishes_the_parked_step(monkeypatch):

@@ -95,8 +95,8 @@ def test_headroom_is_scaled_abs_max_over_dtype_max(ds_results, key):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[key.split("-")[1]]
     for rec, ref in zip(c["records"], c["ref_full"]):
         r = StepRecord.from_dict(rec)
-        scale = r.extra["grad_scale"]
+        scale = r.grad_scale
         assert scale == (r.loss_scale if dtype == torch.float16 and not key.startswith("z0") else 1.0)
         for i, n in enumerate(r.params.names):
             want = ref[n]["abs_max"] * scale / torch.finfo(dtype).max
-            assert r.extra["headroom"][i] == pytest.approx(want, rel=1e-12), n
+            assert r.headroom[i] == pytest.approx(want, rel=1e-12), n

@@ -93,7 +93,7 @@ def test_bf16_nonfinite_counted_without_loss_scale_wording(diag_results):
     assert math.isnan(r[2]["grad_norm"]) and r[2]["counters"]["nonfinite_steps"] == 1
     for rec in c["records"]:
         assert rec["loss_scale"] is None and rec["overflow"] is None
-        assert not any("loss_scale" in k or "overflow" in k for k in rec["extra_keys"])
+        assert not any("loss_scale" in k or "overflow" in k or k == "scaler" for k in rec["set_fields"])
     assert "loss_scale" not in c["metrics_text"] and "overflow" not in c["metrics_text"]
     assert "distgrad_nonfinite_steps_total 1.0" in c["metrics_text"]
 

@@ -118,8 +118,8 @@ def test_example_lora_shows_a_and_b_per_layer(tmp_path):
         first = next(iter(read_jsonl(jsonl)))
         assert first.step == 0
         for layer in ("0", "1"):
-            assert first.extra["layer_norm"][f"{layer}/lora_A"] == 0.0
-            assert first.extra["layer_norm"][f"{layer}/lora_B"] > 0.0
+            assert first.aggregates.layer_norm[f"{layer}/lora_A"] == 0.0
+            assert first.aggregates.layer_norm[f"{layer}/lora_B"] > 0.0
             assert value(m, "distgrad_layer_grad_norm", layer=f"{layer}/lora_A") > 0.0
             assert value(m, "distgrad_layer_grad_norm", layer=f"{layer}/lora_B") > 0.0
         params = {dict(k[1])["param"] for k in m if k[0] == "distgrad_param_grad_norm"}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from distgrad.flight_recorder import FlightRecorder, load_dump, provenance_from
-from distgrad.record import STAT_FIELDS, ParamStats, StepRecord
+from distgrad.record import STAT_FIELDS, ParamStats, Spikes, StepRecord
 
 NAMES = ["embed.weight", "layers.0.attn.q.weight", "layers.1.mlp.up.weight", "head.weight"]
 
@@ -44,13 +44,14 @@ def make_record(step, nan=None, inf=None, loss_scale=None, overflow=None, world=
         overflow=overflow,
         counters={"sampled_steps": step + 1},
         nonfinite_ranks=[1] if bad.any() else [],
-        extra={"grad_norm": {"zscore": {"ema": float("nan"), "window": 0.5}}, "np": np.int64(3)},
+        spikes=Spikes(zscore={"grad_norm": {"ema": float("nan"), "window": 0.5}},
+                      total={"grad_norm": {"ema": np.int64(3), "window": 0}}),
     )
 
 
 def assert_records_equal(a: StepRecord, b: StepRecord):
     for f in dataclasses.fields(StepRecord):
-        if f.name in ("params", "extra", "grad_norm"):
+        if f.name in ("params", "spikes", "grad_norm"):
             continue
         assert getattr(a, f.name) == getattr(b, f.name), f.name
     assert (a.grad_norm == b.grad_norm) or (math.isnan(a.grad_norm) and math.isnan(b.grad_norm))
@@ -114,8 +115,8 @@ def test_ring_buffer_and_dump_once_on_first_nonfinite(tmp_path):
     for a, b in zip(d["records"], expected):
         assert_records_equal(a, b)
         assert isinstance(a, StepRecord)
-    assert math.isnan(d["records"][0].extra["grad_norm"]["zscore"]["ema"])
-    assert d["records"][0].extra["np"] == 3
+    assert math.isnan(d["records"][0].spikes.zscore["grad_norm"]["ema"])
+    assert d["records"][0].spikes.total["grad_norm"] == {"ema": 3, "window": 0}
 
     text = path.with_suffix(".txt").read_text()
     assert "first non-finite step: 8" in text

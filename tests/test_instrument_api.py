@@ -94,7 +94,7 @@ def test_parameter_without_gradient_has_no_series_and_is_not_vanishing(caplog):
         text = _text(dg)
         assert 'distgrad_param_grad_norm{param="used.weight"}' in text
         assert "unused." not in text.split("distgrad_param_grad_norm", 1)[1]
-        assert dg.last_record.extra["vanishing"] == [] and not any("vanishing [" in r for r in caplog.messages)
+        assert dg.last_record.health.vanishing == [] and not any("vanishing [" in r for r in caplog.messages)
         assert "distgrad_samples_total" not in text  # this engine does not count samples
     finally:
         dg.close()

@@ -113,8 +113,8 @@ def test_logged_grad_norm_and_clip_ratio_agree(hf_results, key):
     m = c["args_max_grad_norm"]
     assert c["max_grad_norm"] == m  # from TrainingArguments.max_grad_norm
     gn = c["logs"][0]["grad_norm"]
-    assert rec.extra["clip_ratio"] == pytest.approx(m / (gn + 1e-6), rel=1e-5)
-    assert rec.extra["post_clip_norm"] == pytest.approx(m * gn / (gn + 1e-6), rel=1e-5)
+    assert rec.clip.ratio == pytest.approx(m / (gn + 1e-6), rel=1e-5)
+    assert rec.clip.post_clip_norm == pytest.approx(m * gn / (gn + 1e-6), rel=1e-5)
 
 
 @pytest.mark.multirank

@@ -44,7 +44,7 @@ def test_gradient_and_loss_equal_float64_reference(lightning_results, key):
     if c["clip"]:
         assert gref > c["clip"], "clipping must be active for this test to tell pre- from post-clip"
         assert c["max_grad_norm"] == c["clip"]
-        assert rec.extra["clip_ratio"] == pytest.approx(c["clip"] / (gref + 1e-6), rel=1e-5)
+        assert rec.clip.ratio == pytest.approx(c["clip"] / (gref + 1e-6), rel=1e-5)
     assert c["loss_reduction"] == "sum"
     assert rec.loss == pytest.approx(c["ref_loss_step0"], rel=1e-6)
 

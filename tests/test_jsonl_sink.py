@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from distgrad.record import STAT_FIELDS, ParamStats, StepRecord
+from distgrad.record import STAT_FIELDS, Health, ParamStats, StepRecord
 from distgrad.sinks.jsonl import SCHEMA_VERSION, JsonlSink, read_jsonl, rotated_files
 
 NAN_STEP = 7
@@ -48,8 +48,8 @@ def make_record(step: int, names: list[str], rng: np.random.Generator, nan_param
         loss_scale=2.0 ** 15, overflow=False, step_applied=True,
         counters={"sampled_steps": step + 1, "nonfinite_steps": int(step >= NAN_STEP)},
         nonfinite_ranks=ranks,
-        extra={"update_ratio": {names[0]: float(rng.uniform(1e-4, 1e-2))}, "note": [1, "a", None],
-               "z": np.float32(1.5), "n": np.int64(3)},
+        update_ratio={names[0]: float(rng.uniform(1e-4, 1e-2))}, grad_scale=np.float32(1.5),
+        health=Health(n_vanishing=np.int64(3), vanishing=["a", "b", "c"]),
     )
 
 
@@ -92,9 +92,10 @@ def test_round_trip_exact_with_nan(tmp_path):
     assert bad.nonfinite_ranks == [1]
     assert not any(r.nonfinite for i, r in enumerate(back) if i != NAN_STEP)
     assert back[0].loss is None
-    # numpy scalars in extra were converted
-    assert back[3].extra["z"] == 1.5 and back[3].extra["n"] == 3
-    assert back[3].extra["update_ratio"] == recs[3].extra["update_ratio"]
+    # numpy scalars in the typed parts were converted
+    assert back[3].grad_scale == 1.5 and back[3].health.n_vanishing == 3 and type(back[3].health.n_vanishing) is int
+    assert back[3].health == Health(3, 0, ["a", "b", "c"], [])
+    assert back[3].update_ratio == recs[3].update_ratio
 
 
 def test_line_format(tmp_path):
@@ -103,7 +104,7 @@ def test_line_format(tmp_path):
     lines = path.read_text().splitlines()
     assert len(lines) == 10
     d = json.loads(lines[NAN_STEP])
-    assert d["schema"] == SCHEMA_VERSION == 1
+    assert d["schema"] == SCHEMA_VERSION == 2
     assert d["step"] == NAN_STEP
     assert "NaN" in lines[NAN_STEP]  # Python JSON non-finite literal
     assert set(d["params"]) == {"names", *STAT_FIELDS}
@@ -218,3 +219,65 @@ def test_fsync_and_bad_args(tmp_path):
     with pytest.raises(ValueError):
         JsonlSink(tmp_path / "x.jsonl", backups=-1)
     assert os.path.exists(path)
+
+
+# a line as distgrad <= the typed record wrote it (schema 1: diagnostics in "extra"), fp16 run,
+# non-finite step with every diagnostic present
+_SCHEMA1_LINE = (
+    '{"schema":1,"step":7,"micro_step":14,"timestamp":1700000000.5,"world_size":2,'
+    '"params":{"names":["a.weight","b.weight"],"numel":[4.0,4.0],"sum":[0.5,NaN],"sumsq":[1.0,NaN],'
+    '"nan":[0.0,1.0],"inf":[0.0,0.0],"zeros":[1.0,0.0],"min":[-0.5,NaN],"max":[0.75,NaN]},'
+    '"grad_norm":NaN,"loss":2.5,"loss_scale":1024.0,"overflow":false,"step_applied":true,'
+    '"counters":{"sampled_steps":8,"nonfinite_steps":1},"replica_mismatch_ranks":[],"nonfinite_ranks":[1],'
+    '"extra":{"grad_dtype":"fp16","grad_scale":1024.0,"headroom":[0.0117,NaN],'
+    '"consecutive_overflow_steps":0,"loss_scale_at_minimum":1,'
+    '"nonfinite_params":[{"param":"b.weight","rank":1,"nan":1,"inf":0,"count":1}],'
+    '"update_ratio":{"a.weight":0.001},'
+    '"grad_norm_zscore":{"ema":NaN,"window":NaN},"grad_norm_spikes_total":{"ema":1,"window":0},'
+    '"loss_zscore":{"ema":0.5,"window":-0.25},"loss_spikes_total":{"ema":0,"window":0},"spikes":["loss"],'
+    '"vanishing_params":1,"exploding_params":0,"vanishing":["a.weight"],"exploding":[],'
+    '"clip_ratio":0.5,"post_clip_norm":1.0,'
+    '"layer_norm":{"a":1.0,"b":NaN},"layer_nonfinite":{"a":0.0,"b":1.0},"layer_zero_ratio":{"a":0.25,"b":0.0},'
+    '"layer_headroom":{"a":0.0117,"b":NaN},"module_kind_norm":{"other":NaN},"exported_params":null,'
+    '"provenance":{"params":[{"name":"b.weight","nan":1,"inf":0,"ranks":[1]}],"first_param":"b.weight",'
+    '"step":7,"first_layer":"b"},'
+    '"nonfinite_event":{"step":7,"rows":[{"param":"b.weight","rank":1,"nan":1,"inf":0,"count":1}],'
+    '"provenance":{"params":[{"name":"b.weight","nan":1,"inf":0,"ranks":[1]}],"first_param":"b.weight",'
+    '"step":7,"first_layer":"b"}},"flight_recorder_report":"/tmp/flightrec-step7-nonfinite.json"}}\n')
+
+
+def test_schema1_line_reads_into_the_typed_parts(tmp_path):
+    """A line written before the typed record (diagnostics in ``extra``) loads with every value
+    in its typed place, and re-encodes (schema 2) to a record equal field by field."""
+    from distgrad.record import (Aggregates, Clip, NonfiniteEvent, ParamProvenance, Provenance, RankCount,
+                                 ScalerState, Spikes)
+    from distgrad.sinks.jsonl import decode_record, encode_record
+
+    r = decode_record(_SCHEMA1_LINE)
+    assert r.step == 7 and r.nonfinite and r.nonfinite_ranks == [1]
+    assert (r.grad_dtype, r.grad_scale, r.update_ratio) == ("fp16", 1024.0, {"a.weight": 0.001})
+    assert r.headroom[0] == 0.0117 and math.isnan(r.headroom[1])
+    assert r.scaler == ScalerState(consecutive_overflow_steps=0, loss_scale_at_minimum=True)
+    row = RankCount(param="b.weight", rank=1, nan=1, inf=0, count=1)
+    assert r.nonfinite_params == [row]
+    assert r.spikes.flagged == ["loss"] and r.spikes.total == {"grad_norm": {"ema": 1, "window": 0},
+                                                               "loss": {"ema": 0, "window": 0}}
+    assert r.spikes.zscore["loss"] == {"ema": 0.5, "window": -0.25} and math.isnan(r.spikes.zscore["grad_norm"]["ema"])
+    assert r.health == Health(n_vanishing=1, n_exploding=0, vanishing=["a.weight"], exploding=[])
+    assert r.clip == Clip(max_norm=None, ratio=0.5, post_clip_norm=1.0)
+    assert isinstance(r.aggregates, Aggregates) and r.aggregates.exported_params is None
+    assert r.aggregates.layer_zero_ratio == {"a": 0.25, "b": 0.0} and r.aggregates.layer_nonfinite["b"] == 1.0
+    prov = Provenance(step=7, params=[ParamProvenance("b.weight", 1, 0, [1])], first_param="b.weight", first_layer="b")
+    assert r.provenance == prov
+    assert r.nonfinite_event == NonfiniteEvent(step=7, rows=[row], provenance=prov)
+    assert r.flight_recorder_report == "/tmp/flightrec-step7-nonfinite.json"
+    assert isinstance(r.spikes, Spikes)
+    # new form: exact round trip (compared as JSON text, which also compares NaNs)
+    line = encode_record(r)
+    assert json.loads(line)["schema"] == 2 and "extra" not in json.loads(line)
+    assert encode_record(decode_record(line)) == line
+    # and the report reads the old file
+    path = tmp_path / "old.jsonl"
+    path.write_text(_SCHEMA1_LINE)
+    (back,) = list(read_jsonl(path))
+    assert encode_record(back) == line

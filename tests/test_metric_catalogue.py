@@ -16,7 +16,7 @@ from distgrad import grouping, metrics
 from distgrad.config import DistgradConfig
 from distgrad.detectors import DETECTOR_LABELS
 from distgrad.diagnostics import Diagnostics
-from distgrad.record import ParamStats, StepRecord
+from distgrad.record import ParamStats, RankCount, ScalerState, StepRecord
 from distgrad.sinks.prometheus import PrometheusSink
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
@@ -45,19 +45,19 @@ def _sink(features: set[str]) -> PrometheusSink:
     p = ParamStats(NAMES, numel=[4, 4], sum=[0.0, np.nan if bad else 1.0], sumsq=[4.0, np.nan if bad else 2.0],
                    nan=[0, int(bad)], inf=[0, 0], zeros=[0, 1], min=[-1.0, np.nan if bad else 0.0],
                    max=[1.0, np.nan if bad else 1.0])
-    extra = {"headroom": [1e-5, np.nan]}
+    parts: dict = {"headroom": [1e-5, np.nan]}
     if "update_ratio" in f:
-        extra["update_ratio"] = {NAMES[0]: 1e-3}
+        parts["update_ratio"] = {NAMES[0]: 1e-3}
     if "replicated" in f:
-        extra["replica_mismatch_rank"] = -1
+        parts["replica_mismatch_rank"] = -1
     if "loss_scaler" in f:
-        extra.update(consecutive_overflow_steps=0, loss_scale_at_minimum=0)
+        parts["scaler"] = ScalerState(consecutive_overflow_steps=0, loss_scale_at_minimum=False)
     if bad:
-        extra["nonfinite_params"] = [{"param": NAMES[1], "rank": 1, "nan": 1, "inf": 0, "count": 1}]
+        parts["nonfinite_params"] = [RankCount(param=NAMES[1], rank=1, nan=1, inf=0, count=1)]
     rec = StepRecord(3, 3, 1.0, 2, p, float(np.sqrt(p.sumsq.sum())), loss=2.0 if "loss" in f else None,
                      loss_scale=1024.0 if "loss_scaler" in f else None,
                      overflow=False if "loss_scaler" in f else None,
-                     counters={"samples": 12} if "samples" in f else {}, extra=extra)
+                     counters={"samples": 12} if "samples" in f else {}, **parts)
     diag.on_record(rec)
     sink.write(rec)
     return sink

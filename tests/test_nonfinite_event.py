@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from distgrad.config import DistgradConfig
 from distgrad.diagnostics import Diagnostics
-from distgrad.record import ParamStats, StepRecord
+from distgrad.record import ParamStats, RankCount, StepRecord
 from distgrad.sinks.prometheus import PrometheusSink
 
 NAMES = ["embed.weight", "layers.0.w", "layers.1.w", "head.weight"]
@@ -23,9 +23,9 @@ def _rec(step, nan_in):
     sumsq = np.where(nan > 0, np.nan, 4.0)
     p = ParamStats(NAMES, numel=[4] * n, sum=[0.0] * n, sumsq=sumsq, nan=nan, inf=[0] * n, zeros=[0] * n,
                    min=np.where(nan > 0, np.nan, -1.0), max=np.where(nan > 0, np.nan, 1.0))
-    rows = [{"param": NAMES[i], "rank": 1, "nan": 1, "inf": 0, "count": 1} for i in nan_in]
-    extra = {"nonfinite_params": rows} if nan_in else {}
-    return StepRecord(step, step, float(step), 2, p, float(np.sqrt(np.sum(sumsq))), extra=extra)
+    rows = [RankCount(param=NAMES[i], rank=1, nan=1, inf=0, count=1) for i in nan_in]
+    return StepRecord(step, step, float(step), 2, p, float(np.sqrt(np.sum(sumsq))),
+                      nonfinite_params=rows if nan_in else None)
 
 
 def _series(sink, name):

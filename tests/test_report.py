@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from distgrad.cli import main
-from distgrad.record import ParamStats, StepRecord
+from distgrad.record import ParamStats, Provenance, Spikes, StepRecord, UnsampledNonfinite
 from distgrad.report import (Downsampler, RollingMadSpikes, analyze, layer_of,
                              layer_sort_key)
 from distgrad.sinks.jsonl import JsonlSink, encode_record
@@ -40,8 +40,8 @@ def param_names(n_layers: int = N_LAYERS) -> list[str]:
 
 
 def make_record(step: int, names: list[str], rng: np.random.Generator, *, nan_param: str | None = None,
-                overflow: bool = False, spike: float = 1.0, extra: dict | None = None,
-                nonfinite_ranks: list[int] | None = None) -> StepRecord:
+                overflow: bool = False, spike: float = 1.0, nonfinite_ranks: list[int] | None = None,
+                **parts) -> StepRecord:
     P = len(names)
     numel = np.full(P, 4096.0)
     sumsq = numel * rng.uniform(0.5, 1.5, P) * 1e-4 * spike ** 2
@@ -60,7 +60,7 @@ def make_record(step: int, names: list[str], rng: np.random.Generator, *, nan_pa
                       grad_norm=float(np.sqrt(sumsq.sum())), loss=float(3.0 - 1e-3 * step + 0.01 * rng.standard_normal()),
                       loss_scale=2.0 ** 14 if step > 41 else 2.0 ** 16, overflow=overflow, step_applied=not overflow,
                       counters={"sampled_steps": step + 1}, nonfinite_ranks=list(nonfinite_ranks or []),
-                      extra=dict(extra or {}))
+                      **parts)
 
 
 def write_run(path: Path, n: int = 400, nan_step: int | None = NAN_STEP, with_ratios: bool = True) -> list[str]:
@@ -68,12 +68,12 @@ def write_run(path: Path, n: int = 400, nan_step: int | None = NAN_STEP, with_ra
     names = param_names()
     with JsonlSink(path) as sink:
         for t in range(n):
-            extra = {}
+            parts = {}
             if with_ratios:
-                extra["update_ratio"] = {nm: float(rng.uniform(1e-4, 1e-2)) for nm in names[::3]}
+                parts["update_ratio"] = {nm: float(rng.uniform(1e-4, 1e-2)) for nm in names[::3]}
             sink.write(make_record(
                 t, names, rng, nan_param=NAN_PARAM if t == nan_step else None, overflow=t in OVERFLOW_STEPS,
-                spike=30.0 if t == SPIKE_STEP else 1.0, extra=extra, nonfinite_ranks=[2] if t == nan_step else None))
+                spike=30.0 if t == SPIKE_STEP else 1.0, nonfinite_ranks=[2] if t == nan_step else None, **parts))
     return names
 
 
@@ -131,24 +131,38 @@ def test_analysis_details(run_log):
     assert np.nanmax(a.scalars.max[:, 1]) > 10 * np.nanmedian(a.scalars.last[:, 1])
 
 
-def test_provenance_and_detector_spikes_from_records(tmp_path):
+@pytest.mark.parametrize("schema", [2, 1])
+def test_provenance_and_detector_spikes_from_records(tmp_path, schema):
+    """Typed records, and a file written before them (schema 1: spikes and provenance in an
+    ``extra`` object), give the same problem and spikes."""
     path = tmp_path / "run.jsonl"
     names = param_names(3)
     rng = np.random.default_rng(0)
-    prov = {"params": [{"name": names[1], "nan": 1, "inf": 0, "ranks": [0]},
-                       {"name": names[5], "nan": 7, "inf": 0, "ranks": [3, 1]}], "first_param": names[5]}
+    prov = {"step": 30, "params": [{"name": names[1], "nan": 1, "inf": 0, "ranks": [0]},
+                                   {"name": names[5], "nan": 7, "inf": 0, "ranks": [3, 1]}], "first_param": names[5]}
     with JsonlSink(path) as sink:
         for t in range(50):
-            extra = {"spikes": ["loss"] if t == 20 else []}
-            r = make_record(t, names, rng, extra=extra)
+            r = make_record(t, names, rng, spikes=Spikes(flagged=["loss"] if t == 20 else []))
             if t == 30:
                 for n, k in ((names[1], 1), (names[5], 7)):
                     j = names.index(n)
                     r.params.nan[j] = k
                     r.params.sumsq[j] = np.nan
                 r.grad_norm = math.nan
-                r.extra["provenance"] = prov
+                r.provenance = Provenance.from_dict(prov)
             sink.write(r)
+    if schema == 1:  # rewrite every line as the previous version wrote it
+        lines = []
+        for line in path.read_text().splitlines():
+            d = json.loads(line)
+            extra = {"spikes": d.pop("spikes")["flagged"]}
+            if d["provenance"] is not None:
+                extra["provenance"] = {k: v for k, v in d["provenance"].items() if k != "first_layer"}
+            d = {k: v for k, v in d.items() if k in ("step", "micro_step", "timestamp", "world_size", "params",
+                                                       "grad_norm", "loss", "loss_scale", "overflow", "step_applied",
+                                                       "counters", "replica_mismatch_ranks", "nonfinite_ranks")}
+            lines.append(json.dumps({**d, "schema": 1, "extra": extra}) + "\n")
+        path.write_text("".join(lines))
     a = analyze(path)
     p = a.first_problem
     assert (p.step, p.param, p.ranks) == (30, names[5], [1, 3])
@@ -432,8 +446,8 @@ def test_verdict_names_nonfinite_unsampled_steps(tmp_path):
     path = tmp_path / "run.jsonl"
     with JsonlSink(path) as sink:
         for i, step in enumerate(range(0, 40, 4)):  # interval 4
-            extra = {"unsampled_nonfinite": {"grad": [13, 14, 15], "loss": [15]}} if step == 16 else {}
-            r = make_record(step, names, rng, extra=extra)
+            un = UnsampledNonfinite(grad=[13, 14, 15], loss=[15]) if step == 16 else None
+            r = make_record(step, names, rng, unsampled_nonfinite=un)
             r.counters["sampled_steps"] = i + 1
             sink.write(r)
     a = analyze(path)

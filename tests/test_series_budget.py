@@ -30,7 +30,7 @@ def _record(names, grads, step):
                        max=[t.max().item() for t in g])
     return StepRecord(step=step, micro_step=step, timestamp=1.0 + step, world_size=8, params=stats,
                       grad_norm=float(np.sqrt(stats.sumsq.sum())), loss=2.0,
-                      extra={"headroom": (stats.abs_max / 3.4e38).tolist()})
+                      headroom=(stats.abs_max / 3.4e38).tolist())
 
 
 def _samples(sink):

@@ -80,7 +80,7 @@ def test_update_ratio_equals_full_weights(torch_results, key):
     equals the ratio of the full weights gathered around the step."""
     c = _case(torch_results, key)
     for rec, ref in zip(c["records"], c["ref_update_ratio"]):
-        got = rec["extra"]["update_ratio"]
+        got = rec["update_ratio"]
         assert set(got) == set(ref)
         for n, r in ref.items():
             assert got[n] == pytest.approx(r, rel=1e-4, abs=1e-12), n
@@ -149,7 +149,7 @@ def test_engine_labels_and_dtypes(torch_results, key):
     want_grad = "torch.bfloat16" if (dtype == "bf16" and engine == "ddp") else "torch.float32"
     assert c["grad_dtype"] == want_grad
     rec = StepRecord.from_dict(c["records"][0])
-    assert rec.extra["grad_dtype"] == {"torch.bfloat16": "bf16", "torch.float32": "fp32"}[want_grad]
+    assert rec.grad_dtype == {"torch.bfloat16": "bf16", "torch.float32": "fp32"}[want_grad]
 
 
 @pytest.mark.multirank
@@ -159,7 +159,7 @@ def test_healthy_replicated_run_reports_no_replica_mismatch(torch_results, key):
     assert c["counters"]["replica_mismatch"] == 0
     for rec in c["records"]:
         assert rec["replica_mismatch_ranks"] == []
-        assert rec["extra"]["replica_mismatch_rank"] == -1
+        assert rec["replica_mismatch_rank"] == -1
 
 
 @pytest.mark.multirank
@@ -171,7 +171,7 @@ def test_corrupted_ddp_gradient_on_rank_1_is_reported(torch_results):
     assert c["counters"]["replica_mismatch"] == 2
     for rec in c["records"]:
         assert rec["replica_mismatch_ranks"] == [1]
-        assert rec["extra"]["replica_mismatch_rank"] == 1
+        assert rec["replica_mismatch_rank"] == 1
 
 
 @pytest.mark.multirank
@@ -450,8 +450,9 @@ def test_diagnostics_and_tracer_are_wired(tmp_path):
     inst = distgrad.instrument(model, optimizer=opt, prometheus=False, flight_recorder_dir=str(tmp_path),
                                trace_micro_batches=1)
     records = _train(model, opt, steps=3, gas=1, inst=inst, inject_inf_at=1)
-    for key in ("grad_norm_zscore", "layer_norm", "module_kind_norm", "vanishing_params"):
-        assert key in records[0].extra, key
-    assert records[1].extra["provenance"]["first_param"] == "inp.weight"
+    assert set(records[0].spikes.zscore) == {"grad_norm", "loss"}
+    assert records[0].aggregates.layer_norm and records[0].aggregates.module_kind_norm
+    assert records[0].health is not None and records[0].health.n_vanishing == 0
+    assert records[1].provenance.first_param == "inp.weight"
     assert (tmp_path / "tracer-rank0.txt").exists()
     inst.close()

@@ -63,7 +63,7 @@ def test_nan_and_inf_on_unsampled_steps_are_counted_at_the_next_sampled_step(cap
         text = generate_latest(inst.prometheus.registry).decode()
     finally:
         inst.close()
-    got = {s: r.extra.get("unsampled_nonfinite") for s, r in recs.items()}
+    got = {s: r.unsampled_nonfinite and r.unsampled_nonfinite.to_dict() for s, r in recs.items()}
     assert got == {0: None, 3: {"grad": [1], "loss": []}, 6: {"grad": [5], "loss": [4]},
                    9: {"grad": [7, 8], "loss": []}, 12: None}
     assert math.isnan(recs[9].loss)  # the sampled step's own NaN loss
@@ -95,7 +95,7 @@ def test_fp16_overflow_steps_are_not_reported_as_unsampled_nonfinite():
         recs = drive(inst, src, range(7), overflow={1, 4})
     finally:
         inst.close()
-    assert recs[3].extra["unsampled_nonfinite"] == {"grad": [2], "loss": []}
-    assert "unsampled_nonfinite" not in recs[6].extra
+    assert recs[3].unsampled_nonfinite.to_dict() == {"grad": [2], "loss": []}
+    assert recs[6].unsampled_nonfinite is None
     c = inst.counters
     assert (c["nonfinite_unsampled_steps"], c["overflow_steps"], c["skipped_steps"]) == (1, 2, 2)

@@ -21,8 +21,8 @@ of steps (100k steps x thousands of parameters is fine). Plots need matplotlib (
 ``Figure`` + Agg canvas, no pyplot and no global backend switch; imported only by
 :func:`write_report`); :func:`analyze` and :func:`format_summary` need numpy only.
 
-Spikes: taken from the records (``extra["spikes"]`` and the other encodings of distgrad's online
-detectors listed in :class:`RecordSpikes`) when any record of the run carries detector output;
+Spikes: taken from the records (``record.spikes.flagged``, the verdict of distgrad's online
+detectors on each sampled step) when any record of the run carries detector output;
 otherwise computed here by :class:`RollingMadSpikes`, a rolling median / MAD rule on the grad norm
 and on the loss (see its docstring).
 
@@ -50,9 +50,9 @@ from distgrad.report.analysis import (ANOMALY_LABELS, MAX_MARKERS, Problem, RunA
 from distgrad.report.downsample import Downsampled, Downsampler  # noqa: F401
 from distgrad.report.layers import LayerIndex, layer_of, layer_sort_key  # noqa: F401
 from distgrad.report.page import ReportResult, write_report  # noqa: F401
-from distgrad.report.spikes import RecordSpikes, RollingMadSpikes  # noqa: F401
+from distgrad.report.spikes import RollingMadSpikes  # noqa: F401
 from distgrad.report.text import format_summary, worst_layers  # noqa: F401
 
 __all__ = ["analyze", "RunAnalyzer", "RunAnalysis", "Problem", "ANOMALY_LABELS", "MAX_MARKERS", "format_summary",
            "worst_layers", "write_report", "ReportResult", "Downsampler", "Downsampled", "LayerIndex", "layer_of",
-           "layer_sort_key", "RollingMadSpikes", "RecordSpikes"]
+           "layer_sort_key", "RollingMadSpikes"]

@@ -6,14 +6,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
 from distgrad.record import StepRecord
 from distgrad.report.downsample import Downsampled, Downsampler
 from distgrad.report.layers import LayerIndex, layer_of, layer_sort_key
-from distgrad.report.spikes import RecordSpikes, RollingMadSpikes, _to_float
+from distgrad.report.spikes import RollingMadSpikes, _to_float
 from distgrad.watch import step_ranges
 
 #: At most this many spike markers / example steps are kept (the first ones); counts stay exact.
@@ -81,7 +81,7 @@ class RunAnalysis:
             with a non-finite element in the layer.
         update_ratio: downsampled per-layer max update-to-weight ratio, or None if never present.
         spikes: up to :data:`MAX_MARKERS` ``(step, metric, value)`` with metric ``grad_norm``/``loss``.
-        spikes_source: ``"record"`` (from ``extra["spikes"]``) or ``"rolling-mad"`` (computed).
+        spikes_source: ``"record"`` (from ``record.spikes``) or ``"rolling-mad"`` (computed).
     """
 
     path: str
@@ -178,7 +178,7 @@ class RunAnalyzer:
         self._spikes_mad: list[tuple[int, str, float]] = []
         self._n_spk_rec = {"grad_norm": 0, "loss": 0}
         self._n_spk_mad = {"grad_norm": 0, "loss": 0}
-        self._rec_spikes = RecordSpikes()
+        self._rec_spikes_seen = False  # a record carried the online detectors' output
         self._mask_src: np.ndarray | None = None
         self._mask = np.zeros(0, bool)
         self._mask_all = True
@@ -234,11 +234,11 @@ class RunAnalyzer:
 
     def _unsampled(self, r: StepRecord, step: int) -> None:
         """Non-finite gradients / losses the instrument flagged on steps it did not sample."""
-        un = r.extra.get("unsampled_nonfinite") if isinstance(r.extra, dict) else None
-        if not isinstance(un, dict):
+        un = r.unsampled_nonfinite
+        if un is None:
             return
-        grad = sorted(int(s) for s in un.get("grad") or [])
-        loss = sorted(int(s) for s in un.get("loss") or [])
+        grad = sorted(int(s) for s in un.grad)
+        loss = sorted(int(s) for s in un.loss)
         if grad:
             self._counts["nonfinite_unsampled"] += len(grad)
             self._first_of.setdefault("nonfinite_unsampled", grad[0])
@@ -319,8 +319,9 @@ class RunAnalyzer:
                 self._n_spk_mad[metric] += 1
                 if len(self._spikes_mad) < MAX_MARKERS:
                     self._spikes_mad.append((step, metric, float(v)))
-        if r.extra:
-            for metric in sorted(self._rec_spikes.update(r.extra)):
+        if r.spikes is not None:
+            self._rec_spikes_seen = True
+            for metric in sorted(set(r.spikes.flagged) & {"grad_norm", "loss"}):
                 self._n_spk_rec[metric] += 1
                 if len(self._spikes_rec) < MAX_MARKERS:
                     self._spikes_rec.append((step, metric, gn if metric == "grad_norm" else loss))
@@ -352,7 +353,7 @@ class RunAnalyzer:
             self._seen_layer |= mask
 
         # ---- update-to-weight ratios
-        ur = r.extra.get("update_ratio")
+        ur = r.update_ratio
         if isinstance(ur, dict) and ur:
             names = list(ur.keys())
             uidx = self._li.map(names)
@@ -371,33 +372,24 @@ class RunAnalyzer:
     def _nonfinite_problem(self, r: StepRecord, idx: np.ndarray) -> Problem:
         """Parameter and ranks of a non-finite step.
 
-        Parameter: ``extra["provenance"]["first_param"]`` when present, else -- the origin rule of
+        Parameter: ``record.provenance.first_param`` when present, else -- the origin rule of
         :mod:`distgrad.flight_recorder` -- the non-finite parameter that comes *last* in the
         record's (registration = forward) order. Ranks: ``record.nonfinite_ranks`` plus the ranks
-        that ``extra["provenance"]["params"]`` (``{"name", "nan", "inf", "ranks"}`` rows) or
-        ``extra["nonfinite_params"]`` (``{"param", "rank", ...}`` rows) give for that parameter.
+        that ``record.provenance.params`` or ``record.nonfinite_params`` give for that parameter.
         """
         p = r.params
         nf = p.nonfinite
-        prov = r.extra.get("provenance") if isinstance(r.extra.get("provenance"), dict) else None
-        name: str | None = None
-        if prov and isinstance(prov.get("first_param"), str):
-            name = prov["first_param"]
+        prov = r.provenance
+        name: str | None = prov.first_param if prov is not None else None
         if name is None:
             hit = np.flatnonzero(nf > 0)
             if hit.size:
                 name = p.names[int(hit[-1])]
         ranks = {int(x) for x in r.nonfinite_ranks}
-        rows: list[Any] = []
-        if prov and isinstance(prov.get("params"), list):
-            rows += [e for e in prov["params"] if isinstance(e, dict) and e.get("name") == name]
-        if isinstance(r.extra.get("nonfinite_params"), list):
-            rows += [e for e in r.extra["nonfinite_params"] if isinstance(e, dict) and e.get("param") == name]
-        for e in rows:
-            if isinstance(e.get("ranks"), list):
-                ranks.update(int(x) for x in e["ranks"])
-            if isinstance(e.get("rank"), (int, float)):
-                ranks.add(int(e["rank"]))
+        for e in (prov.params if prov is not None else []):
+            if e.name == name:
+                ranks.update(int(x) for x in e.ranks)
+        ranks.update(int(e.rank) for e in (r.nonfinite_params or []) if e.param == name)
         ranks = sorted(ranks)
         n_params = int(np.count_nonzero(nf > 0))
         if name is not None:
@@ -429,7 +421,7 @@ class RunAnalyzer:
             upd = Downsampled(u.step_first, u.step_last, u.records, u.min[:, o], u.max[:, o],
                               u.last[:, o], u.counts, u.width)
         counts = dict(self._counts)
-        if self._rec_spikes.seen:
+        if self._rec_spikes_seen:
             spikes, src = self._spikes_rec, "record"
             counts["grad_norm_spikes"] = self._n_spk_rec["grad_norm"]
             counts["loss_spikes"] = self._n_spk_rec["loss"]

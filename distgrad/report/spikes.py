@@ -1,6 +1,6 @@
 """Spikes in the report: distgrad's online detectors' output read from the records
-(:class:`RecordSpikes`), or, when a run carries none, the rolling median / MAD rule
-(:class:`RollingMadSpikes`)."""
+(``record.spikes.flagged``, see :mod:`distgrad.report.analysis`), or, when a run carries none,
+the rolling median / MAD rule (:class:`RollingMadSpikes`)."""
 
 from __future__ import annotations
 
@@ -52,79 +52,6 @@ class RollingMadSpikes:
         self._buf.append(x)
         self._since += 1
         return spike
-
-
-def _spike_metrics(obj: Any) -> set[str]:
-    """Metrics (``"grad_norm"``, ``"loss"``) flagged by a ``record.extra["spikes"]`` value.
-
-    Accepted forms: a list of metric names (``["grad_norm"]``), of dicts with a ``metric`` /
-    ``series`` / ``name`` / ``kind`` key, a dict ``{metric: truthy}`` (or one dict with a
-    ``metric`` key), or ``True`` (meaning the grad norm). Any name containing ``"loss"`` is the
-    loss; any other the grad norm.
-    """
-    names: list[str] = []
-    if obj is True:
-        names = ["grad_norm"]
-    elif isinstance(obj, dict):
-        m = next((obj[k] for k in ("metric", "series", "name", "kind") if isinstance(obj.get(k), str)), None)
-        if m is not None:
-            names = [m]
-        else:
-            names = [str(k) for k, v in obj.items() if v]
-    elif isinstance(obj, (list, tuple)):
-        for it in obj:
-            if isinstance(it, str):
-                names.append(it)
-            elif isinstance(it, dict):
-                m = next((it[k] for k in ("metric", "series", "name", "kind") if isinstance(it.get(k), str)), None)
-                names.append(m if m is not None else "grad_norm")
-            elif it:
-                names.append("grad_norm")
-    return {"loss" if "loss" in n.lower() else "grad_norm" for n in names}
-
-
-class RecordSpikes:
-    """Spikes flagged by distgrad's online detectors, read from ``record.extra``.
-
-    Three encodings are understood (a record may carry any of them):
-
-    * ``extra["spikes"]``: see :func:`_spike_metrics`;
-    * ``extra["<series>_spikes_total"] = {detector: int}`` (cumulative counts, as exported by the
-      Prometheus sink): a spike whenever any detector's count grew since the previous record
-      that carried it (the first such record is the baseline);
-    * ``extra["<series>"] = {"spike": {detector: bool}, ...}`` (``SpikeMonitor.summary()``).
-
-    ``<series>`` is ``grad_norm`` or ``loss``. :attr:`seen` becomes True once any record carried
-    detector output, which makes the report use these spikes instead of :class:`RollingMadSpikes`.
-    """
-
-    SERIES = ("grad_norm", "loss")
-
-    def __init__(self) -> None:
-        self.seen = False
-        self._prev: dict[str, dict[str, float]] = {}
-
-    def update(self, extra: dict[str, Any]) -> set[str]:
-        """Series flagged on this record (subset of ``{"grad_norm", "loss"}``)."""
-        out: set[str] = set()
-        if "spikes" in extra:
-            self.seen = True
-            out |= _spike_metrics(extra.get("spikes"))
-        for series in self.SERIES:
-            tot = extra.get(f"{series}_spikes_total")
-            if isinstance(tot, dict):
-                self.seen = True
-                cur = {str(k): _to_float(v) for k, v in tot.items()}
-                prev = self._prev.get(series)
-                if prev is not None and any(v > prev.get(k, 0.0) for k, v in cur.items()):
-                    out.add(series)
-                self._prev[series] = cur
-            mon = extra.get(series)
-            if isinstance(mon, dict) and isinstance(mon.get("spike"), dict):
-                self.seen = True
-                if any(bool(v) for v in mon["spike"].values()):
-                    out.add(series)
-        return out
 
 
 def _to_float(v: Any) -> float:

@@ -44,14 +44,16 @@ from distgrad.sinks.base import Sink, SinkError
 log = logging.getLogger("distgrad")
 
 #: Version of the line format written by :class:`JsonlSink` (the ``"schema"`` key of each line).
-SCHEMA_VERSION = 1
+#: 2: the diagnostics as typed parts (``"spikes"``, ``"health"``, ...); 1: in an ``"extra"``
+#: object. Both are read (:meth:`StepRecord.from_dict`).
+SCHEMA_VERSION = 2
 
 _DEFAULT_MAX_BYTES = 128 * 1024 * 1024
 _DEFAULT_BACKUPS = 8
 
 
 def _json_default(o: Any) -> Any:
-    """Convert the numpy scalars/arrays that may hide in ``extra`` or ``counters``."""
+    """Convert the numpy scalars/arrays that may hide in the record's parts or ``counters``."""
     if isinstance(o, np.bool_):
         return bool(o)
     if isinstance(o, np.integer):
@@ -69,7 +71,7 @@ def encode_record(record: StepRecord) -> bytes:
     """One JSONL line (UTF-8, terminated by ``b"\\n"``) for ``record``.
 
     Raises:
-        TypeError: if ``record.extra`` holds something JSON cannot represent.
+        TypeError: if a field holds something JSON cannot represent.
     """
     d = {"schema": SCHEMA_VERSION}
     d.update(record.to_dict())
@@ -135,7 +137,7 @@ class JsonlSink(Sink):
     available as :attr:`lost_records`. Each failure kind (open, write, rotate, path vanished) is
     logged once, without a traceback, until the sink recovers; the recovery is logged with the
     number and step range of the records lost. ``write`` raises ``ValueError`` after ``close``
-    and ``TypeError`` for non-JSON ``extra`` contents. Thread-safe.
+    and ``TypeError`` for non-JSON field contents. Thread-safe.
     """
 
     name = "jsonl"
@@ -183,7 +185,7 @@ class JsonlSink(Sink):
 
         Raises:
             SinkError: the record was lost (I/O failure, or waiting to retry); already logged.
-            ValueError: the sink is closed. TypeError: ``extra`` holds a non-JSON value.
+            ValueError: the sink is closed. TypeError: a record field holds a non-JSON value.
         """
         line = encode_record(record)
         with self._lock:

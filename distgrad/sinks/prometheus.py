@@ -15,7 +15,7 @@ import errno
 import logging
 import socket
 import threading
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
@@ -49,20 +49,27 @@ _PARAM_GAUGES = {
     "distgrad_param_grad_min": "min", "distgrad_param_grad_max": "max", "distgrad_param_grad_abs_max": "abs_max",
     "distgrad_param_grad_zero_ratio": "zero_ratio",
 }
-#: unlabelled gauges read from ``StepRecord.extra`` (absent key or None: no series)
-_EXTRA_GAUGES = {
-    "distgrad_replica_mismatch_rank": "replica_mismatch_rank", "distgrad_clip_ratio": "clip_ratio",
-    "distgrad_post_clip_norm": "post_clip_norm", "distgrad_loss_scale_at_minimum": "loss_scale_at_minimum",
-    "distgrad_consecutive_overflow_steps": "consecutive_overflow_steps",
-    "distgrad_vanishing_params": "vanishing_params", "distgrad_exploding_params": "exploding_params",
+#: unlabelled gauges read from the record's typed parts (None, e.g. part absent: no series)
+_PART_GAUGES: dict[str, Callable[[StepRecord], Any]] = {
+    "distgrad_replica_mismatch_rank": lambda r: r.replica_mismatch_rank,
+    "distgrad_clip_ratio": lambda r: r.clip.ratio if r.clip else None,
+    "distgrad_post_clip_norm": lambda r: r.clip.post_clip_norm if r.clip else None,
+    "distgrad_loss_scale_at_minimum": lambda r: r.scaler.loss_scale_at_minimum if r.scaler else None,
+    "distgrad_consecutive_overflow_steps": lambda r: r.scaler.consecutive_overflow_steps if r.scaler else None,
+    "distgrad_vanishing_params": lambda r: r.health.n_vanishing if r.health else None,
+    "distgrad_exploding_params": lambda r: r.health.n_exploding if r.health else None,
 }
-#: ``{label value: number}`` dicts of ``StepRecord.extra`` with one label
-_EXTRA_MAPS = {
-    "distgrad_layer_grad_norm": "layer_norm", "distgrad_layer_grad_nonfinite": "layer_nonfinite",
-    "distgrad_layer_grad_zero_ratio": "layer_zero_ratio", "distgrad_layer_grad_headroom_ratio": "layer_headroom",
-    "distgrad_module_kind_grad_norm": "module_kind_norm",
-    "distgrad_grad_norm_zscore": "grad_norm_zscore", "distgrad_loss_zscore": "loss_zscore",
-    "distgrad_grad_norm_spikes_total": "grad_norm_spikes_total", "distgrad_loss_spikes_total": "loss_spikes_total",
+#: ``{label value: number}`` dicts of the record's typed parts with one label
+_PART_MAPS: dict[str, Callable[[StepRecord], Any]] = {
+    "distgrad_layer_grad_norm": lambda r: r.aggregates.layer_norm if r.aggregates else None,
+    "distgrad_layer_grad_nonfinite": lambda r: r.aggregates.layer_nonfinite if r.aggregates else None,
+    "distgrad_layer_grad_zero_ratio": lambda r: r.aggregates.layer_zero_ratio if r.aggregates else None,
+    "distgrad_layer_grad_headroom_ratio": lambda r: r.aggregates.layer_headroom if r.aggregates else None,
+    "distgrad_module_kind_grad_norm": lambda r: r.aggregates.module_kind_norm if r.aggregates else None,
+    "distgrad_grad_norm_zscore": lambda r: r.spikes.zscore.get("grad_norm") if r.spikes else None,
+    "distgrad_loss_zscore": lambda r: r.spikes.zscore.get("loss") if r.spikes else None,
+    "distgrad_grad_norm_spikes_total": lambda r: r.spikes.total.get("grad_norm") if r.spikes else None,
+    "distgrad_loss_spikes_total": lambda r: r.spikes.total.get("loss") if r.spikes else None,
 }
 
 
@@ -111,9 +118,10 @@ class DistgradCollector(Collector):
         with self._lock:
             if record is not None:
                 self._record = record
-                event = record.extra.get("nonfinite_event")
+                event = record.nonfinite_event
                 if event:  # the first step of the last non-finite streak, kept after it ends
-                    self._last_nonfinite = (list(event["rows"]), event["provenance"])
+                    self._last_nonfinite = ([r.to_dict() for r in event.rows],
+                                            event.provenance.to_dict() if event.provenance else {})
                 self.body_version += 1
             new = {k: int(v) for k, v in counters.items() if k in self._counters}
             if any(self._counters[k] != v for k, v in new.items()):
@@ -196,13 +204,13 @@ def _record_metrics(rec: StepRecord) -> Iterable[Metric]:
         "distgrad_grad_norm": rec.grad_norm, "distgrad_optimizer_step": rec.step,
         "distgrad_last_sample_timestamp_seconds": rec.timestamp, "distgrad_loss": rec.loss,
         "distgrad_loss_scale": rec.loss_scale,
-        **{name: rec.extra.get(key) for name, key in _EXTRA_GAUGES.items()},
+        **{name: get(rec) for name, get in _PART_GAUGES.items()},
     }
     for name, v in singles.items():
         if v is not None:
             yield metrics.family(name, value=float(v))
 
-    selected = rec.extra.get("exported_params")
+    selected = rec.aggregates.exported_params if rec.aggregates is not None else None
     # parameters without a gradient anywhere this step (unused; numel 0 after the reduction)
     # have no statistics: no series rather than a misleading 0
     idx = [i for i in (range(len(p.names)) if selected is None else selected) if p.numel[i] > 0]
@@ -217,21 +225,21 @@ def _record_metrics(rec: StepRecord) -> Iterable[Metric]:
         fam.add_metric([p.names[i], "nan"], float(p.nan[i]))
         fam.add_metric([p.names[i], "inf"], float(p.inf[i]))
     yield fam
-    headroom = rec.extra.get("headroom")
+    headroom = rec.headroom
     if headroom is not None:
         fam = metrics.family("distgrad_param_grad_headroom_ratio")
         for i in idx:
             fam.add_metric([p.names[i]], float(headroom[i]))
         yield fam
-    for name, key in _EXTRA_MAPS.items():
-        vals = rec.extra.get(key)
+    for name, get in _PART_MAPS.items():
+        vals = get(rec)
         # spike counters are served from the first sample on, even before any loss was seen
         if vals or (vals is not None and name.endswith("_total")):
             fam = metrics.family(name)
             for label, v in vals.items():
                 fam.add_metric([label], float(v))
             yield fam
-    ratios = rec.extra.get("update_ratio")
+    ratios = rec.update_ratio
     if ratios:
         fam = metrics.family("distgrad_param_update_ratio")
         for i in idx:

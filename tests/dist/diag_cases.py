@@ -46,15 +46,17 @@ def _engine(stage: int, dtype: str, **ds_extra):
 
 
 def _slim(rec) -> dict:
-    x = rec.extra
+    sc = rec.scaler
     return {"step": rec.step, "grad_norm": rec.grad_norm, "loss": rec.loss, "loss_scale": rec.loss_scale,
             "overflow": rec.overflow, "step_applied": rec.step_applied, "counters": dict(rec.counters),
-            "nonfinite_ranks": rec.nonfinite_ranks, "spikes": x.get("spikes"),
-            "grad_norm_spikes_total": x.get("grad_norm_spikes_total"),
-            "loss_spikes_total": x.get("loss_spikes_total"), "vanishing": x.get("vanishing"),
-            "provenance": x.get("provenance"), "report": x.get("flight_recorder_report"),
-            "extra_keys": sorted(x), "consecutive_overflow_steps": x.get("consecutive_overflow_steps"),
-            "loss_scale_at_minimum": x.get("loss_scale_at_minimum")}
+            "nonfinite_ranks": rec.nonfinite_ranks, "spikes": rec.spikes.flagged,
+            "grad_norm_spikes_total": rec.spikes.total["grad_norm"],
+            "loss_spikes_total": rec.spikes.total["loss"], "vanishing": rec.health.vanishing,
+            "provenance": rec.provenance.to_dict() if rec.provenance else None, "report": rec.flight_recorder_report,
+            # the record's fields that are set (not None)
+            "set_fields": sorted(k for k, v in rec.to_dict().items() if v is not None),
+            "consecutive_overflow_steps": sc.consecutive_overflow_steps if sc else None,
+            "loss_scale_at_minimum": int(sc.loss_scale_at_minimum) if sc else None}
 
 
 def faults_case(rank: int, out_dir: str) -> dict:

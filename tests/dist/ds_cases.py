@@ -155,7 +155,7 @@ def update_ratio_case(stage: int, dtype: str, rank: int) -> dict:
         dt = {"bf16": torch.bfloat16}.get(dtype, torch.float32)
         engine.backward(engine(x.to(dt), y))
         engine.step()
-        got.append(inst.last_record.extra.get("update_ratio"))
+        got.append(inst.last_record.update_ratio)
     inst.close()
     return {"got": got, "ref": snaps}
 
@@ -261,7 +261,8 @@ def special_cases(rank: int, world: int) -> dict:
         engine.backward(engine(x, y))
         engine.step()
     out["unsampled_nan"] = {"step": inst.last_record.step,
-                            "reported": inst.last_record.extra.get("unsampled_nonfinite"),
+                            "reported": (inst.last_record.unsampled_nonfinite
+                                         and inst.last_record.unsampled_nonfinite.to_dict()),
                             "counters": dict(inst.counters)}
     inst.close()
 

@@ -342,7 +342,7 @@ def run_unsampled_nonfinite(rank: int, world: int) -> dict:
     for fn in originals:
         setattr(dist, fn, counting(fn))
     reported, per_step = {}, []
-    inst.add_hook(lambda r: reported.__setitem__(r.step, r.extra.get("unsampled_nonfinite")))
+    inst.add_hook(lambda r: reported.__setitem__(r.step, r.unsampled_nonfinite and r.unsampled_nonfinite.to_dict()))
     try:
         for step in range(5):
             state["step"] = step
