@@ -23,7 +23,7 @@ With FSDP / DDP / plain PyTorch (``torch.save`` or ``torch.distributed.checkpoin
 
     torch.save({"model": ..., "optim": ..., "distgrad": dg.state_dict()}, path)   # rank 0
     ...
-    dg.load_state_dict(torch.load(path, weights_only=False)["distgrad"])         # every rank
+    dg.load_state_dict(torch.load(path)["distgrad"])                             # every rank
 """
 
 from __future__ import annotations

@@ -493,7 +493,8 @@ class SpikeMonitor:
         return out
 
     def summary(self) -> dict[str, Any]:
-        """JSON-serialisable view of the last update, for ``StepRecord.extra[name]``::
+        """JSON-serialisable view of the last update (the record carries
+        :class:`distgrad.record.Spikes`)::
 
             {"zscore": {"ema": float, "window": float},
              "spike": {"ema": bool, "window": bool},

@@ -72,7 +72,7 @@ class HealthReport:
         return len(self.exploding)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable form, for ``StepRecord.extra["health"]``."""
+        """JSON-serialisable form (the record carries :class:`distgrad.record.Health`)."""
         return {
             "vanishing": list(self.vanishing),
             "exploding": list(self.exploding),

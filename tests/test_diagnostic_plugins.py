@@ -129,7 +129,8 @@ def test_register_rejects_a_nameless_or_taken_name():
     assert len(REGISTRY) == n
 
 
-def test_instrument_state_round_trip_and_refusals():
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, on purpose
+def test_instrument_state_round_trip_and_refusals(tmp_path):
     torch.manual_seed(0)
 
     def run(dg, m, opt, steps):
@@ -154,7 +155,15 @@ def test_instrument_state_round_trip_and_refusals():
     opt2 = torch.optim.SGD(m2.parameters(), lr=0.01)
     dg2 = distgrad.instrument(m2, optimizer=opt2, prometheus=False, spike_ema_warmup=3, spike_window=4)
     try:
-        dg2.load_state_dict(json.loads(json.dumps(sd)))
+        # the documented carriers: torch.save / torch.load (weights_only default) and DCP (one JSON string)
+        torch.save({"distgrad": sd}, tmp_path / "ckpt.pt")
+        assert json.dumps(torch.load(tmp_path / "ckpt.pt")["distgrad"]) == json.dumps(sd)
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"distgrad": json.dumps(sd)}, checkpoint_id=str(tmp_path / "dcp"))
+        holder = {"distgrad": ""}
+        dcp.load(holder, checkpoint_id=str(tmp_path / "dcp"))
+        dg2.load_state_dict(json.loads(holder["distgrad"]))
         assert dg2.counters["sampled_steps"] == 6
         assert dg2.diagnostics.monitors["grad_norm"].state_dict() == dg.diagnostics.monitors["grad_norm"].state_dict()
         with pytest.raises(ValueError, match="Instrument.state_dict"):

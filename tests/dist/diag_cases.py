@@ -10,6 +10,10 @@ reduced local shards (the training itself is untouched, so later steps stay heal
 Case "fp16" (ZeRO-2 fp16, hysteresis 1): a real +Inf in a gradient during backward on rank 1 at
 step 3: DeepSpeed overflows, skips the step and halves the loss scale.
 Case "bf16" (ZeRO-2 bf16): a NaN in distgrad's view at step 2: counted, no loss-scale wording.
+Case "resume" (ZeRO-2 fp32): the same 14 steps (a x100 grad-norm spike at step 11) run straight
+through, and run with a DeepSpeed checkpoint at step 8 carrying ``Instrument.state_dict()`` in
+its client_state, then a restart on a fresh engine (other initial weights) loaded from it, with
+and without restoring distgrad's state.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ from common import TinyModel, batch_for  # noqa: E402
 from ds_cases import ds_config  # noqa: E402
 
 
-def _engine(stage: int, dtype: str, **ds_extra):
-    torch.manual_seed(7)
+def _engine(stage: int, dtype: str, seed: int = 7, **ds_extra):
+    torch.manual_seed(seed)
     model = TinyModel()
     cfg = ds_config(stage, dtype, 1)
     cfg["optimizer"]["params"]["lr"] = 1e-4
@@ -160,6 +164,59 @@ def bf16_case(rank: int) -> dict:
     return {"records": recs, "metrics_text": texts[2]}
 
 
+RESUME_STEPS, RESUME_CUT, RESUME_SPIKE = 14, 8, 11
+_RESUME_KNOBS = dict(prometheus=False, spike_ema_warmup=4, spike_window=5, health_patience=2)
+
+
+def _resume_train(engine, inst, steps, rank: int) -> list[dict]:
+    real = inst.source.local_pieces
+    state = {"step": 0}
+
+    def view():  # a x100 grad-norm spike in distgrad's view (training untouched)
+        pieces = real()
+        return [p * 100.0 if p is not None and state["step"] == RESUME_SPIKE else p for p in pieces]
+    inst.source.local_pieces = view
+    out = []
+    for step in steps:
+        state["step"] = step
+        x, y = batch_for(step, 0, rank)
+        engine.backward(engine(x, y))
+        engine.step()
+        r = inst.last_record
+        out.append({"step": r.step, "grad_norm": r.grad_norm, "loss": r.loss, "spikes": r.spikes.to_dict(),
+                    "health": r.health.to_dict(), "counters": dict(r.counters)})
+    return out
+
+
+def resume_case(rank: int, ckpt_dir: str) -> dict:
+    engine = _engine(2, "fp32")
+    inst = distgrad.instrument(engine, **_RESUME_KNOBS)
+    straight = _resume_train(engine, inst, range(RESUME_STEPS), rank)
+    straight_state = inst.state_dict()
+    inst.close()
+
+    engine = _engine(2, "fp32")
+    inst = distgrad.instrument(engine, **_RESUME_KNOBS)
+    first = _resume_train(engine, inst, range(RESUME_CUT), rank)
+    engine.save_checkpoint(ckpt_dir, tag="cut", client_state={"distgrad": inst.state_dict()})
+    inst.close()
+
+    runs = {}
+    for restore in (True, False):  # restart: a fresh engine from the checkpoint
+        engine = _engine(2, "fp32", seed=99)
+        _, client = engine.load_checkpoint(ckpt_dir, tag="cut")
+        inst = distgrad.instrument(engine, **_RESUME_KNOBS)
+        if restore:
+            inst.load_state_dict(client["distgrad"])
+        runs[restore] = _resume_train(engine, inst, range(RESUME_CUT, RESUME_STEPS), rank)
+        if restore:
+            resumed_state = inst.state_dict()
+        inst.close()
+    return {"straight": straight, "first": first, "resumed": runs[True], "not_restored": runs[False],
+            "cut": RESUME_CUT, "spike_step": RESUME_SPIKE,
+            "straight_state": straight_state["diagnostics"], "resumed_state": resumed_state["diagnostics"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -171,7 +228,8 @@ def main() -> None:
     out_dir = os.path.join(os.path.dirname(args.out), "flightrec")
     results = {}
     for name, fn in (("faults", lambda: faults_case(rank, out_dir)), ("fp16", lambda: fp16_case(rank)),
-                     ("bf16", lambda: bf16_case(rank))):
+                     ("bf16", lambda: bf16_case(rank)),
+                     ("resume", lambda: resume_case(rank, os.path.join(os.path.dirname(args.out), "ckpt")))):
         try:
             results[name] = fn()
         except Exception as e:  # noqa: BLE001
