@@ -31,7 +31,9 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
             ``ShardedGradScaler``) whose ``scaler.step(optimizer)`` the loop calls; gives the loss
             scale and overflow (skipped) steps. Statistics are of the unscaled gradients.
             Without it, steps the scaler skips never reach ``optimizer.step`` and go unseen.
-        **overrides: individual config keys, applied on top (e.g. ``port=0``, ``interval=10``).
+        **overrides: config settings applied on top: a section as a dict, merged key by key
+            (``exporter={"port": 0}``), a dotted key (``**{"exporter.port": 0}``), or an old flat
+            key (``port=0``, with a deprecation warning); see ``docs/configuration.md``.
 
     Must be called on every rank (it makes one small collective to agree that set-up worked and
     that every rank has the same model and collective settings; with ``enabled: false`` too, so
@@ -68,9 +70,7 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
         raw = getattr(section, "_param_dict", None) if section is not None else None
         if isinstance(raw, Mapping) and "distgrad" in raw:
             config = raw["distgrad"]
-    cfg = DistgradConfig.load(config)
-    if overrides:
-        cfg = DistgradConfig.from_dict({**cfg.to_dict(), **overrides})
+    cfg = DistgradConfig.load(config).with_overrides(overrides)
 
     deepspeed = is_deepspeed_engine(engine)
     if deepspeed:
@@ -96,7 +96,7 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
             attach_deepspeed(inst, engine, source)
             _mark(inst, engine)
         else:
-            # torch loops clip in user code (clip_grad_norm_): the clip ratio uses config.max_grad_norm
+            # torch loops clip in user code (clip_grad_norm_): the clip ratio uses config.clip.max_grad_norm
             inst.attach_diagnostics(source.user_module(engine), None)
             inst.boundary = attach_torch(inst, source, engine, optimizer, scaler)
             _mark(inst, engine, optimizer)

@@ -31,6 +31,11 @@ from typing import Any
 
 import numpy as np
 
+from distgrad.config.sections import SpikesConfig
+
+#: the defaults below are the configuration's (``spikes`` section): one default per setting
+_SPIKES = SpikesConfig()
+
 __all__ = [
     "DETECTOR_LABELS",
     "DetectorResult",
@@ -182,9 +187,9 @@ class EmaZScoreDetector(_RateMixin):
 
     def __init__(
         self,
-        alpha: float = 0.97,
-        z_threshold: float = 2.5,
-        warmup: int = 25,
+        alpha: float = _SPIKES.ema_alpha,
+        z_threshold: float = _SPIKES.ema_z,
+        warmup: int = _SPIKES.ema_warmup,
         eps: float = 1e-6,
         on_spike: str = "clip",
         rate_window: int = 1000,
@@ -338,8 +343,8 @@ class WindowSpikeDetector(_RateMixin):
 
     def __init__(
         self,
-        window: int = 128,
-        k_sigma: float = 6.0,
+        window: int = _SPIKES.window,
+        k_sigma: float = _SPIKES.window_sigma,
         min_samples: int | None = None,
         min_std: float = 1e-10,
         rate_window: int = 1000,

@@ -39,6 +39,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from distgrad.config.sections import FlightRecorderConfig
 from distgrad.record import StepRecord
 
 __all__ = ["FlightRecorder", "provenance_from", "load_dump"]
@@ -199,7 +200,8 @@ class FlightRecorder:
     ~4 MiB. Records must not be mutated after :meth:`record` if the dump is to reflect them.
 
     Args:
-        capacity: records kept (>= 1); older ones are dropped first.
+        capacity: records kept (>= 1; default: the ``flight_recorder.steps`` default, 64); older ones
+            are dropped first.
         out_dir: directory for dumps; created on the first dump.
         config: run configuration copied into every dump (JSON-serialisable; numpy / paths are
             converted, anything else is written as its ``repr``).
@@ -214,7 +216,7 @@ class FlightRecorder:
 
     def __init__(
         self,
-        capacity: int = 64,
+        capacity: int = FlightRecorderConfig().steps,
         out_dir: str | Path = ".",
         config: dict[str, Any] | None = None,
         dump_on_overflow: bool = True,

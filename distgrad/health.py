@@ -27,6 +27,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from distgrad.config.sections import HealthConfig
+
+#: the defaults below are the configuration's (``health`` section): one default per setting
+_HEALTH = HealthConfig()
+
 __all__ = [
     "HealthReport",
     "LayerHealth",
@@ -106,13 +111,18 @@ class LayerHealth:
     and unflagged on the first finite sample that does not qualify.
 
     Args:
-        vanish_threshold: gradient-norm floor (gradient units; >= 0). 1e-8 by default: far below
-            fp32/bf16 gradient noise of any trained layer, while an exactly-zero or underflowed
-            gradient (dead unit, detached branch, fp16 underflow) is caught.
+        vanish_threshold: gradient-norm floor (gradient units; >= 0). Default: the ``health``
+            section's (1e-10): far below fp32/bf16 gradient noise of any trained layer, while an
+            exactly-zero or underflowed gradient (dead unit, detached branch, fp16 underflow) is
+            caught.
         explode_threshold: gradient-norm ceiling (gradient units, > vanish_threshold), or None to
-            disable. Default 1e2: LLM runs usually clip the *global* norm at 1.0, so a single
-            tensor 100x above that for ``patience`` samples is a real divergence. Tune per model.
-        patience: consecutive samples required (>= 1).
+            disable. Default: the ``health`` section's (1e3): LLM runs usually clip the *global*
+            norm at 1.0, so a single tensor 1000x above that for ``patience`` samples is a real
+            divergence. Tune per model.
+        patience: consecutive samples required (>= 1); default the ``health`` section's (3).
+
+    :meth:`from_config` builds one from an already validated ``health`` section (no second
+    check).
 
     Raises:
         ValueError: on invalid thresholds / patience, and in :meth:`update` when ``names`` and
@@ -121,9 +131,9 @@ class LayerHealth:
 
     def __init__(
         self,
-        vanish_threshold: float = 1e-8,
-        explode_threshold: float | None = 1e2,
-        patience: int = 3,
+        vanish_threshold: float = _HEALTH.vanish_threshold,
+        explode_threshold: float | None = _HEALTH.explode_threshold,
+        patience: int = _HEALTH.patience,
     ) -> None:
         if not (vanish_threshold >= 0.0 and math.isfinite(vanish_threshold)):
             raise ValueError(f"vanish_threshold must be finite and >= 0, got {vanish_threshold}")
@@ -139,6 +149,16 @@ class LayerHealth:
         self.explode_threshold = None if explode_threshold is None else float(explode_threshold)
         self.patience = int(patience)
         self.reset()
+
+    @classmethod
+    def from_config(cls, cfg: HealthConfig) -> "LayerHealth":
+        """From the ``health`` section of :class:`~distgrad.config.DistgradConfig`, which was
+        validated when the configuration was built (so it is not checked again here)."""
+        self = cls.__new__(cls)
+        self.vanish_threshold, self.explode_threshold = cfg.vanish_threshold, cfg.explode_threshold
+        self.patience = cfg.patience
+        self.reset()
+        return self
 
     def reset(self) -> None:
         """Forget all streaks and counts."""

@@ -122,11 +122,11 @@ class Instrument:
         #: sampled steps not exported because a rank could not vouch for its gradients, by the
         #: reason of the lowest such rank (``distgrad_refused_steps_total{reason}``; same on every rank)
         self.refused_steps: dict[str, int] = {}
-        self._watcher = UnsampledWatch(config.interval)  # non-finite flags of unsampled steps
+        self._watcher = UnsampledWatch(config.sampling.interval)  # non-finite flags of unsampled steps
         self._unsampled: dict[str, list[int]] | None = None
         self._unsampled_logged = False
         self.diagnostics = None
-        mode = config.async_records
+        mode = config.statistics.async_records
         self.async_records = mode == "on" or (mode == "auto" and self._device_type() == "cuda")
         self._parked: dict[str, Any] | None = None  # the sampled step waiting for its host copy
 
@@ -308,7 +308,7 @@ class Instrument:
     # observe_loss, after_micro_batch, on_close and count_error, nothing else
     def is_sampled(self, step: int) -> bool:
         """Whether optimizer step ``step`` (0-based, engine counter) is sampled."""
-        return self.config.enabled and step % self.config.interval == 0
+        return self.config.enabled and step % self.config.sampling.interval == 0
 
     def begin_step(self, step: int, refuse: str | None = None) -> StepToken:
         """Open optimizer step ``step`` at the boundary: after the gradient reduction (and
@@ -371,7 +371,7 @@ class Instrument:
                 raise _Refused(refuse)
             pieces = list(self.source.local_pieces())
             fingerprint = None
-            if self.own.groups and self.config.replica_check and self.world_size > 1:
+            if self.own.groups and self.config.statistics.replica_check and self.world_size > 1:
                 present = [p for p, c in zip(pieces, self.own.check) if c and p is not None and p.numel()]
                 fingerprint = (torch.stack([torch.dot(p.float(), p.float()).double() for p in present]).sum()
                                if present else torch.zeros((), dtype=torch.float64, device=device))
@@ -388,7 +388,7 @@ class Instrument:
             sum_block, max_block = error_blocks(self.layout, self.rank, device)
         self._local_nonfinite = sum_block[: self.layout.rank_offset].view(-1, len(SUM_COLS))[:, 3:5].clone()
         self._weights_before = None
-        if self.config.update_ratio and refuse is None:
+        if self.config.statistics.update_ratio and refuse is None:
             try:
                 self._weights_before = [w.clone() if w is not None else None for w in weight_pieces(self)]
             except Exception:  # noqa: BLE001
@@ -411,7 +411,7 @@ class Instrument:
         sync); the next sampled step's record counts the flagged steps
         (``nonfinite_unsampled_steps``, ``nonfinite_loss_steps``) and names them
         (``StepRecord.unsampled_nonfinite``). Never raises (a failure is counted)."""
-        if not self.config.enabled or self.config.interval < 2 or step % self.config.interval == 0:
+        if not self.config.enabled or self.config.sampling.interval < 2 or step % self.config.sampling.interval == 0:
             return
         try:
             pieces = self.own.take(list(self.source.local_pieces()))
@@ -428,7 +428,7 @@ class Instrument:
         if grad and not self._unsampled_logged and self.global_rank == 0:
             log.warning("distgrad: non-finite gradients on unsampled optimizer step(s) %s (interval %d): "
                         "counted in distgrad_nonfinite_unsampled_steps_total; set interval=1 for per-parameter "
-                        "detail on every step", step_ranges(grad), self.config.interval)
+                        "detail on every step", step_ranges(grad), self.config.sampling.interval)
         self._unsampled_logged = bool(grad)
         return host
 
@@ -446,7 +446,7 @@ class Instrument:
                 return None
             if isinstance(host, HostCopy):
                 ratio = None
-                if self.config.update_ratio:
+                if self.config.statistics.update_ratio:
                     ratio = HostCopy(update_ratio_sums(self, self.layout.n_params))
                 self._parked = {"args": (step, micro_step, grad_scale, loss_scale, overflow, step_applied),
                                 "host": host, "ratio": ratio, "local_nonfinite": self._local_nonfinite}
@@ -496,7 +496,7 @@ class Instrument:
             return None
         rec = self._build(step, micro_step, red, grad_scale, loss_scale, overflow, step_applied,
                           local_nonfinite if collectives else None)
-        if self.config.update_ratio:
+        if self.config.statistics.update_ratio:
             host_sums = (update_ratio_sums(self, len(rec.params.names)).cpu().numpy() if ratio is None
                          else ratio.wait())
             ratios = update_ratio_values(host_sums, rec.params.names, step_applied)
@@ -558,9 +558,9 @@ class Instrument:
             headroom = (stats.abs_max * grad_scale / dtype_max).tolist()
         mismatch_rank: int | None = None
         mismatched: list[int] = []
-        if self.own.groups and self.config.replica_check and self.world_size > 1:
+        if self.own.groups and self.config.statistics.replica_check and self.world_size > 1:
             for members in self.own.groups:  # ranks that must hold identical replicated pieces
-                sub = replica_outliers(red.fingerprints[members], self.config.replica_check_rtol)
+                sub = replica_outliers(red.fingerprints[members], self.config.statistics.replica_check_rtol)
                 mismatched += [members[j] for j in sub]
             mismatched.sort()
             if mismatched:

@@ -16,7 +16,8 @@ from distgrad.instrument import _DTYPE_NAMES, _dist_ready
 def start(inst: Any) -> None:
     """:meth:`Instrument.start` (documented there)."""
     err: BaseException | None = None
-    if inst.global_rank == 0 and inst.config.prometheus:
+    ex = inst.config.exporter
+    if inst.global_rank == 0 and ex.enabled:
         from distgrad.sinks.prometheus import PrometheusSink
 
         static = {"engine": inst.source.engine_name,
@@ -24,19 +25,19 @@ def start(inst: Any) -> None:
                   "dtype": _DTYPE_NAMES.get(inst.source.compute_dtype, str(inst.source.compute_dtype)),
                   "version": __version__}
         try:
-            inst.prometheus = PrometheusSink(inst.config.host, inst.config.port, static, inst.world_size,
+            inst.prometheus = PrometheusSink(ex.host, ex.port, static, inst.world_size,
                                              has_loss_scaler=inst.source.has_loss_scaler(),
                                              has_samples=inst.source.samples() is not None)
             inst.port = inst.prometheus.port
             inst.sinks.append(inst.prometheus)
-            if inst.config.file_sd_path:
+            if ex.file_sd_path:
                 try:
                     write_file_sd(inst)
                 except OSError as e:
                     from distgrad.config import ConfigError
 
-                    err = ConfigError(f"distgrad config: 'file_sd_path' = {inst.config.file_sd_path!r} cannot "
-                                      f"be written: {type(e).__name__}: {e}; choose a writable path (a "
+                    err = ConfigError(f"distgrad config: 'exporter.file_sd_path' (formerly 'file_sd_path') = "
+                                      f"{ex.file_sd_path!r} cannot be written: {type(e).__name__}: {e}; choose a writable path (a "
                                       "directory Prometheus reads) or set it to null")
                     err.__cause__ = e
         except OSError as e:
@@ -44,7 +45,7 @@ def start(inst: Any) -> None:
     if inst.global_rank == 0 and err is None:
         err = start_file_sinks(inst)
     if inst.prometheus is not None:
-        names = [sink.name for sink in inst.sinks] + (["flight_recorder"] if inst.config.flight_recorder_dir else [])
+        names = [sink.name for sink in inst.sinks] + (["flight_recorder"] if inst.config.flight_recorder.dir else [])
         for name in names:  # labelled counters at 0 from the start, like the others
             inst.prometheus.collector.inc_labeled("distgrad_sink_errors", {"sink": name}, 0)
         for reason in metrics.LABELS["reason"].values or ():
@@ -77,8 +78,9 @@ def agree(inst: Any, err: BaseException | None = None) -> None:
             c = inst.config
             err = RuntimeError(
                 f"ranks disagree on distgrad settings that decide its collectives (this rank, "
-                f"{inst.global_rank}: enabled={c.enabled}, interval={c.interval}, "
-                f"replica_check={c.replica_check}, update_ratio={c.update_ratio}, async_records={getattr(c, 'async_records', None)}): every rank must call "
+                f"{inst.global_rank}: enabled={c.enabled}, sampling.interval={c.sampling.interval}, "
+                f"statistics.replica_check={c.statistics.replica_check}, update_ratio={c.statistics.update_ratio}, "
+                f"async_records={c.statistics.async_records}): every rank must call "
                 "distgrad.instrument() with the same config (enabled: false on every rank or none), or "
                 "the job would deadlock at the first sampled step")
     if err is not None:
@@ -92,7 +94,8 @@ def collective_settings_hash(inst: Any) -> int:
     import hashlib
 
     c = inst.config
-    key = repr((c.enabled, c.interval, c.replica_check, c.update_ratio, inst.async_records)).encode()
+    st = c.statistics
+    key = repr((c.enabled, c.sampling.interval, st.replica_check, st.update_ratio, inst.async_records)).encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:6], "big")
 
 
@@ -102,12 +105,12 @@ def write_file_sd(inst: Any) -> None:
     import os
     import socket
 
-    host = inst.config.advertise_host or (
-        inst.config.host if inst.config.host not in ("0.0.0.0", "::", "") else socket.getfqdn())
+    ex = inst.config.exporter
+    host = ex.advertise_host or (ex.host if ex.host not in ("0.0.0.0", "::", "") else socket.getfqdn())
     entry: dict[str, Any] = {"targets": [f"{host}:{inst.port}"]}
-    if inst.config.run_name:
-        entry["labels"] = {"run": inst.config.run_name}
-    path = str(inst.config.file_sd_path)
+    if ex.run_name:
+        entry["labels"] = {"run": ex.run_name}
+    path = str(ex.file_sd_path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
@@ -123,31 +126,32 @@ def write_file_sd(inst: Any) -> None:
 def start_file_sinks(inst: Any) -> BaseException | None:
     """Open rank 0's file outputs now, so that an unwritable path fails at ``instrument()``
     time with the config key named."""
-    from distgrad.config import ConfigError
+    from distgrad.config import ConfigError, key_label
 
-    key = ""
+    sinks, fr = inst.config.sinks, inst.config.flight_recorder
+    key, value = "", None
     try:
-        if inst.config.jsonl_path:
+        if sinks.jsonl.path:
             from distgrad.sinks.jsonl import JsonlSink
 
-            key = "jsonl_path"
-            inst.sinks.append(JsonlSink(inst.config.jsonl_path, max_bytes=inst.config.jsonl_max_bytes,
-                                        backups=inst.config.jsonl_backups))
-        if inst.config.tensorboard_dir:
+            key, value = "sinks.jsonl.path", sinks.jsonl.path
+            inst.sinks.append(JsonlSink(sinks.jsonl.path, max_bytes=sinks.jsonl.max_bytes,
+                                        backups=sinks.jsonl.backups))
+        if sinks.tensorboard.dir:
             from distgrad.sinks.tensorboard import TensorBoardSink
 
-            key = "tensorboard_dir"
-            inst.sinks.append(TensorBoardSink(inst.config.tensorboard_dir))
-        if inst.config.flight_recorder_dir:
+            key, value = "sinks.tensorboard.dir", sinks.tensorboard.dir
+            inst.sinks.append(TensorBoardSink(sinks.tensorboard.dir, naming_rules=inst.config.naming.tuples))
+        if fr.dir:
             import os
             import tempfile
 
-            key = "flight_recorder_dir"
-            os.makedirs(inst.config.flight_recorder_dir, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=inst.config.flight_recorder_dir):
+            key, value = "flight_recorder.dir", fr.dir
+            os.makedirs(fr.dir, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=fr.dir):
                 pass
     except Exception as e:  # noqa: BLE001 - reported at instrument() time
-        err = ConfigError(f"distgrad config: '{key}' = {getattr(inst.config, key)!r} cannot be used: "
+        err = ConfigError(f"distgrad config: {key_label(key)} = {value!r} cannot be used: "
                           f"{type(e).__name__}: {e}; choose a writable path or set it to null")
         err.__cause__ = e
         return err

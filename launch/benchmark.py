@@ -210,7 +210,7 @@ def worker(args: argparse.Namespace) -> None:
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
            "steps_per_print": 10**9, "wall_clock_breakdown": False}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    inst = distgrad.instrument(engine, port=0, interval=1)
+    inst = distgrad.instrument(engine, exporter={"port": 0}, sampling={"interval": 1})
     device = inst.source.device()
     g = torch.Generator().manual_seed(1234 + rank)
     x = torch.randint(0, 256, (1, 128), generator=g).to(engine.device)
@@ -514,7 +514,7 @@ def e2e(size: str, args: argparse.Namespace, nproc: int, cuda: bool, tmp: Path) 
     from distgrad.config import DistgradConfig
 
     layers, width, heads = SIZES[size]
-    default_interval = DistgradConfig().interval
+    default_interval = DistgradConfig().sampling.interval
     variants = [("off", "no distgrad", ["--no-distgrad"]),
                 ("every", "distgrad, sampling every step (interval 1)", ["--interval", "1"])]
     if default_interval != 1:

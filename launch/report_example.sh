@@ -7,7 +7,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${1:-$here/docs/img/report}"
 run="$(mktemp -d)"
 NPROC=2 bash "$here/launch/run_example.sh" --steps 120 --port 0 --log-every 20 \
-  --inject nan --inject-step 80 --set "jsonl_path=$run/run.jsonl"
+  --inject nan --inject-step 80 --set "sinks.jsonl.path=$run/run.jsonl"
 "${DISTGRAD_VENV:-$here/.venv}/bin/distgrad" report "$run/run.jsonl" -o "$out"
 "${DISTGRAD_VENV:-$here/.venv}/bin/distgrad" summary "$run/run.jsonl"
 rm -rf "$run"

@@ -256,7 +256,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="train rank-R LoRA adapters on the block linears, base weights frozen")
     ap.add_argument("--no-distgrad", action="store_true", help="train without distgrad (baseline)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a distgrad config key (YAML value), e.g. --set flight_recorder_dir=runs/fr")
+                    help="override a distgrad config key (YAML value), e.g. --set flight_recorder.dir=runs/fr")
     ap.add_argument("--summary-json", default=None, help="write timing summary here (rank 0)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     return ap.parse_args(argv)
@@ -330,7 +330,8 @@ class TorchRunner:
         self.engine = self.model
 
     def instrument(self, distgrad, cfg, **overrides):
-        overrides.setdefault("max_grad_norm", self.clip or None)
+        if "max_grad_norm" not in overrides:  # the old flat key from --set
+            overrides.setdefault("clip.max_grad_norm", self.clip or None)
         return distgrad.instrument(self.model, cfg, optimizer=self.optimizer, **overrides)
 
     def start(self) -> None:
@@ -402,7 +403,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("--inject works with --engine deepspeed or ddp (FSDP's autograd sees flat/"
                              "unsharded parameters, not the hooks of the user's parameters)")
         runner = TorchRunner(model, ds_cfg, args.engine, device)
-    overrides = {k: v for k, v in (("port", args.port), ("interval", args.interval)) if v is not None}
+    overrides = {k: v for k, v in (("exporter.port", args.port), ("sampling.interval", args.interval))
+                 if v is not None}
     import yaml
 
     for kv in args.set:
@@ -414,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     data = load_corpus(args.data, args.max_bytes)
     if rank == 0:
-        where = f"http://{dg.config.host}:{dg.port}/metrics" if dg and dg.port else "off"
+        where = f"http://{dg.config.exporter.host}:{dg.port}/metrics" if dg and dg.port else "off"
         print(f"[train] {n_params / 1e6:.2f}M params ({n_trainable / 1e6:.2f}M trainable), {runner.describe}, "
               f"world {world} ({launcher}), {len(data) / 1e6:.1f} MB text, metrics: {where}", flush=True)
     if dg is not None and args.inject in ("nan", "inf") and args.inject_param in dg.source.names:

@@ -155,4 +155,4 @@ def test_auto_is_synchronous_on_cpu():
     model = TinyModel()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with distgrad.instrument(model, optimizer=opt, prometheus=False) as inst:
-        assert inst.config.async_records == "auto" and inst.async_records is False
+        assert inst.config.statistics.async_records == "auto" and inst.async_records is False

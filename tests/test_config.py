@@ -35,7 +35,7 @@ def test_deepspeed_json_section(tmp_path):
     p = tmp_path / "ds.json"
     p.write_text(json.dumps({"train_batch_size": 8, "distgrad": {"interval": 5, "port": 0}}))
     cfg = DistgradConfig.load(p)
-    assert (cfg.interval, cfg.port) == (5, 0)
+    assert (cfg.sampling.interval, cfg.exporter.port) == (5, 0)
 
 
 def test_yaml_errors(tmp_path):
@@ -82,13 +82,135 @@ def test_deepspeed_json_file_without_section_is_refused_like_the_same_dict(tmp_p
     assert str(p) in str(from_file.value) and str(from_dict.value) in str(from_file.value)
     # a file holding only the section, as JSON or YAML, is that section
     p.write_text(json.dumps({"distgrad": {"interval": 4}}))
-    assert DistgradConfig.load(p).interval == 4
+    assert DistgradConfig.load(p).sampling.interval == 4
     y = tmp_path / "c.yaml"
     y.write_text("distgrad:\n  interval: 6\n")
-    assert DistgradConfig.load(y).interval == 6
+    assert DistgradConfig.load(y).sampling.interval == 6
 
 
 @pytest.mark.parametrize("host", ["", "  "])
 def test_empty_host_names_the_host_key(host):
-    with pytest.raises(ConfigError, match=r"'host' must be an address of this machine.*127\.0\.0\.1"):
+    with pytest.raises(ConfigError, match=r"'exporter.host'.* must be an address of this machine.*127\.0\.0\.1"):
         DistgradConfig(host=host)
+
+
+# --- sectioned configuration -------------------------------------------------------------------
+
+def test_committed_yaml_and_docs_are_generated_from_the_model():
+    """configs/distgrad.yaml and docs/configuration.md are rendered from the model's declarations;
+    a changed default or description without `python -m distgrad.config --write` fails here."""
+    from distgrad.config.generate import DOC_PATH, YAML_PATH, render_markdown, render_yaml
+
+    assert YAML_PATH.read_text() == render_yaml()
+    assert DOC_PATH.read_text() == render_markdown()
+    import yaml
+
+    # the YAML's values are the model's defaults, read back through YAML (not through the model)
+    assert yaml.safe_load(YAML_PATH.read_text()) == DistgradConfig().to_dict()
+
+
+def test_every_flat_key_has_a_new_home_with_the_old_default():
+    """Each old flat key names an existing setting, and the old defaults are unchanged (the
+    values of configs/distgrad.yaml before the sections)."""
+    from distgrad.config import FLAT_KEYS
+
+    old_defaults = {
+        "interval": 1, "async_records": "auto", "prometheus": True, "host": "127.0.0.1", "port": 9400, "file_sd_path": None,
+        "advertise_host": None, "run_name": None, "per_param": True, "max_param_series": 2000,
+        "replica_check": True, "replica_check_rtol": 1e-6, "spike_ema_alpha": 0.97, "spike_ema_z": 2.5,
+        "spike_ema_warmup": 25, "spike_window": 128, "spike_window_sigma": 6.0, "vanish_threshold": 1e-10,
+        "explode_threshold": 1e3, "health_patience": 3, "update_ratio": False, "max_grad_norm": None,
+        "flight_recorder_steps": 64, "flight_recorder_dir": None, "trace_micro_batches": 0,
+        "jsonl_path": None, "jsonl_max_bytes": 128 << 20, "jsonl_backups": 8, "tensorboard_dir": None,
+    }
+    assert set(FLAT_KEYS) == set(old_defaults)
+    d = DistgradConfig().to_dict()
+    for old, new in FLAT_KEYS.items():
+        v = d
+        for part in new.split("."):
+            v = v[part]
+        assert v == old_defaults[old], (old, new)
+
+
+def test_flat_keys_map_to_sections_with_one_warning_naming_the_new_key(monkeypatch):
+    import warnings
+
+    import distgrad.config as cfgmod
+
+    monkeypatch.setattr(cfgmod, "_warned", set())
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        a = DistgradConfig.from_dict({"port": 0, "spike_window": 64, "jsonl_path": "x.jsonl"})
+        DistgradConfig.from_dict({"port": 1})  # same key again: no second warning
+    msgs = [str(x.message) for x in w if issubclass(x.category, FutureWarning)]
+    assert len(msgs) == 3
+    assert any("'port'" in m and "'exporter.port'" in m for m in msgs)
+    assert any("'spike_window'" in m and "'spikes.window'" in m for m in msgs)
+    assert any("'jsonl_path'" in m and "'sinks.jsonl.path'" in m for m in msgs)
+    b = DistgradConfig.from_dict({"exporter": {"port": 0}, "spikes": {"window": 64},
+                                  "sinks": {"jsonl": {"path": "x.jsonl"}}})
+    c = DistgradConfig.from_dict({"exporter.port": 0, "spikes.window": 64, "sinks.jsonl.path": "x.jsonl"})
+    assert a == b == c
+    assert (b.exporter.port, b.spikes.window, b.sinks.jsonl.path) == (0, 64, "x.jsonl")
+    assert b.exporter.host == "127.0.0.1" and b.spikes.ema_alpha == 0.97  # the rest stays default
+    with pytest.raises(ConfigError, match=r"'exporter.port' is given twice \(as 'port' and as 'exporter.port'\)"):
+        DistgradConfig.from_dict({"port": 0, "exporter": {"port": 1}})
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ({"spikes": {"window": 1}}, r"^distgrad config: 'spikes.window' must be >= 2 \(got 1\)$"),
+    ({"spike_window": 1}, r"^distgrad config: 'spikes.window' \(given as the old key 'spike_window'\) must be >= 2"),
+    ({"exporter": {"port": 70000}}, r"'exporter.port' must be in 0..65535 \(got 70000\)"),
+    ({"spikes": {"ema_alpha": 1.0}}, r"'spikes.ema_alpha' must be in \(0, 1\) \(got 1.0\)"),
+    ({"exporter": {"host": ""}}, r"'exporter.host' must be an address of this machine"),
+    ({"sinks": {"jsonl": {"path": ""}}}, r"'sinks.jsonl.path' must not be empty"),
+    ({"sinks": {"jsonl": {"max_bytes": -1}}}, r"'sinks.jsonl.max_bytes' must be >= 0 \(got -1\)"),
+    ({"sampling": {"interval": True}}, r"'sampling.interval' must be an integer \(got True\)"),
+    ({"health": {"vanish_threshold": 1.0, "explode_threshold": 0.5}},
+     r"'health.vanish_threshold' must be below health.explode_threshold \(0.5\) \(got 1.0\)"),
+    ({"spikes": {"windw": 3}}, r"unknown key 'spikes.windw'; did you mean 'window'\?"),
+    ({"spikes": 3}, r"'spikes' must be a mapping"),
+    ({"naming": {"rules": [["(x", "1", "k"]]}}, r"'naming.rules\[0\].pattern' is not a valid regular expression"),
+    ({"naming": {"rules": [["x", r"\1", "k"]]}}, r"'naming.rules\[0\].layer' refers to a group"),
+    ({"naming": {"rules": [{"pattern": "x", "layer": "1"}]}}, r"'naming.rules\[0\].module_kind' is required"),
+])
+def test_errors_name_the_dotted_key(bad, msg):
+    with pytest.raises(ConfigError, match=msg):
+        DistgradConfig.from_dict(bad)
+
+
+def test_overrides_merge_into_sections(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("exporter:\n  host: 0.0.0.0\n  port: 9500\nspikes: {window: 32}\n")
+    base = DistgradConfig.load(p)
+    cfg = base.with_overrides({"exporter": {"port": 0}, "sampling.interval": 4})
+    assert (cfg.exporter.host, cfg.exporter.port, cfg.spikes.window, cfg.sampling.interval) == ("0.0.0.0", 0, 32, 4)
+    assert base.exporter.port == 9500  # the loaded config is not modified
+    with pytest.raises(ConfigError, match=r"'exporter.port' must be in 0..65535"):
+        base.with_overrides({"exporter": {"port": -1}})
+    # a DeepSpeed JSON's section in the new form
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 8, "distgrad": {"sampling": {"interval": 5}}}))
+    assert DistgradConfig.load(ds).sampling.interval == 5
+
+
+def test_generator_cli_check(tmp_path, monkeypatch, capsys):
+    from distgrad.config import generate
+
+    assert generate.main(["--check"]) == 0
+    monkeypatch.setattr(generate, "YAML_PATH", tmp_path / "stale.yaml")
+    (tmp_path / "stale.yaml").write_text("enabled: true\n")
+    assert generate.main(["--check"]) == 1
+    assert "stale.yaml" in capsys.readouterr().out
+    generate.main(["--yaml"])
+    assert capsys.readouterr().out == generate.render_yaml()
+
+
+def test_old_flat_attributes_say_where_they_moved():
+    cfg = DistgradConfig()
+    with pytest.raises(AttributeError, match=r"DistgradConfig.spike_window moved to DistgradConfig.spikes.window"):
+        cfg.spike_window  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        cfg.nothing  # noqa: B018
+    with pytest.raises(Exception, match="frozen"):  # immutable once validated
+        cfg.enabled = False

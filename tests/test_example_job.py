@@ -62,7 +62,7 @@ def test_example_injected_nan_is_counted_named_recorded_and_reported(tmp_path):
     param = "blocks.2.mlp.fc.weight"
     proc = start_example(port, "--steps", "8", "--inject", "nan", "--inject-step", "3",
                          "--inject-param", param, "--inject-rank", "1", "--hold", "60", "--log-every", "1",
-                         "--set", f"jsonl_path={jsonl}", "--set", f"flight_recorder_dir={fr}", log=log)
+                         "--set", f"sinks.jsonl.path={jsonl}", "--set", f"flight_recorder.dir={fr}", log=log)
     try:
         m = wait_for(step_at_least(port, 7), proc, 240, "the last step", log)
         assert value(m, "distgrad_nonfinite_steps_total") == 1

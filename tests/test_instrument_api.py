@@ -69,7 +69,7 @@ def test_deepspeed_config_without_section_and_bad_thresholds_name_the_problem():
     with pytest.raises(ConfigError, match="DeepSpeed config"):
         distgrad.DistgradConfig.from_dict({"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True}})
     cfg = distgrad.DistgradConfig.from_dict({"train_micro_batch_size_per_gpu": 1, "distgrad": {"interval": 4}})
-    assert cfg.interval == 4
+    assert cfg.sampling.interval == 4
     with pytest.raises(ConfigError, match="vanish_threshold"):
         distgrad.DistgradConfig(vanish_threshold=10.0, explode_threshold=1.0)
 

@@ -127,7 +127,7 @@ def test_engines_and_frozen_lora_base_weights(hf_results):
         "accelerate_ds": ("deepspeed", 2)}
     # the low-precision runs really held bf16 / loss-scaled fp16 gradients (2^initial_scale_power)
     low = {k: StepRecord.from_dict(case(hf_results, k)["records"][0]) for k in LOW}
-    assert {k: (r.extra["grad_dtype"], r.loss_scale, r.extra["grad_scale"]) for k, r in low.items()} == {
+    assert {k: (r.grad_dtype, r.loss_scale, r.grad_scale) for k, r in low.items()} == {
         "ds_z2_bf16": ("bf16", None, 1.0), "ds_z3_bf16": ("bf16", None, 1.0),
         "ds_z2_fp16": ("fp16", 256.0, 256.0), "ds_z3_fp16": ("fp16", 256.0, 256.0)}
     # settings: the DeepSpeed config's "distgrad" section under DeepSpeed (spike_window 64 there),

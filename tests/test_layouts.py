@@ -132,7 +132,7 @@ def test_nan_in_one_tp_shard_is_named_with_parameter_and_global_rank(tp_results)
     c = _case(tp_results, "fsdp2-tp-nan")
     ok, bad = (StepRecord.from_dict(r) for r in c["records"])
     assert not ok.nonfinite and bad.nonfinite
-    assert bad.extra["nonfinite_params"] == [{"param": "up.weight", "rank": 3, "nan": 1, "inf": 0, "count": 1}]
+    assert [x.to_dict() for x in bad.nonfinite_params] == [{"param": "up.weight", "rank": 3, "nan": 1, "inf": 0, "count": 1}]
     assert bad.nonfinite_ranks == [3]
     i = bad.params.names.index("up.weight")
     assert bad.params.nan[i] == 1 and sum(bad.params.nan) == 1

@@ -1,6 +1,6 @@
 """The series budget, counted on what a scrape actually returns: a 70B-LLaMA-shaped model
 (723 parameter tensors, widths scaled down) through Diagnostics and the Prometheus collector
-with default settings stays under DistgradConfig.max_param_series (2,000), keeps every
+with default settings stays under DistgradConfig.statistics.max_param_series (2,000), keeps every
 non-finite parameter, drops stale label sets when the top-k changes, and the exported layer
 norms equal the root-sum-square of the per-parameter float64 reference."""
 
@@ -53,7 +53,7 @@ def test_70b_layout_under_budget_with_exact_layer_norms():
     diag.on_record(rec)
     sink.write(rec)
     s = _samples(sink)
-    assert len(s) <= cfg.max_param_series, len(s)
+    assert len(s) <= cfg.statistics.max_param_series, len(s)
     per_param = {lab["param"] for n, lab, _ in s if n == "distgrad_param_grad_norm"}
     assert 50 <= len(per_param) < 723 and names[100] in per_param  # non-finite always kept
     # exact layer re-aggregation against the float64 reference
@@ -77,7 +77,7 @@ def test_70b_layout_under_budget_with_exact_layer_norms():
     sink.write(rec2)
     s2 = _samples(sink)
     per_param2 = {lab["param"] for n, lab, _ in s2 if n == "distgrad_param_grad_norm"}
-    assert len(s2) <= cfg.max_param_series
+    assert len(s2) <= cfg.statistics.max_param_series
     assert per_param2 != per_param
     exported_families = {n for n, _, _ in s2 if n.startswith("distgrad_param_")}
     for fam in exported_families:

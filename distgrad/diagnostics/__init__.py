@@ -55,7 +55,7 @@ class Diagnostics:
         names: P parameter names in registration (forward) order.
         global_rank: this process's global rank (rank 0 writes files).
         max_norm: gradient-clipping threshold the engine applies (DeepSpeed
-            ``gradient_clipping``), or None; ``config.max_grad_norm`` wins when set.
+            ``gradient_clipping``), or None; ``config.clip.max_grad_norm`` wins when set.
         model: the module, for the forward overflow tracer (None disables tracing).
         run_info: JSON-serialisable description of the run for flight-recorder reports.
         plugins: the plug-in classes to run, in order (default :data:`REGISTRY`).
@@ -80,7 +80,7 @@ class Diagnostics:
         self.config = config
         self.names = list(names)
         self.global_rank = global_rank
-        self.max_norm = config.max_grad_norm if config.max_grad_norm is not None else (
+        self.max_norm = config.clip.max_grad_norm if config.clip.max_grad_norm is not None else (
             max_norm if max_norm and max_norm > 0 else None)
         self.ctx = DiagnosticContext(config, self.names, global_rank, self.max_norm, model, dict(run_info or {}))
         self.reports: list[Path] = self.ctx.reports

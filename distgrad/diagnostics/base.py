@@ -20,7 +20,7 @@ class DiagnosticContext:
         config: thresholds and options (one place: :class:`DistgradConfig`).
         names: P parameter names in registration (forward) order.
         global_rank: this process's global rank (rank 0 writes files).
-        max_norm: the clipping threshold in force (``config.max_grad_norm`` when set, else the
+        max_norm: the clipping threshold in force (``config.clip.max_grad_norm`` when set, else the
             engine's, e.g. DeepSpeed ``gradient_clipping``), or None.
         model: the module (for hooks such as the overflow tracer's), or None.
         run_info: JSON-serialisable description of the run for reports.
@@ -34,6 +34,11 @@ class DiagnosticContext:
     model: Any = None
     run_info: dict[str, Any] = field(default_factory=dict)
     reports: list[Path] = field(default_factory=list)
+
+    @property
+    def rules(self) -> Any:
+        """The user's naming rules (``naming.rules``), applied wherever a name is classified."""
+        return self.config.naming.tuples
 
 
 class Diagnostic:

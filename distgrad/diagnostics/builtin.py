@@ -39,8 +39,9 @@ class SpikeDiagnostic(Diagnostic):
     def __init__(self, ctx: DiagnosticContext) -> None:
         super().__init__(ctx)
         c = ctx.config
-        self.monitors = {s: SpikeMonitor(s, EmaZScoreDetector(c.spike_ema_alpha, c.spike_ema_z, c.spike_ema_warmup),
-                                         WindowSpikeDetector(c.spike_window, c.spike_window_sigma))
+        sp = c.spikes
+        self.monitors = {s: SpikeMonitor(s, EmaZScoreDetector(sp.ema_alpha, sp.ema_z, sp.ema_warmup),
+                                         WindowSpikeDetector(sp.window, sp.window_sigma))
                          for s in self.SERIES}
 
     def on_record(self, rec: StepRecord) -> None:
@@ -75,7 +76,7 @@ class HealthDiagnostic(Diagnostic):
     def __init__(self, ctx: DiagnosticContext) -> None:
         super().__init__(ctx)
         c = ctx.config
-        self.health = LayerHealth(c.vanish_threshold, c.explode_threshold, c.health_patience)
+        self.health = LayerHealth.from_config(c.health)
         self._flagged: set[str] = set()
 
     def on_record(self, rec: StepRecord) -> None:
@@ -125,12 +126,13 @@ class AggregatesDiagnostic(Diagnostic):
     def __init__(self, ctx: DiagnosticContext) -> None:
         super().__init__(ctx)
         c, names = ctx.config, ctx.names
-        groups = [classify(n) for n in names]
-        self.layer_keys = group_keys(names, "layer")
+        groups = [classify(n, ctx.rules) for n in names]
+        self.layer_keys = group_keys(names, "layer", ctx.rules)
         self.kind_keys = [g.module_kind if g.lora is None else f"{g.module_kind}/lora_{g.lora}" for g in groups]
         self.n_layers, self.n_kinds = len(set(self.layer_keys)), len(set(self.kind_keys))
-        self.all_params_fit = c.per_param and series_count(
-            len(names), self.n_layers, self.n_kinds, len(names), update_ratio=c.update_ratio) <= c.max_param_series
+        st = c.statistics
+        self.all_params_fit = st.per_param and series_count(
+            len(names), self.n_layers, self.n_kinds, len(names), update_ratio=st.update_ratio) <= st.max_param_series
 
     def on_record(self, rec: StepRecord) -> None:
         p, c = rec.params, self.ctx.config
@@ -141,13 +143,14 @@ class AggregatesDiagnostic(Diagnostic):
         for key, h in zip(self.layer_keys, headroom.tolist()):
             hr[key] = h if key not in hr or (math.isnan(h) or h > hr[key]) else hr[key]
         kinds = aggregate(p, self.kind_keys)
-        if not c.per_param:
+        if not c.statistics.per_param:
             exported: list[int] | None = []
         elif self.all_params_fit:
             exported = None
         else:
-            top_k = max(1, min(len(p.names), c.max_param_series))
-            exported = select_series(p, budget=c.max_param_series, top_k=top_k, update_ratio=c.update_ratio)
+            top_k = max(1, min(len(p.names), c.statistics.max_param_series))
+            exported = select_series(p, budget=c.statistics.max_param_series, top_k=top_k,
+                                     update_ratio=c.statistics.update_ratio)
         rec.aggregates = Aggregates(
             layer_norm=dict(zip(layers.names, layers.norm.tolist())),
             layer_nonfinite=dict(zip(layers.names, layers.nonfinite.tolist())),
@@ -174,13 +177,13 @@ class ProvenanceDiagnostic(Diagnostic):
         self._idx = {n: i for i, n in enumerate(names)}
         # forward order: the naming table's where every parameter is recognised, else the
         # registration order (which is the definition order, forward order for most models)
-        if all(classify(n).layer != "other" for n in names):
-            self._order_key: dict[str, Any] = {n: forward_order_key(n) for n in names}
+        if all(classify(n, ctx.rules).layer != "other" for n in names):
+            self._order_key: dict[str, Any] = {n: forward_order_key(n, ctx.rules) for n in names}
         else:
             self._order_key = {n: i for i, n in enumerate(names)}
-        self.recorder = FlightRecorder(max(1, c.flight_recorder_steps), c.flight_recorder_dir or ".",
+        self.recorder = FlightRecorder(max(1, c.flight_recorder.steps), c.flight_recorder.dir or ".",
                                        ctx.run_info or c.to_dict(),
-                                       dump_on_overflow=False) if c.flight_recorder_steps else None
+                                       dump_on_overflow=False) if c.flight_recorder.steps else None
         self._loss_scale_history: list[tuple[int, float]] = []
         self._dump_failed = False
         self._event: NonfiniteEvent | None = None
@@ -197,7 +200,7 @@ class ProvenanceDiagnostic(Diagnostic):
         c = self.ctx.config
         if self.recorder is not None:
             self.recorder.record(rec)
-            if rec.nonfinite and c.flight_recorder_dir and self.ctx.global_rank == 0 \
+            if rec.nonfinite and c.flight_recorder.dir and self.ctx.global_rank == 0 \
                     and not self.recorder.dumped_nonfinite and not rec.overflow and not self._dump_failed:
                 self._dump_failed = True  # until it succeeds: a failing dump is reported once, not per step
                 try:
@@ -207,7 +210,7 @@ class ProvenanceDiagnostic(Diagnostic):
                 except OSError as e:  # a full or unwritable directory: a sink failure, not distgrad's
                     log.warning("distgrad: flight-recorder report for step %d not written to "
                                 "flight_recorder_dir=%r: %s (counted in distgrad_sink_errors_total"
-                                "{sink=\"flight_recorder\"})", rec.step, c.flight_recorder_dir, e)
+                                "{sink=\"flight_recorder\"})", rec.step, c.flight_recorder.dir, e)
                     raise SinkError(f"flight recorder: {e}") from e
                 self._dump_failed = False
                 if path is not None:
@@ -227,7 +230,7 @@ class ProvenanceDiagnostic(Diagnostic):
                 inf[r.rank, self._idx[r.param]] += r.inf
         prov = Provenance.from_dict({**provenance_from(names, nan, inf, order_key=self._order_key), "step": rec.step})
         if prov.first_param is not None:
-            prov.first_layer = classify(prov.first_param).layer
+            prov.first_layer = classify(prov.first_param, self.ctx.rules).layer
         rec.provenance = prov
         if self._event is None:  # first step of a streak: this is the event (logged once)
             self._event = NonfiniteEvent(rec.step, list(rows[:_LIST_CAP]), prov)
@@ -265,13 +268,13 @@ class TracerDiagnostic(Diagnostic):
 
     @classmethod
     def create(cls, ctx: DiagnosticContext) -> "Diagnostic | None":
-        return cls(ctx) if ctx.model is not None and ctx.config.trace_micro_batches > 0 else None
+        return cls(ctx) if ctx.model is not None and ctx.config.tracer.micro_batches > 0 else None
 
     def __init__(self, ctx: DiagnosticContext) -> None:
         super().__init__(ctx)
         from distgrad.tracer import OverflowTracer
 
-        self.tracer = OverflowTracer(ctx.model, max_micro_batches=ctx.config.trace_micro_batches)
+        self.tracer = OverflowTracer(ctx.model, max_micro_batches=ctx.config.tracer.micro_batches)
         self.traced = False
 
     def on_record(self, rec: StepRecord) -> None:
@@ -279,7 +282,7 @@ class TracerDiagnostic(Diagnostic):
             self.traced = True
             self.tracer.arm()
             log.warning("distgrad: forward overflow tracer armed for %d micro-batch(es)",
-                        self.ctx.config.trace_micro_batches)
+                        self.ctx.config.tracer.micro_batches)
 
     def report(self) -> dict[str, Any] | None:
         """The tracer's report once it has run (None before)."""
@@ -290,9 +293,9 @@ class TracerDiagnostic(Diagnostic):
     def write_report(self) -> Path | None:
         """Write the text report to ``flight_recorder_dir`` once the tracer has disarmed."""
         rep = self.report()
-        if rep is None or not self.ctx.config.flight_recorder_dir:
+        if rep is None or not self.ctx.config.flight_recorder.dir:
             return None
-        path = Path(self.ctx.config.flight_recorder_dir) / f"tracer-rank{self.ctx.global_rank}.txt"
+        path = Path(self.ctx.config.flight_recorder.dir) / f"tracer-rank{self.ctx.global_rank}.txt"
         if path.exists():
             return None
         path.parent.mkdir(parents=True, exist_ok=True)

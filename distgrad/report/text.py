@@ -50,7 +50,7 @@ def format_summary(a: RunAnalysis, top: int = 10) -> str:
         out.append(f"warning: skipped {a.bad_lines} malformed line(s); first: {a.first_bad_line}")
     if getattr(a, "restarts", 0):
         out.append(f"warning: the optimizer step went back {a.restarts} time(s): several runs were "
-                   "appended to this file; use one jsonl_path per run")
+                   "appended to this file; use one sinks.jsonl.path per run")
     out.append("")
     rows = [(ANOMALY_LABELS[k], a.counts.get(k, 0), a.first_step_of.get(k)) for k in ANOMALY_LABELS]
     rows.append(("longest overflow streak", a.max_overflow_streak, None))

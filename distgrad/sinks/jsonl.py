@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from distgrad.config.sections import JsonlConfig
 from distgrad.record import StepRecord
 from distgrad.sinks.base import Sink, SinkError
 
@@ -48,8 +49,9 @@ log = logging.getLogger("distgrad")
 #: object. Both are read (:meth:`StepRecord.from_dict`).
 SCHEMA_VERSION = 2
 
-_DEFAULT_MAX_BYTES = 128 * 1024 * 1024
-_DEFAULT_BACKUPS = 8
+# the configuration's defaults (``sinks.jsonl``): one default per setting
+_DEFAULT_MAX_BYTES = JsonlConfig().max_bytes
+_DEFAULT_BACKUPS = JsonlConfig().backups
 
 
 def _json_default(o: Any) -> Any:
@@ -105,9 +107,10 @@ class JsonlSink(Sink):
         path: file to append to (created with its parent directories; an existing file is
             appended to, after cutting off a torn last line left by a crash).
         max_bytes: rotate before a line would make ``path`` larger than this many bytes;
-            ``None`` or ``0`` disables rotation. Default 128 MiB.
+            ``None`` or ``0`` disables rotation. Default: ``sinks.jsonl.max_bytes``'s (128 MiB).
         backups: number of rotated files kept (``path.1`` newest ... ``path.N`` oldest); ``0``
-            keeps none (the file is simply restarted when full). Default 8.
+            keeps none (the file is simply restarted when full). Default: ``sinks.jsonl.backups``'s
+            (8).
         fsync: also ``os.fsync`` after every line (survives an OS crash / power loss, costs a
             disk round trip per sampled step). Default False: flushed to the OS only, which
             survives a crash of the training process.

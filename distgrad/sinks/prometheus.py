@@ -260,12 +260,12 @@ def check_port_free(host: str, port: int) -> None:
             if e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or isinstance(e, socket.gaierror):
                 raise OSError(
                     f"distgrad cannot serve metrics on {host}:{port}: {e.strerror or e}. '{host}' is not an "
-                    f"address of this machine: use host='127.0.0.1' (local scrapes) or '0.0.0.0' (all "
-                    f"interfaces)") from e
+                    f"address of this machine: set exporter.host to '127.0.0.1' (local scrapes) or "
+                    f"'0.0.0.0' (all interfaces)") from e
             raise OSError(
                 f"distgrad cannot serve metrics on {host}:{port}: {e.strerror or e}. Another process "
-                f"(another training job's exporter?) holds the port: pass port=0 to pick a free one, "
-                f"or choose another with instrument(engine, config={{'port': N}})") from e
+                f"(another training job's exporter?) holds the port: set exporter.port=0 to pick a free one, or "
+                f"choose another (instrument(engine, exporter={{'port': N}}))") from e
 
 
 class PrometheusSink(Sink):
@@ -311,7 +311,7 @@ class PrometheusSink(Sink):
             try:
                 self._server = ExporterProcess(host, port, self.cache, timeout_s, max_connections, refresh_s)
             except OSError as e:
-                raise OSError(f"distgrad cannot serve metrics on {host}:{port}: {e}; pass port=0 "
+                raise OSError(f"distgrad cannot serve metrics on {host}:{port}: {e}; set exporter.port=0 "
                               f"or another port") from e
             c.listener = self._server.notify
             self.port = self._server.port

@@ -28,7 +28,7 @@ Requires the ``tensorboard`` package (``pip install distgrad[report]``).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -66,6 +66,8 @@ class TensorBoardSink(Sink):
         max_bins: at most this many histogram buckets per layer (default 30).
         flush_secs: how often the background writer flushes to disk, seconds (default 10).
         max_queue: events buffered before a forced flush (default 1000).
+        naming_rules: user naming rules ``(regex, layer_template, module_kind)`` for the layer
+            labels (the configuration's ``naming.rules``), as for :func:`distgrad.naming.classify`.
 
     Raises:
         ImportError: if ``torch.utils.tensorboard`` cannot be imported (the ``tensorboard``
@@ -85,6 +87,7 @@ class TensorBoardSink(Sink):
         max_bins: int = 30,
         flush_secs: int = 10,
         max_queue: int = 1000,
+        naming_rules: Sequence[tuple[str, str, str]] = (),
     ) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -97,7 +100,13 @@ class TensorBoardSink(Sink):
         self.layer_scalars = bool(layer_scalars)
         self.max_bins = int(max_bins)
         self._writer: Any = SummaryWriter(log_dir=self.log_dir, flush_secs=flush_secs, max_queue=max_queue)
-        self._layers = LayerIndex()
+        if naming_rules:
+            from distgrad.naming import classify
+
+            rules = tuple(naming_rules)
+            self._layers = LayerIndex(lambda name: classify(name, rules))
+        else:
+            self._layers = LayerIndex()
         self._closed = False
 
     def write(self, record: StepRecord) -> None:

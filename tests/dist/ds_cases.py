@@ -331,12 +331,12 @@ def special_cases(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = TinyModel()
     cfg = ds_config(1, "fp32", 1)
-    cfg["distgrad"] = {"interval": 3, "prometheus": False, "spike_window": 16}
+    cfg["distgrad"] = {"sampling": {"interval": 3}, "exporter": {"enabled": False}, "spikes": {"window": 16}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=cfg)
     inst = distgrad.instrument(engine)
-    out["ds_section"] = {"interval": inst.config.interval, "spike_window": inst.config.spike_window,
-                         "prometheus": inst.config.prometheus}
+    out["ds_section"] = {"interval": inst.config.sampling.interval, "spike_window": inst.config.spikes.window,
+                         "prometheus": inst.config.exporter.enabled}
     inst.close()
 
     # 5. ranks configured differently (interval) would deadlock later: refused on every rank now

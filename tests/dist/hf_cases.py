@@ -168,7 +168,7 @@ def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm:
            "spike_window": inst.config.spike_window,
            "refusals": dict(inst.boundary.refusals.counts) if getattr(inst, "boundary", None) is not None
            and hasattr(inst.boundary, "refusals") else {},
-           "max_grad_norm": inst.config.max_grad_norm if inst.config.max_grad_norm is not None else
+           "max_grad_norm": inst.config.clip.max_grad_norm if inst.config.clip.max_grad_norm is not None else
            (inst.diagnostics.max_norm if inst.diagnostics is not None else None)}
     out.update(reference(ref_model, seen))  # float64, on every rank (rank 0 writes it)
     del trainer

@@ -1,0 +1,274 @@
+"""distgrad configuration: one pydantic model with a section per component, loadable from a dict,
+a YAML file, or the ``"distgrad"`` section of a DeepSpeed config JSON.
+
+Each setting is declared once, with its one default, its range and its description, in
+:mod:`distgrad.config.sections`; validation happens once, when the configuration is built (at
+``instrument()`` time), and a bad value raises :class:`ConfigError` naming the key
+(``distgrad config: 'spikes.window' must be >= 2 (got 1)``). Components take their section
+(``cfg.spikes``, ``cfg.sinks.jsonl``) and do not re-check it.
+
+The documented defaults, ``configs/distgrad.yaml`` and ``docs/configuration.md``, are generated
+from the model: ``python -m distgrad.config --write`` (``--yaml`` / ``--markdown`` print them).
+
+The flat keys of earlier versions (``port``, ``spike_window``, ``jsonl_path``, ...; see
+:data:`FLAT_KEYS`) are still accepted everywhere a key is, and mapped to their new place with a
+one-time ``FutureWarning`` naming the new key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from distgrad.config.errors import ConfigError, describe
+from distgrad.config.sections import (
+    SECTIONS, ClipConfig, ExporterConfig, FlightRecorderConfig, HealthConfig, JsonlConfig, NamingConfig,
+    NamingRule, SamplingConfig, Section, SinksConfig, SpikesConfig, StatisticsConfig, TensorBoardConfig,
+    TracerConfig,
+)
+
+#: top-level keys that mark a DeepSpeed config (whose "distgrad" section holds distgrad's settings)
+_DEEPSPEED_KEYS = frozenset({
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "zero_optimization", "optimizer", "scheduler", "fp16", "bf16", "gradient_clipping",
+    "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "amp",
+    "activation_checkpointing", "data_types", "communication_data_type", "prescale_gradients",
+})
+
+#: old flat key -> its dotted place in the sectioned configuration
+FLAT_KEYS: dict[str, str] = {
+    "interval": "sampling.interval",
+    "prometheus": "exporter.enabled", "host": "exporter.host", "port": "exporter.port",
+    "file_sd_path": "exporter.file_sd_path", "advertise_host": "exporter.advertise_host",
+    "run_name": "exporter.run_name",
+    "per_param": "statistics.per_param", "max_param_series": "statistics.max_param_series",
+    "replica_check": "statistics.replica_check", "replica_check_rtol": "statistics.replica_check_rtol",
+    "update_ratio": "statistics.update_ratio", "async_records": "statistics.async_records",
+    "spike_ema_alpha": "spikes.ema_alpha", "spike_ema_z": "spikes.ema_z",
+    "spike_ema_warmup": "spikes.ema_warmup", "spike_window": "spikes.window",
+    "spike_window_sigma": "spikes.window_sigma",
+    "vanish_threshold": "health.vanish_threshold", "explode_threshold": "health.explode_threshold",
+    "health_patience": "health.patience",
+    "max_grad_norm": "clip.max_grad_norm",
+    "flight_recorder_steps": "flight_recorder.steps", "flight_recorder_dir": "flight_recorder.dir",
+    "trace_micro_batches": "tracer.micro_batches",
+    "jsonl_path": "sinks.jsonl.path", "jsonl_max_bytes": "sinks.jsonl.max_bytes",
+    "jsonl_backups": "sinks.jsonl.backups",
+    "tensorboard_dir": "sinks.tensorboard.dir",
+}
+
+_warned: set[str] = set()
+
+
+def _warn_flat(old: str) -> None:
+    if old not in _warned:
+        _warned.add(old)
+        new = FLAT_KEYS[old]
+        section, _, leaf = new.rpartition(".")
+        warnings.warn(f"distgrad config: the key {old!r} is deprecated, use {new!r} (YAML: "
+                      f"'{section}: {{{leaf}: ...}}'); the old key keeps working for now",
+                      FutureWarning, stacklevel=4)
+
+
+def _put(out: dict[str, Any], path: str, value: Any, given: dict[str, str], as_key: str) -> None:
+    """Set ``out[a][b][c] = value`` for ``path`` "a.b.c"; two keys for one place is an error."""
+    parts = path.split(".")
+    node = out
+    for i, p in enumerate(parts[:-1]):
+        sub = node.setdefault(p, {})
+        if not isinstance(sub, dict):
+            raise ConfigError(f"distgrad config: {'.'.join(parts[:i + 1])!r} must be a mapping of keys "
+                              f"to values (got {sub!r})")
+        node = sub
+    if path in given:
+        raise ConfigError(f"distgrad config: {path!r} is given twice (as {given[path]!r} and as "
+                          f"{as_key!r}); keep one")
+    given[path] = as_key
+    node[parts[-1]] = value
+
+
+def _leaves(prefix: str, m: Any) -> list[tuple[str, Any]]:
+    """``{"jsonl": {"path": p}}`` under ``"sinks"`` -> ``[("sinks.jsonl.path", p)]``. Section
+    objects count as the keys they were built with; lists and scalars are leaves."""
+    if isinstance(m, Section):
+        m = m.model_dump(exclude_unset=True)
+    items: list[tuple[str, Any]] = []
+    for k, v in m.items():
+        if isinstance(v, (Mapping, Section)):
+            items.extend(_leaves(f"{prefix}.{k}", v))
+        else:
+            items.append((f"{prefix}.{k}", v))
+    return items
+
+
+def _normalise(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Sectioned form of ``data``: old flat keys and dotted keys (``"exporter.port"``) moved to
+    their section. Returns ``(nested dict, {new dotted key: old flat key used})``.
+
+    Raises:
+        ConfigError: one setting given twice (e.g. ``port`` and ``exporter.port``).
+    """
+    out: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    legacy: dict[str, str] = {}
+    for key, value in data.items():
+        key = str(key)
+        if key in FLAT_KEYS:
+            _warn_flat(key)
+            legacy[FLAT_KEYS[key]] = key
+            _put(out, FLAT_KEYS[key], value, given, key)
+        elif key in SECTIONS and isinstance(value, (Mapping, Section)):
+            out.setdefault(key, {})
+            for sub, v in _leaves(key, value):
+                _put(out, sub, v, given, sub)
+        else:
+            _put(out, key, value, given, key)
+    return out, legacy
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+class DistgradConfig(BaseModel):
+    """All distgrad settings, one section per component (see :mod:`distgrad.config.sections`).
+
+    Build it with keyword arguments (sections as dicts or section objects; old flat keys are
+    accepted with a warning), :meth:`from_dict` or :meth:`load`. Immutable once built.
+
+    Raises:
+        ConfigError: an unknown key or a bad value (the message names the key).
+    """
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid", allow_inf_nan=False)
+
+    enabled: bool = Field(True, description=(
+        "Master switch: false makes instrument() return an inert Instrument (no exporter, hooks "
+        "or collectives)."))
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description=SamplingConfig.__doc__)
+    exporter: ExporterConfig = Field(default_factory=ExporterConfig, description=ExporterConfig.__doc__)
+    statistics: StatisticsConfig = Field(default_factory=StatisticsConfig, description=StatisticsConfig.__doc__)
+    spikes: SpikesConfig = Field(default_factory=SpikesConfig, description=SpikesConfig.__doc__)
+    health: HealthConfig = Field(default_factory=HealthConfig, description=HealthConfig.__doc__)
+    clip: ClipConfig = Field(default_factory=ClipConfig, description=ClipConfig.__doc__)
+    flight_recorder: FlightRecorderConfig = Field(default_factory=FlightRecorderConfig,
+                                                  description=FlightRecorderConfig.__doc__)
+    tracer: TracerConfig = Field(default_factory=TracerConfig, description=TracerConfig.__doc__)
+    sinks: SinksConfig = Field(default_factory=SinksConfig, description=SinksConfig.__doc__)
+    naming: NamingConfig = Field(default_factory=NamingConfig, description=NamingConfig.__doc__)
+
+    def __init__(self, **data: Any) -> None:
+        nested, legacy = _normalise(data) if data else ({}, {})
+        self._validate_into(nested, legacy)
+
+    def _validate_into(self, nested: Mapping[str, Any], legacy: Mapping[str, str]) -> None:
+        try:
+            super().__init__(**nested)
+        except ValidationError as e:
+            raise ConfigError(describe(e, root=type(self), legacy=legacy)) from None
+
+    # ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DistgradConfig":
+        """Build from a mapping (sections as nested mappings, dotted keys such as
+        ``"exporter.port"``, or old flat keys). A whole DeepSpeed config dict is accepted: its
+        ``"distgrad"`` section is used.
+
+        Raises:
+            ConfigError: not a mapping, a DeepSpeed config without a ``"distgrad"`` section, an
+                unknown key (with the known ones) or a bad value.
+        """
+        if isinstance(d, Mapping) and "distgrad" in d and (set(d) & _DEEPSPEED_KEYS or set(d) == {"distgrad"}):
+            d = d["distgrad"]
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"distgrad config must be a mapping of keys to values, got {type(d).__name__}")
+        if set(d) & _DEEPSPEED_KEYS:
+            raise ConfigError(
+                "distgrad config: this looks like a DeepSpeed config (keys "
+                f"{sorted(set(d) & _DEEPSPEED_KEYS)[:4]}) without a 'distgrad' section: add "
+                "\"distgrad\": {...} to it, or pass distgrad's own settings")
+        return cls(**{str(k): v for k, v in d.items()})
+
+    @classmethod
+    def load(cls, source: "DistgradConfig | Mapping[str, Any] | str | os.PathLike | None") -> "DistgradConfig":
+        """Accepts a DistgradConfig, a dict, a path to a YAML file, a path to a DeepSpeed JSON
+        config (its ``"distgrad"`` section is used), or None (defaults).
+
+        Raises:
+            ConfigError: unknown key, bad value, unreadable or malformed file.
+        """
+        if source is None:
+            return cls()
+        if isinstance(source, cls):
+            return source
+        if isinstance(source, Mapping):
+            return cls.from_dict(source)
+        if isinstance(source, (str, os.PathLike)):
+            path = Path(source)
+            if not path.is_file():
+                raise ConfigError(f"distgrad config file {str(path)!r} does not exist")
+            text = path.read_text()
+            try:
+                if path.suffix == ".json":
+                    data = json.loads(text)  # a DeepSpeed config: from_dict takes its section
+                else:
+                    import yaml
+
+                    data = yaml.safe_load(text) or {}
+            except Exception as e:  # noqa: BLE001 - ValueError, yaml.YAMLError
+                raise ConfigError(f"distgrad config file {str(path)!r} cannot be parsed: {e}") from e
+            try:
+                return cls.from_dict(data)
+            except ConfigError as e:
+                raise ConfigError(f"{str(path)!r}: {e}") from None
+        raise ConfigError(
+            f"distgrad config must be a DistgradConfig, a dict or a file path, got {type(source).__name__}")
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> "DistgradConfig":
+        """A copy with ``overrides`` applied on top: sections given as mappings are merged key by
+        key into this configuration's (``exporter={"port": 0}`` keeps the exporter's host); dotted
+        keys and old flat keys are accepted as in :meth:`from_dict`.
+
+        Raises:
+            ConfigError: as :meth:`from_dict`.
+        """
+        if not overrides:
+            return self
+        nested, legacy = _normalise(overrides)
+        out = type(self).__new__(type(self))
+        out._validate_into(_merge(self.model_dump(), nested), legacy)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """All settings as a plain nested dict (YAML/JSON-serialisable)."""
+        return self.model_dump()
+
+    def __getattr__(self, name: str) -> Any:
+        new = FLAT_KEYS.get(name)
+        if new is not None:  # an old flat attribute: say where it went
+            raise AttributeError(f"DistgradConfig.{name} moved to DistgradConfig.{new} (config key {new!r})")
+        return super().__getattr__(name)  # type: ignore[misc]
+
+
+_OLD_KEY = {new: old for old, new in FLAT_KEYS.items()}
+
+
+def key_label(path: str) -> str:
+    """``'sinks.jsonl.path' (formerly 'jsonl_path')``: a key as messages name it."""
+    old = _OLD_KEY.get(path)
+    return f"{path!r} (formerly {old!r})" if old else repr(path)
+
+
+__all__ = [
+    "ConfigError", "DistgradConfig", "FLAT_KEYS", "key_label", "SECTIONS", "Section", "SamplingConfig",
+    "ExporterConfig", "StatisticsConfig", "SpikesConfig", "HealthConfig", "ClipConfig", "FlightRecorderConfig", "TracerConfig",
+    "SinksConfig", "JsonlConfig", "TensorBoardConfig", "NamingConfig", "NamingRule",
+]

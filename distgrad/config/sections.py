@@ -1,0 +1,283 @@
+"""The sections of :class:`distgrad.config.DistgradConfig`, one pydantic model each.
+
+Every setting is declared once here: its type, its one default, its range and its description.
+The components take their section (``cfg.spikes``, ``cfg.health``, ...) and trust it: values
+are validated here, when the configuration is built (at ``instrument()`` time), and a bad value
+raises :class:`~distgrad.config.ConfigError` naming the key (``'spikes.window'``).
+
+``configs/distgrad.yaml`` and ``docs/configuration.md`` are generated from these declarations
+(``python -m distgrad.config --write``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Annotated, Any, ClassVar, Literal, Optional
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+
+class SettingError(ValueError):
+    """A cross-field check of a section failed; ``field`` is the key (inside the section) to
+    name in the message, ``value`` its value."""
+
+    def __init__(self, field: str, why: str, value: Any) -> None:
+        super().__init__(why)
+        self.field, self.why, self.value = field, why, value
+
+
+def _fspath(v: Any) -> Any:
+    return os.fspath(v) if isinstance(v, os.PathLike) else v
+
+
+def _on_off(v: Any) -> Any:
+    return ("on" if v else "off") if isinstance(v, bool) else v  # YAML reads on/off as booleans
+
+
+def _host(v: Any) -> Any:
+    if isinstance(v, str) and not v.strip():
+        raise ValueError("must be an address of this machine to bind the exporter to: '127.0.0.1' (scrapes "
+                         "from this machine only) or '0.0.0.0' (all interfaces)")
+    return v
+
+
+def _nonempty(v: Any) -> Any:
+    if isinstance(v, str) and not v.strip():
+        raise ValueError("must not be empty (use null to leave it unset)")
+    return v
+
+
+#: an optional file-system path: a string or ``os.PathLike`` (stored as ``str``), never empty
+OptPath = Annotated[Optional[str], BeforeValidator(_nonempty), BeforeValidator(_fspath)]
+#: an optional non-empty string
+OptName = Annotated[Optional[str], BeforeValidator(_nonempty)]
+
+
+class Section(BaseModel):
+    """Base of every section: strict types (``"5"`` is not an integer, ``1`` is not ``true``),
+    finite numbers, unknown keys refused, immutable once built. A section built on its own
+    raises ``pydantic.ValidationError`` (a ``ValueError``); inside :class:`DistgradConfig` the
+    error is a :class:`~distgrad.config.ConfigError` naming the key."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid", allow_inf_nan=False,
+                              validate_default=False)
+    #: where the section sits in the configuration (``"sinks.jsonl"``), for messages and docs
+    section_key: ClassVar[str] = ""
+
+
+class SamplingConfig(Section):
+    """Which optimizer steps are sampled."""
+
+    section_key: ClassVar[str] = "sampling"
+    interval: int = Field(1, ge=1, description=(
+        "Sample every N optimizer steps: steps s with s % N == 0, counted by the engine's step "
+        "counter, identical on every rank."))
+
+
+class ExporterConfig(Section):
+    """The Prometheus exporter, served by global rank 0 only."""
+
+    section_key: ClassVar[str] = "exporter"
+    enabled: bool = Field(True, description="Serve metrics over HTTP from global rank 0.")
+    host: Annotated[str, BeforeValidator(_host)] = Field("127.0.0.1", description=(
+        "Address the exporter binds to; 0.0.0.0 to be scraped from another host."))
+    port: int = Field(9400, ge=0, le=65535, description=(
+        "Exporter TCP port; 0 picks a free port (logged, and available as Instrument.port)."))
+    file_sd_path: OptPath = Field(None, examples=["/shared/prometheus/targets/myrun.json"], description=(
+        "Multi-node jobs: rank 0 writes its exporter address here as a Prometheus file_sd_configs "
+        "target file ([{\"targets\": [\"<host>:<port>\"], \"labels\": {\"run\": run_name}}]) and "
+        "removes it at close, so the job is scraped wherever rank 0 lands (see "
+        "configs/prometheus.yml)."))
+    advertise_host: OptName = Field(None, description=(
+        "Host name written to file_sd_path (default: this machine's FQDN, or host when the "
+        "exporter is bound to a specific address)."))
+    run_name: OptName = Field(None, description="Value of the run label in file_sd_path (default: none).")
+
+
+class StatisticsConfig(Section):
+    """What is computed and exported per parameter."""
+
+    section_key: ClassVar[str] = "statistics"
+    per_param: bool = Field(True, description=(
+        "Export per-parameter series (distgrad_param_*{param}); layer-level series and the global "
+        "statistics are always exported."))
+    max_param_series: int = Field(2000, ge=50, description=(
+        "Upper bound on exported Prometheus series; per-parameter detail is reduced to the top-k "
+        "parameters by norm (non-finite ones always kept) when the bound would be exceeded."))
+    replica_check: bool = Field(True, description=(
+        "On engines whose reduced gradients are replicated on every rank (DDP, ZeRO-0), compare a "
+        "per-rank fingerprint (the sum of squares of the rank's whole copy, carried in the same "
+        "SUM collective) and count mismatches. Costs one extra read of the local gradient per "
+        "sampled step, since each rank otherwise reads only its 1/W slice."))
+    replica_check_rtol: float = Field(1e-6, gt=0, description=(
+        "Relative tolerance of the replica fingerprint comparison."))
+    update_ratio: bool = Field(False, description=(
+        "Compute the update-to-weight ratio ||dw||/||w|| per parameter (keeps one copy of the "
+        "local parameter shard)."))
+    async_records: Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)] = Field("auto", description=(
+        "on (or true): the training thread never waits for the device for distgrad: a sampled "
+        "step's reduced statistics go to pinned host memory with a non-blocking copy and a CUDA "
+        "event, and its record is built and published at the next optimizer-step boundary (one "
+        "step late; the last one at close()). off (or false): the record is built at its own "
+        "boundary after one blocking device-to-host copy. auto: on for CUDA gradients, off on CPU. "
+        "Must be the same on every rank (it decides where the provenance all-gather happens)."))
+
+
+class SpikesConfig(Section):
+    """Spike detectors on the loss and the global gradient norm (NaN-safe)."""
+
+    section_key: ClassVar[str] = "spikes"
+    ema_alpha: float = Field(0.97, gt=0, lt=1, description=(
+        "EMA z-score detector (ZClip, Kumar et al. 2025): smoothing factor; memory ~1/(1-alpha) "
+        "samples."))
+    ema_z: float = Field(2.5, gt=0, description="EMA z-score detector: z-score above which a sample is a spike.")
+    ema_warmup: int = Field(25, ge=1, description="EMA z-score detector: samples before the first test.")
+    window: int = Field(128, ge=2, description=(
+        "Rolling-window detector (OLMo 2 spike score): number of previous samples in the reference window."))
+    window_sigma: float = Field(6.0, gt=0, description=(
+        "Rolling-window detector: a sample more than this many standard deviations from the "
+        "window's mean is a spike."))
+
+
+class HealthConfig(Section):
+    """Per-parameter vanishing / exploding gradient flags."""
+
+    section_key: ClassVar[str] = "health"
+    vanish_threshold: float = Field(1e-10, ge=0, description=(
+        "A parameter's gradient norm below this for patience consecutive samples is vanishing "
+        "(an exactly-zero or underflowed gradient is caught, trained layers' noise is far above)."))
+    explode_threshold: float = Field(1e3, gt=0, description=(
+        "A parameter's gradient norm above this for patience consecutive samples is exploding."))
+    patience: int = Field(3, ge=1, description="Consecutive samples before a parameter is flagged.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "HealthConfig":
+        if self.vanish_threshold >= self.explode_threshold:
+            raise SettingError("vanish_threshold", f"must be below health.explode_threshold "
+                               f"({self.explode_threshold})", self.vanish_threshold)
+        return self
+
+
+class ClipConfig(Section):
+    """Gradient clipping, as seen by the clip ratio."""
+
+    section_key: ClassVar[str] = "clip"
+    max_grad_norm: "float | None" = Field(None, gt=0, description=(
+        "Clip threshold used for the clip ratio and the post-clip norm when the engine does not "
+        "clip itself (PyTorch loops that call clip_grad_norm_); null: the engine's own "
+        "(DeepSpeed gradient_clipping), or none."))
+
+
+class FlightRecorderConfig(Section):
+    """The last sampled steps, dumped on the first non-finite step."""
+
+    section_key: ClassVar[str] = "flight_recorder"
+    steps: int = Field(64, ge=0, description="Sampled steps kept in memory (0 disables the recorder).")
+    dir: OptPath = Field(None, examples=["runs/flightrec"], description=(
+        "Directory for flight-recorder reports (rank 0); null: nothing is written."))
+
+
+class TracerConfig(Section):
+    """Forward-pass tracing after a non-finite step."""
+
+    section_key: ClassVar[str] = "tracer"
+    micro_batches: int = Field(0, ge=0, description=(
+        "After the first non-finite step, trace the forward pass of this many micro-batches per "
+        "module (abs-min/abs-max of inputs, outputs and weights); 0 disables."))
+
+
+class JsonlConfig(Section):
+    """One JSON line per sampled step."""
+
+    section_key: ClassVar[str] = "sinks.jsonl"
+    path: OptPath = Field(None, examples=["runs/distgrad.jsonl"], description=(
+        "JSON Lines file written by rank 0, one line per sampled step, flushed each step; null "
+        "disables it."))
+    max_bytes: int = Field(128 << 20, ge=0, description=(
+        "Rotate the file at this size (bytes; 0 = never). About 190 bytes per parameter per line: "
+        "size it (with backups) for the steps you want to keep."))
+    backups: int = Field(8, ge=0, description="Rotated files kept (run.jsonl.1 ...).")
+
+
+class TensorBoardConfig(Section):
+    """TensorBoard scalars and per-layer histograms."""
+
+    section_key: ClassVar[str] = "sinks.tensorboard"
+    dir: OptPath = Field(None, examples=["runs/tb"], description=(
+        "TensorBoard log directory written by rank 0; null disables it."))
+
+
+class SinksConfig(Section):
+    """Outputs besides Prometheus, written by rank 0."""
+
+    section_key: ClassVar[str] = "sinks"
+    jsonl: JsonlConfig = Field(default_factory=JsonlConfig, description=JsonlConfig.__doc__)
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig,
+                                           description=TensorBoardConfig.__doc__)
+
+
+def _rule(v: Any) -> Any:
+    if isinstance(v, (list, tuple)) and len(v) == 3:  # (regex, layer_template, module_kind)
+        return {"pattern": v[0], "layer": v[1], "module_kind": v[2]}
+    return v
+
+
+class NamingRule(Section):
+    """One user rule: the first rule whose ``pattern`` is found in a parameter's canonical name
+    gives its layer and module kind (before the built-in tables of :mod:`distgrad.naming`)."""
+
+    section_key: ClassVar[str] = "naming.rules[]"
+    pattern: str = Field(min_length=1, description=(
+        "Regular expression searched (re.search) in the canonical parameter name (wrappers such "
+        "as module. and _fsdp_wrapped_module. removed), e.g. ^encoder\\.stages\\.(\\d+)\\."))
+    layer: str = Field(min_length=1, description=(
+        "Layer label, expanded with the match (\\1 is the first group): a block index N gives "
+        "layer \"N\"; embed, norm, head or any other string are allowed."))
+    module_kind: str = Field(min_length=1, description="module_kind label, used verbatim.")
+
+    @model_validator(mode="after")
+    def _compiles(self) -> "NamingRule":
+        try:
+            rx = re.compile(self.pattern)
+        except re.error as e:
+            raise SettingError("pattern", f"is not a valid regular expression ({e})", self.pattern) from None
+        try:  # the template may only name groups the pattern has: expand it on an empty match
+            m = re.compile(f"(?:{rx.pattern})|", rx.flags).match("")
+        except re.error:  # e.g. global inline flags: leave the template to classify()
+            m = None
+        if m is not None:
+            try:
+                m.expand(self.layer)
+            except (re.error, IndexError) as e:
+                raise SettingError("layer", f"refers to a group that pattern {self.pattern!r} does not "
+                                   f"have ({e})", self.layer) from None
+        return self
+
+    def as_tuple(self) -> tuple[str, str, str]:
+        """``(pattern, layer, module_kind)``, the form :func:`distgrad.naming.classify` takes."""
+        return (self.pattern, self.layer, self.module_kind)
+
+
+class NamingConfig(Section):
+    """How parameter names map to layer and module_kind labels."""
+
+    section_key: ClassVar[str] = "naming"
+    rules: list[Annotated[NamingRule, BeforeValidator(_rule)]] = Field(default_factory=list, description=(
+        "User rules tried in order before the built-in tables, each {pattern, layer, module_kind} "
+        "(or a [pattern, layer, module_kind] list). Example: {pattern: '^encoder\\.stages\\.(\\d+)\\.', "
+        "layer: '\\1', module_kind: stage}. They label the layer and module-kind series."))
+
+    @property
+    def tuples(self) -> tuple[tuple[str, str, str], ...]:
+        """The rules as ``(pattern, layer, module_kind)`` tuples (for :func:`distgrad.naming.classify`)."""
+        return tuple(r.as_tuple() for r in self.rules)
+
+
+#: the sections of DistgradConfig, in the order of the generated files
+SECTIONS: dict[str, type[Section]] = {
+    "sampling": SamplingConfig, "exporter": ExporterConfig, "statistics": StatisticsConfig,
+    "spikes": SpikesConfig, "health": HealthConfig, "clip": ClipConfig,
+    "flight_recorder": FlightRecorderConfig, "tracer": TracerConfig, "sinks": SinksConfig,
+    "naming": NamingConfig,
+}
