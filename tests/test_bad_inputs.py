@@ -128,7 +128,7 @@ def test_unwritable_file_sd_path_names_the_key(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     inst = Instrument(Two(), DistgradConfig(port=0, file_sd_path=str(blocker / "sub" / "t.json")))
-    with pytest.raises(ConfigError, match=r"'file_sd_path' = .*cannot be written.*set it to null"):
+    with pytest.raises(ConfigError, match=r"'exporter.file_sd_path'.* = .*cannot be written.*set it to null"):
         inst.start()
     assert inst.prometheus is None or inst._closed
 
