@@ -64,14 +64,14 @@ def test_yaml_naming_rule_labels_the_layer_and_kind_series(tmp_path):
         diag.on_record(rec)
         sink.write(rec)
         ref = _reference(layer_of)
-        assert rec.extra["layer_norm"] == pytest.approx(ref, rel=1e-12)
+        assert rec.aggregates.layer_norm == pytest.approx(ref, rel=1e-12)
         served = {dict(k)["layer"]: v for k, v in _series(sink, "distgrad_layer_grad_norm").items()}
         assert served == pytest.approx(ref, rel=1e-12)
     # the module kind from the rule: all four encoder parameters in one "stage" group
     diag = Diagnostics(cfg, NAMES)
     rec = _rec(2)
     diag.on_record(rec)
-    assert rec.extra["module_kind_norm"]["stage"] == pytest.approx(math.sqrt(SUMSQ[:4].sum()), rel=1e-12)
+    assert rec.aggregates.module_kind_norm["stage"] == pytest.approx(math.sqrt(SUMSQ[:4].sum()), rel=1e-12)
 
 
 def test_naming_rules_reach_the_tensorboard_layers(tmp_path):
