@@ -120,7 +120,7 @@ def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm:
                               "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
                               "zero_optimization": {"stage": stage},
                               # read by attach(trainer) (config=None): a non-default to see it
-                              "distgrad": {"interval": 1, "spike_window": 64},
+                              "distgrad": {"sampling": {"interval": 1}, "spikes": {"window": 64}},
                               "bf16": {"enabled": "auto"},
                               # a small initial loss scale: no overflow-skipped step in 2 steps
                               "fp16": {"enabled": "auto", "initial_scale_power": 8}}
@@ -165,7 +165,7 @@ def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm:
     inst = cb.instrument
     out = {"args_max_grad_norm": max_norm, "records": records, "logs": logs, "engine": inst.source.engine_name,
            "zero_stage": inst.source.zero_stage, "loss_reduction": inst.loss_reduction, "dtype": dtype,
-           "spike_window": inst.config.spike_window,
+           "spike_window": inst.config.spikes.window,
            "refusals": dict(inst.boundary.refusals.counts) if getattr(inst, "boundary", None) is not None
            and hasattr(inst.boundary, "refusals") else {},
            "max_grad_norm": inst.config.clip.max_grad_norm if inst.config.clip.max_grad_norm is not None else
