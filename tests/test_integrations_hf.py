@@ -25,7 +25,7 @@ from tests.reference import case, check_against
 
 LOW = ["ds_z2_bf16", "ds_z3_bf16", "ds_z2_fp16", "ds_z3_fp16"]
 TRAINER = ["ds_z2", "ds_z3", "ds_z2_lora", *LOW, "fsdp2", "fsdp1", "ddp", "single"]
-CASES = TRAINER + ["accelerate_ds"]  # a plain Accelerate loop with the DeepSpeed plugin
+CASES = TRAINER + ["accelerate_ds", "accelerate_ddp"]  # plain Accelerate loops: DeepSpeed plugin, DDP
 RTOL = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 1e-2}  # against the float64 reference
 
 
@@ -104,14 +104,16 @@ def test_loss_is_the_steps_mean_loss(hf_results, key):
 @pytest.mark.multirank
 @pytest.mark.parametrize("key", CASES)
 def test_logged_grad_norm_and_clip_ratio_agree(hf_results, key):
-    # the Trainer's logged grad_norm; for the Accelerate loop engine.get_global_grad_norm()
+    # the Trainer's logged grad_norm; for the Accelerate loops engine.get_global_grad_norm() under
+    # DeepSpeed, accelerator.clip_grad_norm_'s return value under DDP
     c = case(hf_results, key)
     assert len(c["records"]) == len(c["logs"]) == 2
     for r, lg in zip(c["records"], c["logs"]):
         assert r["grad_norm"] == pytest.approx(lg["grad_norm"], rel=1e-5)
     rec = StepRecord.from_dict(c["records"][0])
     m = c["args_max_grad_norm"]
-    assert c["max_grad_norm"] == m  # from TrainingArguments.max_grad_norm
+    # the Trainer: TrainingArguments.max_grad_norm; Accelerate loops: the engine's clipping, max_grad_norm=
+    assert c["max_grad_norm"] == m
     gn = c["logs"][0]["grad_norm"]
     assert rec.clip.ratio == pytest.approx(m / (gn + 1e-6), rel=1e-5)
     assert rec.clip.post_clip_norm == pytest.approx(m * gn / (gn + 1e-6), rel=1e-5)
@@ -124,7 +126,7 @@ def test_engines_and_frozen_lora_base_weights(hf_results):
         "ds_z2_bf16": ("deepspeed", 2), "ds_z3_bf16": ("deepspeed", 3), "ds_z2_fp16": ("deepspeed", 2),
         "ds_z3_fp16": ("deepspeed", 3), "fsdp2": ("fsdp2", None),
         "fsdp1": ("fsdp1", None), "ddp": ("ddp", None), "single": ("torch", None),
-        "accelerate_ds": ("deepspeed", 2)}
+        "accelerate_ds": ("deepspeed", 2), "accelerate_ddp": ("ddp", None)}
     # the low-precision runs really held bf16 / loss-scaled fp16 gradients (2^initial_scale_power)
     low = {k: StepRecord.from_dict(case(hf_results, k)["records"][0]) for k in LOW}
     assert {k: (r.grad_dtype, r.loss_scale, r.grad_scale) for k, r in low.items()} == {

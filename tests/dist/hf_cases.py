@@ -12,8 +12,8 @@ loss (mean per-token cross entropy over all of them: every sequence has the same
 ignored label) and its gradient, which is the pre-clip reduced gradient the optimizer receives.
 
 Cases: DeepSpeed ZeRO-2 and ZeRO-3 in fp32, bf16 and fp16 (dynamic loss scaling), ZeRO-2 +
-PEFT LoRA, FSDP2, FSDP1, DDP, and a plain Accelerate loop with the DeepSpeed plugin; the
-one-process case runs in the pytest process (``run_case("single", "single")``).
+PEFT LoRA, FSDP2, FSDP1, DDP, and plain Accelerate loops with the DeepSpeed plugin and with
+DDP; the one-process case runs in the pytest process (``run_case("single", "single")``).
 
 Making these frameworks run on CPU at all (not distgrad's business): a gloo ``PartialState``
 before ``TrainingArguments(accelerator_config={"use_configured_state": True})``; FSDP needs
@@ -177,26 +177,33 @@ def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm:
     return out
 
 
-def run_accelerate_ds(name: str) -> dict:
-    """A plain Accelerate loop with the DeepSpeed plugin (ZeRO-2, accumulation 2, clipping 1.0):
-    ``accelerator.prepare`` returns the engine; ``instrument_accelerate`` instruments it."""
+def run_accelerate(name: str, kind: str) -> dict:
+    """A plain Accelerate loop (accumulation 2 with ``accelerator.accumulate``, clipping 1.0):
+    with the DeepSpeed plugin (ZeRO-2; ``accelerator.prepare`` returns the engine, which clips;
+    its ``get_global_grad_norm()`` is the framework's norm), or DDP (``kind="ddp"``: the loop
+    clips with ``accelerator.clip_grad_norm_``, whose return value is the framework's norm, and
+    passes ``max_grad_norm`` to distgrad). ``instrument_accelerate`` in both."""
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
     from distgrad.integrations.hf import instrument_accelerate
 
-    make_state("deepspeed")
-    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=GA,
-                                                       gradient_clipping=1.0))
+    make_state(kind)
+    if kind == "deepspeed":
+        acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=GA,
+                                                           gradient_clipping=1.0))
+    else:
+        acc = Accelerator(gradient_accumulation_steps=GA)
     model = tiny_llama(1234)
     ref_model = copy.deepcopy(model).double()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, shuffle=False)
     model, opt, loader = acc.prepare(model, opt, loader)
-    dg = instrument_accelerate(acc, model, opt, prometheus=False)
+    dg = instrument_accelerate(acc, model, opt, prometheus=False,
+                               **({} if kind == "deepspeed" else {"max_grad_norm": 1.0}))
     records: list[dict] = []
     dg.add_hook(lambda rec: records.append(rec.to_dict()))
-    seen, engine_norms = [], []
+    seen, norms = [], []
     for i, batch in enumerate(loader):
         if i == 2 * GA:
             break
@@ -205,14 +212,18 @@ def run_accelerate_ds(name: str) -> dict:
                 seen.append(batch["input_ids"].detach().cpu().clone())
             loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
             acc.backward(loss)
+            if kind != "deepspeed" and acc.sync_gradients:
+                norms.append(float(acc.clip_grad_norm_(model.parameters(), 1.0)))
             opt.step()
             opt.zero_grad()
-        if (i + 1) % GA == 0:
-            engine_norms.append(float(model.get_global_grad_norm()))
+        if kind == "deepspeed" and (i + 1) % GA == 0:
+            norms.append(float(model.get_global_grad_norm()))
     out = {"args_max_grad_norm": 1.0, "records": records, "engine": dg.source.engine_name,
            "zero_stage": dg.source.zero_stage, "loss_reduction": dg.loss_reduction,
-           "max_grad_norm": dg.diagnostics.max_norm if dg.diagnostics is not None else None,
-           "logs": [{"grad_norm": g} for g in engine_norms]}
+           "max_grad_norm": dg.config.max_grad_norm if dg.config.max_grad_norm is not None else
+           (dg.diagnostics.max_norm if dg.diagnostics is not None else None),
+           "refusals": dict(dg.boundary.refusals.counts) if hasattr(getattr(dg, "boundary", None), "refusals")
+           else {}, "logs": [{"grad_norm": g} for g in norms]}
     dg.close()
     out.update(reference(ref_model, seen))
     dist.barrier()
@@ -248,6 +259,7 @@ CASES = {
     "fsdp1": dict(kind="fsdp1"),
     "ddp": dict(kind="ddp"),
     "accelerate_ds": dict(kind="accelerate"),
+    "accelerate_ddp": dict(kind="accelerate_ddp"),
 }
 
 
@@ -265,7 +277,12 @@ def main() -> None:
         if a.only and name not in a.only.split(","):
             continue
         try:
-            results[name] = run_accelerate_ds(name) if kw.get("kind") == "accelerate" else run_case(name, **kw)
+            if kw["kind"] == "accelerate":
+                results[name] = run_accelerate(name, "deepspeed")
+            elif kw["kind"] == "accelerate_ddp":
+                results[name] = run_accelerate(name, "ddp")
+            else:
+                results[name] = run_case(name, **kw)
         except Exception as e:  # noqa: BLE001 - reported by the test with the traceback
             results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
             if rank == 0:
