@@ -140,3 +140,21 @@ def test_engines_and_frozen_lora_base_weights(hf_results):
     names = StepRecord.from_dict(lora["records"][0]).params.names
     assert lora["frozen"] and not set(lora["frozen"]) & set(names)
     assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+
+
+def test_clip_threshold_from_the_framework_unless_the_user_sets_it(recwarn):
+    # the Trainer's max_grad_norm / Lightning's gradient_clip_val reach distgrad as
+    # clip.max_grad_norm (no deprecation warning for a key the user never wrote), and a threshold
+    # the user gives in any spelling, in the overrides or the config, wins
+    from distgrad.config import DistgradConfig
+    from distgrad.integrations import with_clip_threshold as w
+
+    assert w(None, {"exporter": {"enabled": False}}, 1.0) == {"exporter": {"enabled": False},
+                                                              "clip.max_grad_norm": 1.0}
+    for user in ({"max_grad_norm": 2.0}, {"clip.max_grad_norm": 2.0}, {"clip": {"max_grad_norm": 2.0}}):
+        assert w(None, user, 1.0) == user
+        assert w(user, {}, 1.0) == {}
+    assert w(DistgradConfig.model_validate({"clip": {"max_grad_norm": 2.0}}), {}, 1.0) == {}
+    assert w(DistgradConfig(), {}, 1.0) == {"clip.max_grad_norm": 1.0}
+    assert w(None, {}, 0.0) == w(None, {}, None) == {}  # clipping off in the framework
+    assert not [x for x in recwarn if issubclass(x.category, FutureWarning)]

@@ -23,7 +23,7 @@ What the Trainer does, and what the integration does about it (measured on trans
   (``accelerator.clip_grad_norm_``) before ``optimizer.step()``, so the boundary reads the
   gradients at the first clipping call on the optimizer's parameters (``read_at =
   "before_clip"``), or in the step pre-hook when nothing clips. ``max_grad_norm`` becomes
-  distgrad's ``max_grad_norm`` (clip ratio and post-clip norm). The loss handed to
+  distgrad's ``clip.max_grad_norm`` (clip ratio and post-clip norm). The loss handed to
   ``accelerator.backward`` is captured.
 - In both cases ``distgrad_loss`` is the sum over the step's micro-batches of the loss handed to
   backward, averaged over ranks (``Instrument.loss_reduction = "sum"``): exactly the loss whose
@@ -32,8 +32,8 @@ What the Trainer does, and what the integration does about it (measured on trans
 - PEFT: frozen base weights have ``requires_grad=False`` and never appear as series.
 
 Settings: ``attach(trainer, config, **overrides)`` like :func:`distgrad.instrument`; with
-``config=None`` under DeepSpeed, the DeepSpeed config's ``"distgrad"`` section. ``max_grad_norm``
-comes from ``TrainingArguments.max_grad_norm`` unless given.
+``config=None`` under DeepSpeed, the DeepSpeed config's ``"distgrad"`` section. ``clip.max_grad_norm``
+comes from ``TrainingArguments.max_grad_norm`` unless the config or an override sets it.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from typing import Any
 import distgrad
 from distgrad.api import unwrap_optimizer
 from distgrad.engines.deepspeed import is_deepspeed_engine
+from distgrad.integrations import with_clip_threshold
 
 try:
     from transformers import TrainerCallback
@@ -115,9 +116,7 @@ def instrument_trainer(trainer: Any, config: Any = None, optimizer: Any = None,
         inst = distgrad.instrument(engine, config, **overrides)
         inst.loss_reduction = "sum"
         return inst
-    max_norm = getattr(trainer.args, "max_grad_norm", None)
-    if "max_grad_norm" not in overrides and max_norm and max_norm > 0:
-        overrides["max_grad_norm"] = float(max_norm)
+    overrides = with_clip_threshold(config, overrides, getattr(trainer.args, "max_grad_norm", None))
     return instrument_accelerate(accelerator, engine, optimizer if optimizer is not None else trainer.optimizer,
                                  config, **overrides)
 

@@ -22,7 +22,7 @@ What Lightning does, and what the callback does about it (measured on lightning 
   closure (after the step's last backward) and before it clips (``gradient_clip_val``), under
   automatic and manual optimization alike (``boundary.read_at = "external"``); the optimizer's
   step post-hook publishes the step. ``gradient_clip_val`` (norm clipping) becomes distgrad's
-  ``max_grad_norm`` (clip ratio, post-clip norm).
+  ``clip.max_grad_norm`` (clip ratio, post-clip norm) unless the config or an override sets it.
 - Loss: ``on_before_backward`` receives the loss handed to backward (``training_step``'s loss
   divided by ``accumulate_grad_batches`` under automatic optimization); ``distgrad_loss`` is its
   sum over the step's micro-batches averaged over ranks, i.e. the mean training loss of the step
@@ -39,6 +39,7 @@ from typing import Any
 
 import distgrad
 from distgrad.engines.deepspeed import is_deepspeed_engine
+from distgrad.integrations import with_clip_threshold
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -88,11 +89,9 @@ class DistgradCallback(Callback):
         if len(optimizers) != 1:
             raise ValueError(f"DistgradCallback supports one optimizer, the LightningModule has {len(optimizers)}")
         opt = getattr(optimizers[0], "_optimizer", optimizers[0])  # a LightningOptimizer's torch optimizer
-        overrides = dict(self.overrides)
-        clip = trainer.gradient_clip_val
         algo = str(getattr(trainer, "gradient_clip_algorithm", "norm") or "norm").lower()
-        if "max_grad_norm" not in overrides and clip and float(clip) > 0 and algo.endswith("norm"):
-            overrides["max_grad_norm"] = float(clip)
+        clip = trainer.gradient_clip_val if algo.endswith("norm") else None
+        overrides = with_clip_threshold(self.config, self.overrides, clip)
         self.instrument = distgrad.instrument(model, self.config, optimizer=opt, **overrides)
         if getattr(self.instrument, "boundary", None) is not None:
             self.instrument.loss_reduction = "sum"

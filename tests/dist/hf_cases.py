@@ -200,7 +200,7 @@ def run_accelerate(name: str, kind: str) -> dict:
     loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, shuffle=False)
     model, opt, loader = acc.prepare(model, opt, loader)
     dg = instrument_accelerate(acc, model, opt, prometheus=False,
-                               **({} if kind == "deepspeed" else {"max_grad_norm": 1.0}))
+                               **({} if kind == "deepspeed" else {"clip": {"max_grad_norm": 1.0}}))
     records: list[dict] = []
     dg.add_hook(lambda rec: records.append(rec.to_dict()))
     seen, norms = [], []
@@ -220,7 +220,7 @@ def run_accelerate(name: str, kind: str) -> dict:
             norms.append(float(model.get_global_grad_norm()))
     out = {"args_max_grad_norm": 1.0, "records": records, "engine": dg.source.engine_name,
            "zero_stage": dg.source.zero_stage, "loss_reduction": dg.loss_reduction,
-           "max_grad_norm": dg.config.max_grad_norm if dg.config.max_grad_norm is not None else
+           "max_grad_norm": dg.config.clip.max_grad_norm if dg.config.clip.max_grad_norm is not None else
            (dg.diagnostics.max_norm if dg.diagnostics is not None else None),
            "refusals": dict(dg.boundary.refusals.counts) if hasattr(getattr(dg, "boundary", None), "refusals")
            else {}, "logs": [{"grad_norm": g} for g in norms]}
