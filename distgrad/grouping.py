@@ -47,11 +47,11 @@ metric; ``Metric.series()`` is the series of one metric per value of its scope l
   ``LAYER_SERIES = 4``: ``distgrad_layer_grad_{norm, nonfinite, zero_ratio, headroom_ratio}``;
 * ``K``: module-kind groups (kind-granularity keys); ``KIND_SERIES = 1``
   (``distgrad_module_kind_grad_norm``);
-* ``GLOBAL_SERIES = 70``: the catalogue's metrics of a fixed or capped series count (60 today:
+* ``GLOBAL_SERIES = 70``: the catalogue's metrics of a fixed or capped series count (65 today:
   unlabelled ones, the two-valued ``detector`` families, ``distgrad_sink_errors_total{sink}``
   for its 4 sinks, ``distgrad_refused_steps_total{reason}`` for its 3 reasons,
   ``distgrad_nonfinite_params`` capped at 20) plus :data:`GLOBAL_RESERVE`
-  (10) for exporter-side extras and metrics still to come. (prometheus_client's ``*_created``
+  (5) for exporter-side extras and metrics still to come. (prometheus_client's ``*_created``
   samples and process collectors are not served by distgrad's exporter.)
 
 The default budget is :data:`DEFAULT_SERIES_BUDGET` ``= 2000`` and the default ``top_k`` is
@@ -104,7 +104,7 @@ LAYER_SERIES = _metrics.series_per("layer")
 #: Series per module-kind group.
 KIND_SERIES = _metrics.series_per("module_kind")
 #: Series kept free in the global part for exporter extras and future metrics.
-GLOBAL_RESERVE = 10
+GLOBAL_RESERVE = 5
 #: Series not proportional to parameters, layers or kinds (including GLOBAL_RESERVE).
 GLOBAL_SERIES = _metrics.series_per(None) + GLOBAL_RESERVE
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from distgrad import __version__, metrics
 from distgrad.config import DistgradConfig
 from distgrad.engines.base import GradSource
+from distgrad.loss import LossTracker, StepLoss, split as split_loss
 from distgrad.record import ScalerState, StepRecord, UnsampledNonfinite
 from distgrad.sinks.base import Sink, SinkError
 from distgrad.step import StepOutcome, StepToken
@@ -99,8 +100,9 @@ class Instrument:
         self.sinks: list[Sink] = []
         self.prometheus = None
         self.port: int | None = None
-        self._loss_sum: torch.Tensor | None = None
-        self._loss_count = 0
+        #: this rank's losses, sample indices and times of the current step (distgrad.loss)
+        self.loss = LossTracker(self.world_size)
+        self._loss_step: StepLoss | None = None  # the sampled step's, from collect to its record
         #: how observed losses combine into ``distgrad_loss``: "mean" (each observation is one
         #: micro-batch's loss; averaged over micro-batches and ranks) or "sum" (each observation is
         #: the loss exactly as handed to backward by a framework that pre-scales it for gradient
@@ -109,7 +111,7 @@ class Instrument:
         #: framework integrations (distgrad.integrations), never by users.
         self.loss_reduction = "mean"
         self._auto_loss = True  # automatic loss capture on, until the first explicit observe_loss
-        self._auto_seen = False  # an automatically captured loss is in _loss_sum
+        self._auto_seen = False  # an automatically captured loss is in self.loss
         self._consecutive_overflow = 0
         self._replica_mismatch_rank = -1
         self._restore: list[Callable[[], None]] = []
@@ -179,7 +181,7 @@ class Instrument:
 
     # ----------------------------------------------------------------------------------
     # user-facing
-    def observe_loss(self, loss: "torch.Tensor | float", *, automatic: bool = False) -> None:
+    def observe_loss(self, loss: "torch.Tensor | float", *, automatic: bool = False, samples: Any = None) -> None:
         """Record one micro-batch's training loss on this rank (no host sync, no collective).
 
         The losses observed since the last optimizer-step boundary are summed on the device and
@@ -197,13 +199,20 @@ class Instrument:
                 boundary's forward hook). The first call with ``automatic=False`` (the user's
                 own) switches automatic capture off for the rest of the run and drops the
                 automatic losses of the current step, so the two are never mixed.
+            samples: optional indices (or ids) of the micro-batch's samples: a sequence or a 1-D
+                integer tensor, kept by reference and read only when this rank's batch caused a
+                loss spike (then written to ``flight_recorder_dir``, see
+                :meth:`distgrad.loss.LossTracker.report_spike`).
+
+        Each rank's own mean and largest loss, and which rank had the largest, are in every
+        sampled record (``StepRecord.ranks``, ``distgrad_loss_max_rank``).
         """
         if automatic and not self._auto_loss:
             return
         if not automatic and self._auto_loss:
             self._auto_loss = False
             if self._auto_seen:
-                self._loss_sum, self._loss_count = None, 0
+                self.loss.clear_losses()
         try:
             if isinstance(loss, torch.Tensor):
                 if loss.numel() != 1 or loss.is_complex():
@@ -214,8 +223,7 @@ class Instrument:
                     t = torch.tensor(float(loss), dtype=torch.float64)
                 except (TypeError, ValueError):
                     raise _BadLoss(f"a {type(loss).__name__}") from None
-            self._loss_sum = t if self._loss_sum is None else self._loss_sum + t.to(self._loss_sum.device)
-            self._loss_count += 1
+            self.loss.add(t, samples)
             self._auto_seen = self._auto_seen or automatic
         except _BadLoss as e:
             self.counters["internal_errors"] += 1
@@ -244,6 +252,37 @@ class Instrument:
         from distgrad.checkpoint import load_instrument_state
 
         load_instrument_state(self, state)
+
+    def observe_data_time(self, seconds: float) -> None:
+        """Report the seconds this rank's loop spent loading one micro-batch's data (summed over
+        the optimizer step; host float, no sync). Without it distgrad measures the time from the
+        previous optimizer step to the step's first forward. Names the straggler rank
+        (``distgrad_straggler_rank``, ``StepRecord.ranks``). A value that is not a finite
+        number >= 0 is ignored and counted in ``distgrad_internal_errors_total`` (logged once).
+        Never raises."""
+        try:
+            v = float(seconds)
+            if not (v >= 0.0 and np.isfinite(v)):
+                raise ValueError(v)
+            self.loss.add_data_time(v)
+        except (TypeError, ValueError):
+            self.counters["internal_errors"] += 1
+            if "observe_data_time" not in self._logged_bad_input:
+                self._logged_bad_input.add("observe_data_time")
+                log.error("distgrad: observe_data_time(seconds) needs a finite number of seconds >= 0, got %r: "
+                          "ignored (each call counted in distgrad_internal_errors_total, not logged again)", seconds)
+            self._publish_counters()
+
+    def observe_samples(self, samples: Any) -> None:
+        """The sample indices (or ids) of the micro-batch whose loss is observed next on this rank,
+        for engines that pick the loss up themselves (DeepSpeed's ``engine.backward(loss)``); a
+        sequence or a 1-D integer tensor, kept by reference and read only when this rank's batch
+        caused a loss spike (see ``samples=`` of :meth:`observe_loss`). Never raises."""
+        self.loss.pending_samples = samples
+
+    def forward_started(self) -> None:
+        """Boundary API: a forward pass of the model starts on this rank (host clock only)."""
+        self.loss.forward_started()
 
     def read_gradients_now(self) -> None:
         """Read this optimizer step's reduced gradients now instead of in ``optimizer.step()``:
@@ -345,11 +384,14 @@ class Instrument:
             be computed on some rank: counted in ``internal_errors``; and with asynchronous
             records, where the record is built at the next boundary: see :meth:`flush`).
         """
-        if token.sampled:
-            return self.finish(token.step, outcome.micro_step, token.host, outcome.grad_scale,
-                               outcome.loss_scale, outcome.overflow, outcome.step_applied, outcome.samples)
-        self.skip(outcome.overflow, outcome.step_applied, outcome.samples)
-        return None
+        try:
+            if token.sampled:
+                return self.finish(token.step, outcome.micro_step, token.host, outcome.grad_scale,
+                                   outcome.loss_scale, outcome.overflow, outcome.step_applied, outcome.samples)
+            self.skip(outcome.overflow, outcome.step_applied, outcome.samples)
+            return None
+        finally:
+            self.loss.exit()
 
     def collect(self, step: int, refuse: str | None = None) -> "np.ndarray | HostCopy | None":
         """Local statistics + the two collectives + one host copy, for a sampled step.
@@ -366,6 +408,7 @@ class Instrument:
         """
         self._drain(collectives=True)
         device = self.source.device()
+        self._loss_step = step_loss = self.loss.arrive()
         try:
             if refuse is not None:
                 raise _Refused(refuse)
@@ -376,16 +419,17 @@ class Instrument:
                 fingerprint = (torch.stack([torch.dot(p.float(), p.float()).double() for p in present]).sum()
                                if present else torch.zeros((), dtype=torch.float64, device=device))
             pieces = self.own.take(pieces)
-            count = self._loss_count if self.loss_reduction == "mean" else min(self._loss_count, 1)
+            count = step_loss.count if self.loss_reduction == "mean" else min(step_loss.count, 1)
             sum_block, max_block = pack_local(pieces, self.layout, self.rank, device, fingerprint,
-                                              self._loss_sum, count)
+                                              step_loss.sum, count)
+            sum_block = torch.cat([sum_block, self.loss.block(step_loss, self.rank, device, self.loss_reduction)])
         except _Refused:  # join the collectives with the "refused" flag: every rank drops the step
-            sum_block, max_block = error_blocks(self.layout, self.rank, device)
+            sum_block, max_block = self._error_blocks(device)
             code = REFUSAL_REASONS.index(refuse) if refuse in REFUSAL_REASONS else 0
             sum_block[self.layout.rank_offset + self.rank * len(RANK_COLS) + 2] = _REFUSED + code
         except Exception:  # noqa: BLE001 - join the collectives anyway, with the error flag set
             self._internal_error("local statistics")
-            sum_block, max_block = error_blocks(self.layout, self.rank, device)
+            sum_block, max_block = self._error_blocks(device)
         self._local_nonfinite = sum_block[: self.layout.rank_offset].view(-1, len(SUM_COLS))[:, 3:5].clone()
         self._weights_before = None
         if self.config.statistics.update_ratio and refuse is None:
@@ -404,6 +448,11 @@ class Instrument:
             self._internal_error("cross-rank reduction")
             return None
 
+    def _error_blocks(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`error_blocks` plus the identity of the per-rank loss block."""
+        sum_block, max_block = error_blocks(self.layout, self.rank, device)
+        return torch.cat([sum_block, self.loss.block(None, self.rank, device, self.loss_reduction)]), max_block
+
     def watch(self, step: int) -> None:
         """Non-finite check of an optimizer step that is not sampled (``interval`` > 1): see
         :mod:`distgrad.watch`. Called on every rank at the boundary of unsampled step ``step``,
@@ -415,7 +464,7 @@ class Instrument:
             return
         try:
             pieces = self.own.take(list(self.source.local_pieces()))
-            self._watcher.observe(step, pieces, self._loss_sum, self.source.device())
+            self._watcher.observe(step, pieces, self.loss.cur.sum, self.source.device())
         except Exception:  # noqa: BLE001
             self._internal_error("non-finite check of an unsampled step")
 
@@ -449,16 +498,18 @@ class Instrument:
                 if self.config.statistics.update_ratio:
                     ratio = HostCopy(update_ratio_sums(self, self.layout.n_params))
                 self._parked = {"args": (step, micro_step, grad_scale, loss_scale, overflow, step_applied),
-                                "host": host, "ratio": ratio, "local_nonfinite": self._local_nonfinite}
+                                "host": host, "ratio": ratio, "local_nonfinite": self._local_nonfinite,
+                                "loss": self._loss_step}
                 self._publish_counters()
                 return None
             return self._complete(host, (step, micro_step, grad_scale, loss_scale, overflow, step_applied),
-                                  self._local_nonfinite, ratio=None, collectives=True)
+                                  self._local_nonfinite, ratio=None, collectives=True, step_loss=self._loss_step)
         except Exception:  # noqa: BLE001
             self._internal_error("finishing the step")
             return None
         finally:
-            self._loss_sum, self._loss_count = None, 0
+            self._loss_step = None
+            self.loss.cur = StepLoss()
 
     def _drain(self, collectives: bool) -> StepRecord | None:
         """Build and publish the parked sampled step (asynchronous records), if any. Waits for
@@ -469,18 +520,20 @@ class Instrument:
             return None
         try:
             host = parked["host"].wait()
-            return self._complete(host, parked["args"], parked["local_nonfinite"], parked["ratio"], collectives)
+            return self._complete(host, parked["args"], parked["local_nonfinite"], parked["ratio"], collectives,
+                                  parked["loss"])
         except Exception:  # noqa: BLE001
             self._internal_error("finishing the parked step")
             return None
 
     def _complete(self, host: np.ndarray, args: tuple, local_nonfinite: torch.Tensor,
-                  ratio: "HostCopy | None", collectives: bool) -> StepRecord | None:
+                  ratio: "HostCopy | None", collectives: bool, step_loss: StepLoss | None = None) -> StepRecord | None:
         """The record of a sampled step from its reduced host array: diagnostics, hooks, sinks.
         ``ratio``: the update-ratio sums on their way to the host (asynchronous records), or
         None to make that all-reduce now (synchronous)."""
         step, micro_step, grad_scale, loss_scale, overflow, step_applied = args
         host = self._fold_watch(step, host)  # sets self._unsampled for _build
+        host, rank_block = split_loss(host, self.layout.sum_size, self.loss.block_size)
         red = unpack(host, self.layout, self.source.names, grad_scale)
         if red.rank_error.sum():
             # this rank counted its own failure already; learn of the others' from the flags.
@@ -496,6 +549,7 @@ class Instrument:
             return None
         rec = self._build(step, micro_step, red, grad_scale, loss_scale, overflow, step_applied,
                           local_nonfinite if collectives else None)
+        rec.ranks = self.loss.rank_stats(rank_block)
         if self.config.statistics.update_ratio:
             host_sums = (update_ratio_sums(self, len(rec.params.names)).cpu().numpy() if ratio is None
                          else ratio.wait())
@@ -505,6 +559,16 @@ class Instrument:
         self.last_record = rec
         if self.diagnostics is not None:  # each plug-in's failure is counted, the others run
             self.diagnostics.on_record(rec)
+        try:
+            path = self.loss.report_spike(rec, step_loss, self.rank, self.config.flight_recorder.dir)
+            if path is not None:
+                rec.loss_spike_report = str(path)
+        except OSError as e:
+            log.warning("distgrad: loss-spike report of step %d not written to flight_recorder_dir=%r: %s",
+                        step, self.config.flight_recorder.dir, e)
+            self._sink_error("flight_recorder")
+        except Exception:  # noqa: BLE001
+            self._internal_error("loss-spike report")
         for hook in self._hooks:
             try:
                 hook(rec)
@@ -544,7 +608,7 @@ class Instrument:
         except Exception:  # noqa: BLE001
             self._internal_error("accounting an unsampled step")
         finally:
-            self._loss_sum, self._loss_count = None, 0
+            self.loss.arrive()  # the step's losses and time are dropped
 
     def _build(self, step, micro_step, red, grad_scale, loss_scale, overflow, step_applied,
                local_nonfinite: torch.Tensor | None) -> StepRecord:

@@ -81,6 +81,8 @@ CONDITIONS: dict[str, str] = {
     "per_param": "`per_param: true`, for the parameters selected by the series budget",
     "update_ratio": "`update_ratio: true` (and `per_param`), for the selected parameters",
     "nonfinite": "after the first non-finite step; kept after the streak ends",
+    "data_time": "after a sampled step whose data time is known on some rank (the boundary sees the forward: "
+                 "PyTorch models with `optimizer=`, DeepSpeed engines; or the loop calls `observe_data_time`)",
 }
 
 #: label sets whose size grows with the model; every other label takes a fixed or capped set
@@ -175,6 +177,27 @@ CATALOGUE: tuple[Metric, ...] = (
        "as the user's loss function defines it (whatever the framework divides it by before backward).", "loss",
        doc="mean training loss of the optimizer step over all its micro-batches and ranks, as the user's "
            "loss function defines it (see below)"),
+    # --- per-rank attribution (each rank's own values ride in the SUM collective) --------------
+    _g("distgrad_loss_max", "loss", "Highest micro-batch training loss of the optimizer step on any rank.", "loss",
+       doc="highest micro-batch loss of the optimizer step over all ranks (losses a framework pre-scales for "
+           "gradient accumulation: the highest rank step loss); NaN when a rank's loss was NaN"),
+    _g("distgrad_loss_max_rank", "rank", "Rank whose batch had the highest loss (the first with a NaN/Inf loss "
+       "if any) on the last sampled step.", "loss",
+       doc="rank whose batch had the highest loss on the last sampled step: the first rank whose loss was NaN/Inf "
+           "if any, else the argmax of the per-rank maxima (ties: lowest rank); every rank's mean and max are in "
+           "the JSONL record (`ranks`)"),
+    _g("distgrad_step_time_seconds", "seconds", "Longest per-rank wall time of the last sampled optimizer step.",
+       doc="longest per-rank wall time of the last sampled optimizer step (end of the previous boundary to this "
+           "one, host clock)"),
+    _g("distgrad_straggler_rank", "rank", "Rank with the longest data time (before its first forward) on the last "
+       "sampled step: the rank the others waited for.", "data_time",
+       doc="rank with the longest data time on the last sampled step (reported by `observe_data_time`, else the "
+           "time from the previous boundary to its first forward): the rank the others waited for; a rank slow "
+           "inside the model is not attributed (see `distgrad/loss.py`)"),
+    _g("distgrad_straggler_ratio", "1", "Step wall time over the wall time had the straggler's data time been the "
+       "median rank's (>= 1).", "data_time",
+       doc="slowest over median step time: the step's wall time over the wall time had the straggler's data time "
+           "been the median rank's, `max(step) / (max(step) - (max(data) - median(data)))` (>= 1; 1 when balanced)"),
     # --- counters ---------------------------------------------------------------------------
     _c("distgrad_nonfinite_steps_total", "steps", "Sampled optimizer steps with any NaN/Inf gradient element."),
     _c("distgrad_nonfinite_unsampled_steps_total", "steps",

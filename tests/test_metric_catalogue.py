@@ -16,6 +16,7 @@ from distgrad import grouping, metrics
 from distgrad.config import DistgradConfig
 from distgrad.detectors import DETECTOR_LABELS
 from distgrad.diagnostics import Diagnostics
+from distgrad.loss import rank_stats
 from distgrad.record import ParamStats, RankCount, ScalerState, StepRecord
 from distgrad.sinks.prometheus import PrometheusSink
 
@@ -58,6 +59,10 @@ def _sink(features: set[str]) -> PrometheusSink:
                      loss_scale=1024.0 if "loss_scaler" in f else None,
                      overflow=False if "loss_scaler" in f else None,
                      counters={"samples": 12} if "samples" in f else {}, **parts)
+    # per-rank attribution: loss values only with a loss, data times only when known
+    loss = "loss" in f
+    rec.ranks = rank_stats(np.array([[2.0 * loss, float(loss), 2.5 * loss, 0.0, 0.5, 0.1 if "data_time" in f else np.nan, 0],
+                                     [2.0 * loss, float(loss), 1.5 * loss, 0.0, 0.5, 0.2 if "data_time" in f else np.nan, 0]]))
     diag.on_record(rec)
     sink.write(rec)
     return sink

@@ -250,11 +250,17 @@ def attach_deepspeed(inst: Any, engine: Any, source: DeepSpeedSource) -> None:
         inst.after_micro_batch()
         return out
 
+    def _forward_pre(module: Any, args: Any) -> None:
+        if torch.is_grad_enabled():
+            inst.forward_started()  # the step's first forward ends its data time
+
     engine._take_model_step = _take_model_step
     engine.backward = _backward
+    handle = engine.register_forward_pre_hook(_forward_pre, prepend=True)
 
     def restore() -> None:
         engine._take_model_step = take
         engine.backward = backward
+        handle.remove()
 
     inst.on_close(restore)

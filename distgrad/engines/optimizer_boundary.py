@@ -69,6 +69,7 @@ class OptimizerBoundary:
         self._fired = False
         self._handles = [optimizer.register_step_pre_hook(self._pre),
                          optimizer.register_step_post_hook(self._post),
+                         model.register_forward_pre_hook(self._forward_pre),
                          model.register_forward_hook(self._forward)]
         self._scaler_step: Callable | None = None
         self._scaler_own_step = scaler is not None and "step" in vars(scaler)
@@ -94,6 +95,10 @@ class OptimizerBoundary:
             self._scaler_step = None
 
     # -- hooks ------------------------------------------------------------------------------
+    def _forward_pre(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():
+            self.inst.forward_started()  # the step's first forward ends its data time
+
     def _forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return

@@ -12,6 +12,7 @@ Metric names, types, labels and meanings: :mod:`distgrad.metrics` (rendered as `
 from __future__ import annotations
 
 import errno
+import math
 import logging
 import socket
 import threading
@@ -209,6 +210,7 @@ def _record_metrics(rec: StepRecord) -> Iterable[Metric]:
     for name, v in singles.items():
         if v is not None:
             yield metrics.family(name, value=float(v))
+    yield from _rank_metrics(rec)
 
     selected = rec.aggregates.exported_params if rec.aggregates is not None else None
     # parameters without a gradient anywhere this step (unused; numel 0 after the reduction)
@@ -246,6 +248,24 @@ def _record_metrics(rec: StepRecord) -> Iterable[Metric]:
             if p.names[i] in ratios:
                 fam.add_metric([p.names[i]], float(ratios[p.names[i]]))
         yield fam
+
+
+def _rank_metrics(rec: StepRecord) -> Iterable[Metric]:
+    """Per-rank attribution (``StepRecord.ranks``): the highest loss and its rank, the step time,
+    the straggler rank and ratio (only the values that are known)."""
+    r = rec.ranks
+    if r is None:
+        return
+    if r.loss_max_rank is not None:
+        yield metrics.family("distgrad_loss_max", value=float(r.loss_max[r.loss_max_rank]))
+        yield metrics.family("distgrad_loss_max_rank", value=float(r.loss_max_rank))
+    wall = [t for t in r.step_time if math.isfinite(t)]
+    if wall:
+        yield metrics.family("distgrad_step_time_seconds", value=max(wall))
+    if r.straggler_rank is not None:
+        yield metrics.family("distgrad_straggler_rank", value=float(r.straggler_rank))
+        if r.straggler_ratio is not None:
+            yield metrics.family("distgrad_straggler_ratio", value=float(r.straggler_ratio))
 
 
 def check_port_free(host: str, port: int) -> None:

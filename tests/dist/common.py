@@ -98,3 +98,86 @@ class HostSyncs(torch.overrides.TorchFunctionMode):
         if getattr(func, "__name__", "") in self.SYNCING:
             self.n += 1
         return func(*args, **(kwargs or {}))
+
+
+#: the per-rank attribution run (loss_attribution_loop): optimizer steps, micro-batches per step,
+#: the (step, rank, micro-batch) whose input is scaled into a loss spike, the steps on which rank 1
+#: sleeps before its first forward (a slow data loader), and how long
+ATTR_STEPS, ATTR_GAS, ATTR_SPIKE, ATTR_SLOW_STEPS, ATTR_SLEEP = 8, 2, (6, 1, 1), (2, 5), 0.25
+
+
+def sample_ids(step: int, micro: int, rank: int, n: int) -> list[int]:
+    """Made-up dataset indices of the samples of (step, micro-batch, rank)."""
+    return [100_000 * step + 1000 * micro + 10 * rank + i for i in range(n)]
+
+
+def loss_attribution_loop(inst, rank: int, forward, backward, step, report_data: bool, explicit_samples: bool,
+                          dtype=torch.float32) -> dict:
+    """Train ATTR_STEPS optimizer steps of ATTR_GAS micro-batches with a loss spike in rank 1's
+    batch and a slow rank 1 on some steps; pass sample indices (``observe_loss(samples=)`` when
+    ``explicit_samples``, else ``observe_samples``) and, with ``report_data``, the data time.
+    ``forward(x, y, micro) -> loss``, ``backward(loss, micro)``, ``step()``. Returns the records,
+    every micro-batch loss as each rank saw it (float64 of the loss value, all ranks) and the
+    collectives and host syncs distgrad made (inside the instrument's boundary methods) per step."""
+    import time
+
+    import torch.distributed as dist
+
+    records, losses, counts = [], [], []
+    names = [fn for fn in ("all_reduce", "all_gather_into_tensor", "all_gather_single", "all_gather", "broadcast",
+                           "reduce_scatter_tensor", "barrier") if hasattr(dist, fn)]
+    originals = {fn: getattr(dist, fn) for fn in names}
+    state = {"on": False, "collectives": 0}
+    syncs = HostSyncs()
+
+    def counting(fn):
+        def call(*a, **kw):
+            if state["on"]:
+                state["collectives"] += 1
+            return originals[fn](*a, **kw)
+        return call
+
+    for meth in ("collect", "finish", "skip", "watch"):
+        bound = getattr(inst, meth)
+
+        def timed(*a, __m=bound, **kw):
+            state["on"] = True
+            try:
+                with syncs:
+                    return __m(*a, **kw)
+            finally:
+                state["on"] = False
+        setattr(inst, meth, timed)
+    for fn in names:
+        setattr(dist, fn, counting(fn))
+    try:
+        for s in range(ATTR_STEPS):
+            for micro in range(ATTR_GAS):
+                t0 = time.perf_counter()
+                if rank == 1 and s in ATTR_SLOW_STEPS and micro == 0:
+                    time.sleep(ATTR_SLEEP)
+                x, y = batch_for(s, micro, rank)
+                if (s, rank, micro) == ATTR_SPIKE:
+                    x = x * 60.0
+                if report_data:
+                    inst.observe_data_time(time.perf_counter() - t0)
+                ids = sample_ids(s, micro, rank, len(y))
+                if not explicit_samples:
+                    inst.observe_samples(ids)
+                loss = forward(x.to(dtype), y, micro)
+                losses.append([s, micro, float(loss.detach().double())])
+                if explicit_samples:
+                    inst.observe_loss(loss, samples=ids)
+                backward(loss, micro)
+            state["collectives"], syncs.n = 0, 0
+            step()
+            counts.append({"collectives": state["collectives"], "syncs": syncs.n})
+            records.append(inst.last_record.to_dict() if inst.last_record is not None else None)
+    finally:
+        for fn, f in originals.items():
+            setattr(dist, fn, f)
+        for meth in ("collect", "finish", "skip", "watch"):
+            vars(inst).pop(meth, None)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, losses)
+    return {"records": records, "losses": gathered, "counts": counts}

@@ -32,7 +32,8 @@ from deepspeed.utils import safe_get_full_grad
 import distgrad
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import TinyModel, batch_for, full_stats, reference_b  # noqa: E402
+from common import (ATTR_GAS, TinyModel, batch_for, full_stats, loss_attribution_loop,  # noqa: E402
+                    reference_b)
 
 
 def ds_config(stage: int, dtype: str, gas: int) -> dict:
@@ -160,7 +161,30 @@ def update_ratio_case(stage: int, dtype: str, rank: int) -> dict:
     return {"got": got, "ref": snaps}
 
 
-def special_cases(rank: int, world: int) -> dict:
+def loss_attribution_case(rank: int, tmp: str) -> dict:
+    """ZeRO-2 fp32, 2 micro-batches per step: per-rank loss attribution and the straggler (data
+    time measured by distgrad: rank 1 sleeps before its forward), sample indices given with
+    ``observe_samples`` (DeepSpeed's ``engine.backward`` observes the loss itself); see
+    common.loss_attribution_loop."""
+    torch.manual_seed(5)
+    model = TinyModel()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=ds_config(2, "fp32", ATTR_GAS))
+    inst = distgrad.instrument(engine, prometheus=False, **{"flight_recorder.dir": tmp, "spikes.ema_warmup": 3,
+                                   "spikes.ema_z": 10.0})
+    def backward(loss, micro):
+        engine.backward(loss)
+        if micro < ATTR_GAS - 1:
+            engine.step()  # DeepSpeed counts micro-batches in step(); the last one is the loop's step()
+
+    out = loss_attribution_loop(inst, rank, lambda x, y, micro: engine(x, y), backward, engine.step,
+                                report_data=False, explicit_samples=False)
+    out["dir"] = tmp
+    inst.close()
+    return out
+
+
+def special_cases(rank: int, world: int, tmp: str) -> dict:
     """Fault tolerance, set-up errors, and per-step collective / host-sync counts."""
     import socket
 
@@ -354,6 +378,7 @@ def special_cases(rank: int, world: int) -> dict:
     msgs: list = [None] * world
     tdist.all_gather_object(msgs, msg)
     out["disabled_on_one_rank"] = msgs
+    out["loss_attribution"] = loss_attribution_case(rank, tmp)
     out["update_ratio"] = {f"z{st}-{dt}": update_ratio_case(st, dt, rank)
                            for st, dt in ((0, "fp32"), (1, "fp32"), (2, "bf16"), (3, "fp32"), (3, "bf16"))}
     return out
@@ -395,7 +420,7 @@ def main() -> None:
             print(f"[ds_cases] {key}: {'error' if 'error' in results[key] else 'ok'}", flush=True)
     special = None
     if args.cases == "all":
-        special = special_cases(rank, world)
+        special = special_cases(rank, world, os.path.join(os.path.dirname(args.out), "flightrec"))
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"world_size": world, "cases": results, "special": special}, f)

@@ -51,7 +51,7 @@ import distgrad
 from distgrad import stats
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import TinyModel, batch_for, full_stats, reference_b  # noqa: E402
+from common import ATTR_GAS, TinyModel, batch_for, full_stats, loss_attribution_loop, reference_b  # noqa: E402
 
 ENGINES = ("ddp", "fsdp1-orig-full", "fsdp1-orig-sgo", "fsdp1-flat-full", "fsdp1-flat-sgo", "fsdp2")
 CPU = torch.device("cpu")
@@ -403,6 +403,37 @@ def run_refused(rank: int, world: int) -> dict:
     return {"ranks": everything}
 
 
+def run_loss_attribution(rank: int, tmp: str) -> dict:
+    """FSDP2 fp32, 2 micro-batches per step (no gradient sync on the first): per-rank loss
+    attribution and the straggler with the data time reported by the loop
+    (``observe_data_time``), sample indices passed with ``observe_loss(loss, samples=)``; see
+    common.loss_attribution_loop."""
+    model, _ = fresh_model("fp32")
+    w, _, _, no_sync = wrap("fsdp2", model, "fp32")
+    opt = torch.optim.AdamW([p for p in w.parameters() if p.requires_grad], lr=1e-3)
+    inst = distgrad.instrument(w, optimizer=opt, prometheus=False, **{"flight_recorder.dir": tmp, "spikes.ema_warmup": 3,
+                                   "spikes.ema_z": 10.0})
+    ctx: dict = {}
+
+    def forward(x, y, micro):
+        ctx["cm"] = no_sync() if micro < ATTR_GAS - 1 else contextlib.nullcontext()
+        ctx["cm"].__enter__()
+        return w(x, y)
+
+    def backward(loss, micro):
+        (loss / ATTR_GAS).backward()
+        ctx["cm"].__exit__(None, None, None)
+
+    def step():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    out = loss_attribution_loop(inst, rank, forward, backward, step, report_data=True, explicit_samples=True)
+    out["dir"] = tmp
+    inst.close()
+    return out
+
+
 def all_cases() -> list[tuple[str, str, str, int, bool]]:
     cases = []
     for engine in ENGINES:
@@ -438,6 +469,8 @@ def main() -> None:
     jobs.append(("errors", functools.partial(run_errors, rank)))
     jobs.append(("unsampled-nonfinite", functools.partial(run_unsampled_nonfinite, rank, world)))
     jobs.append(("refused", functools.partial(run_refused, rank, world)))
+    jobs.append(("loss-attribution-fsdp2", functools.partial(run_loss_attribution, rank,
+                                                             os.path.join(os.path.dirname(args.out), "flightrec"))))
     results, t0 = {}, time.time()
     for key, fn in jobs:
         if want is not None and key not in want:
