@@ -80,9 +80,10 @@ def test_interval_one_adds_nothing_to_the_collective():
     src = Mixed()
     inst = Instrument(src, DistgradConfig(prometheus=False, interval=1))
     host = inst.collect(0)
-    assert host.size == inst.layout.sum_size + inst.layout.max_size
+    base = inst.layout.sum_size + inst.loss.block_size + inst.layout.max_size  # + the per-rank loss block
+    assert host.size == base
     inst3 = Instrument(src, DistgradConfig(prometheus=False, interval=3))
-    assert inst3.collect(0).size == inst.layout.sum_size + inst.layout.max_size + 2 * 2
+    assert inst3.collect(0).size == base + 2 * 2
 
 
 def test_fp16_overflow_steps_are_not_reported_as_unsampled_nonfinite():
