@@ -8,8 +8,9 @@ clipping is active), ``distgrad.integrations.hf.attach(trainer)``, and records o
 rank 0: distgrad's record of every step, the Trainer's logged ``loss`` / ``grad_norm``, and a
 float64 reference of step 0: every rank's step-0 micro-batches (recorded inside
 ``training_step``) are gathered and the float64 copy of the initial model computes the step's
-loss (mean per-token cross entropy over all of them: every sequence has the same length and no
-ignored label) and its gradient, which is the pre-clip reduced gradient the optimizer receives.
+loss (mean cross entropy over every scored token of them; the Trainer's data pads 0-4 labels per
+sequence with -100, so that differs from a mean of micro-batch means) and its gradient, which is
+the pre-clip reduced gradient the optimizer receives.
 
 Cases: DeepSpeed ZeRO-2 and ZeRO-3 in fp32, bf16 and fp16 (dynamic loss scaling), ZeRO-2 +
 PEFT LoRA, FSDP2, FSDP1, DDP, and plain Accelerate loops with the DeepSpeed plugin and with
@@ -48,12 +49,19 @@ def tiny_llama(seed: int):
     return LlamaForCausalLM(cfg)
 
 
-def dataset(n: int = 64) -> list[dict]:
+def dataset(n: int = 64, ignored: bool = False) -> list[dict]:
+    """``n`` random sequences of SEQ tokens, labels = inputs; ``ignored``: the last 0-4 labels of
+    each sequence are -100 (padding), so micro-batches hold different numbers of scored tokens
+    and the Trainer's ``num_items_in_batch`` normalisation differs from a mean of micro-batch
+    means."""
     g = torch.Generator().manual_seed(7)
     out = []
-    for _ in range(n):
+    for i in range(n):
         ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
-        out.append({"input_ids": ids, "labels": ids.clone()})
+        labels = ids.clone()
+        if ignored and i % 5:
+            labels[SEQ - i % 5:] = -100
+        out.append({"input_ids": ids, "labels": labels})
     return out
 
 
@@ -137,14 +145,14 @@ def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm:
         gradient_accumulation_steps=GA, max_steps=2, logging_steps=1, report_to=[], save_strategy="no",
         learning_rate=1e-3, max_grad_norm=max_norm, seed=5, data_seed=5, dataloader_num_workers=0,
         accelerator_config={"use_configured_state": True}, disable_tqdm=True, **extra)
-    seen: list[torch.Tensor] = []
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     logs: list[dict] = []
     records: list[dict] = []
 
     class Recording(Trainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
             if self.state.global_step == 0:
-                seen.append(inputs["input_ids"].detach().cpu().clone())
+                seen.append((inputs["input_ids"].detach().cpu().clone(), inputs["labels"].detach().cpu().clone()))
             return super().training_step(model, inputs, num_items_in_batch)
 
     class Logs(TrainerCallback):
@@ -153,7 +161,8 @@ def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm:
                 trainer_logs.append({k: float(v) for k, v in logs.items() if isinstance(v, (int, float))})
 
     trainer_logs = logs
-    trainer = Recording(model=model, args=args, train_dataset=dataset(), callbacks=[Logs()])
+    trainer = Recording(model=model, args=args, train_dataset=dataset(ignored=True),
+                        callbacks=[Logs()])
     cb = attach(trainer, prometheus=False)
     orig_on_train_begin = cb.on_train_begin
 
@@ -209,7 +218,7 @@ def run_accelerate(name: str, kind: str) -> dict:
             break
         with acc.accumulate(model):
             if i < GA:
-                seen.append(batch["input_ids"].detach().cpu().clone())
+                seen.append((batch["input_ids"].detach().cpu().clone(), batch["labels"].detach().cpu().clone()))
             loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
             acc.backward(loss)
             if kind != "deepspeed" and acc.sync_gradients:
@@ -231,17 +240,25 @@ def run_accelerate(name: str, kind: str) -> dict:
 
 
 def reference(ref_model, seen: list) -> dict:
-    """Every rank's step-0 micro-batches gathered; float64 loss and gradient of the step."""
-    everything: list = [[t.tolist() for t in seen]]
+    """Every rank's step-0 micro-batches ``(input_ids, labels)`` gathered; float64 loss and
+    gradient of the step: the mean cross entropy over every scored token of the step (labels
+    -100 ignored), i.e. what the Trainer's ``num_items_in_batch`` normalisation computes."""
+    mine = [(i.tolist(), lab.tolist()) for i, lab in seen]
+    everything: list = [mine]
     if dist.is_initialized():
         everything = [None] * dist.get_world_size()
-        dist.all_gather_object(everything, [t.tolist() for t in seen])
-    ids = torch.tensor([row for per_rank in everything for batch in per_rank for row in batch])
+        dist.all_gather_object(everything, mine)
+    ids = torch.tensor([row for per_rank in everything for batch, _ in per_rank for row in batch])
+    labels = torch.tensor([row for per_rank in everything for _, lab in per_rank for row in lab])
     ref_model.train()
     ref_model.zero_grad()
-    loss = ref_model(input_ids=ids, labels=ids).loss
+    with torch.no_grad():  # what a mean of the micro-batches' own mean losses would give instead
+        means = [ref_model(input_ids=torch.tensor(b), labels=torch.tensor(lab)).loss.item()
+                 for per_rank in everything for b, lab in per_rank]
+    loss = ref_model(input_ids=ids, labels=labels).loss
     loss.backward()
     return {"n_sequences_step0": int(ids.shape[0]), "ref_loss_step0": loss.item(),
+            "ref_loss_mean_of_micro_means": sum(means) / len(means),
             "ref_fp64_step0": full_stats({n: p.grad.detach().reshape(-1)
                                           for n, p in ref_model.named_parameters() if p.requires_grad}),
             "frozen": [n for n, p in ref_model.named_parameters() if not p.requires_grad]}
