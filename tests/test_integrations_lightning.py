@@ -15,21 +15,42 @@ own ``get_global_grad_norm()``), the loss as the step's mean loss, and warns onc
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 
 from distgrad.record import StepRecord
-from tests.conftest import launch
+from tests.conftest import DIST, launch
 from tests.reference import case, check_against
 
 pytestmark = pytest.mark.multirank
 
-CASES = ["fsdp_auto", "ddp_auto", "fsdp2_auto", "fsdp_manual", "deepspeed", "deepspeed_ga2"]
+CASES = ["fsdp_auto", "ddp_auto", "fsdp2_auto", "fsdp_manual", "deepspeed", "deepspeed_ga2", "single_auto"]
 
 
 @pytest.fixture(scope="module")
 def lightning_results(tmp_path_factory):
-    return launch("lightning_cases.py", tmp_path_factory.mktemp("lightning") / "lightning.json")
+    res = launch("lightning_cases.py", tmp_path_factory.mktemp("lightning") / "lightning.json")
+    res["cases"]["single_auto"] = _single_process_case()
+    return res
+
+
+def _single_process_case() -> dict:
+    """One device, no torch.distributed (automatic optimization, accumulation 2, clipping 1.0),
+    run in this process (distgrad's local engine)."""
+    import traceback
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(DIST))
+        import lightning_cases
+
+        try:
+            return lightning_cases.run_case("single_auto", "single", ga=2, clip=1.0)
+        except Exception as e:  # noqa: BLE001 - reported by case() with the traceback
+            return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        finally:
+            for mod in ("lightning_cases", "hf_cases"):
+                sys.modules.pop(mod, None)
 
 
 @pytest.mark.parametrize("key", CASES)
@@ -55,7 +76,8 @@ def test_engines_and_accumulation(lightning_results):
     # ranks x accumulate_grad_batches x batch
     assert got == {"fsdp_auto": ("fsdp1", 8), "ddp_auto": ("ddp", 8), "fsdp2_auto": ("fsdp2", 8),
                    "fsdp_manual": ("fsdp1", 4),
-                   "deepspeed": ("deepspeed", 4), "deepspeed_ga2": ("deepspeed", 8)}
+                   "deepspeed": ("deepspeed", 4), "deepspeed_ga2": ("deepspeed", 8),
+                   "single_auto": ("torch", 4)}
 
 
 def test_framework_norms_agree(lightning_results):

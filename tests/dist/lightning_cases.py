@@ -11,7 +11,8 @@ active), FSDP under manual optimization, DeepSpeed ZeRO-2 with accumulation 1 an
 divides the loss by ``accumulate_grad_batches`` and ``engine.backward`` divides it again, so with
 accumulation the gradient DeepSpeed applies is the step's mean-loss gradient divided by it: the
 reference gradient is computed from that loss), and FSDP2 (``ModelParallelStrategy`` with
-``fully_shard`` in ``configure_model``) under automatic optimization.
+``fully_shard`` in ``configure_model``) under automatic optimization. The one-device case
+(``run_case("single_auto", "single", ...)``) runs in the pytest process.
 
 Making Lightning run these strategies on CPU at all (not distgrad's business): small strategy
 subclasses that skip the CUDA-only checks and use gloo. Writes JSON to --out.
@@ -141,6 +142,8 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strat = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo")
+    elif strategy == "single":  # one process, no torch.distributed (run in the pytest process)
+        strat = "auto"
     else:
         strat = DDPStrategy(process_group_backend="gloo")
     records: list[dict] = []
@@ -154,7 +157,7 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
             cb.instrument.add_hook(lambda rec: records.append(rec.to_dict()))
 
     loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, shuffle=False)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strat, max_steps=2, accumulate_grad_batches=ga,
+    trainer = L.Trainer(accelerator="cpu", devices=1 if strategy == "single" else 2, strategy=strat, max_steps=2, accumulate_grad_batches=ga,
                         gradient_clip_val=None if manual or strategy == "fsdp" else clip, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, Hook()])
     try:
@@ -168,8 +171,10 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
            "max_grad_norm": inst.diagnostics.max_norm if inst.diagnostics is not None else None,
            "refusals": dict(getattr(getattr(inst, "boundary", None), "refusals", None).counts)
            if getattr(inst, "boundary", None) is not None else {}}
-    everything: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, [t.tolist() for t in seen])
+    everything: list = [[t.tolist() for t in seen]]
+    if dist.is_initialized():
+        everything = [None] * dist.get_world_size()
+        dist.all_gather_object(everything, [t.tolist() for t in seen])
     ids = torch.tensor([row for per_rank in everything for batch in per_rank for row in batch])
     out["n_sequences_step0"] = int(ids.shape[0])
     ref_model.train()
@@ -183,7 +188,8 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
     # Lightning's names start at the LightningModule ("net." + the model's own names)
     out["ref_fp64_step0"] = full_stats({"net." + n: p.grad.detach().reshape(-1)
                                         for n, p in ref_model.named_parameters() if p.requires_grad})
-    dist.barrier()
+    if dist.is_initialized():
+        dist.barrier()
     return out
 
 
