@@ -84,15 +84,22 @@ class Instrument:
     """
 
     def __init__(self, source: GradSource, config: DistgradConfig, group: Any = None) -> None:
+        from distgrad.job import job_view
+
         self.source = source
         self.config = config
-        self.group = group
-        self.rank = dist.get_rank(group) if _dist_ready() else 0
-        self.world_size = dist.get_world_size(group) if _dist_ready() else 1
+        #: the job-wide parameter list when this rank holds part of the model (pipeline stages,
+        #: experts on other ranks; see distgrad.job), else None: statistics combine the whole job
+        self.job = job_view(source)
+        self.group = None if self.job is not None else group
+        self.rank = dist.get_rank(self.group) if _dist_ready() else 0
+        self.world_size = dist.get_world_size(self.group) if _dist_ready() else 1
         self.global_rank = dist.get_rank() if _dist_ready() else 0
-        self.layout = Layout(len(source.names), self.world_size)
+        #: the exported parameter names (the job's, or the source's own)
+        self.names: list[str] = self.job.names if self.job is not None else list(source.names)
+        self.layout = Layout(len(self.names), self.world_size)
         #: which share of each local piece this rank counts (exactly-once ownership, decided once)
-        self.own = source.ownership(self.rank, self.world_size)
+        self.own = self.job.own if self.job is not None else source.ownership(self.rank, self.world_size)
         self.counters: dict[str, int] = {k: 0 for k in (
             "nonfinite_steps", "sampled_steps", "internal_errors", "replica_mismatch",
             "overflow_steps", "skipped_steps", "samples", "nonfinite_unsampled_steps", "nonfinite_loss_steps")}
@@ -145,7 +152,7 @@ class Instrument:
 
         info = {"engine": self.source.engine_name, "zero_stage": self.source.zero_stage,
                 "world_size": self.world_size, "config": self.config.to_dict(), "version": __version__}
-        self.diagnostics = Diagnostics(self.config, self.source.names, self.global_rank, max_norm, model, info,
+        self.diagnostics = Diagnostics(self.config, self.names, self.global_rank, max_norm, model, info,
                                        on_error=self.count_error, on_sink_error=self._sink_error)
 
     # ----------------------------------------------------------------------------------
@@ -412,7 +419,7 @@ class Instrument:
         try:
             if refuse is not None:
                 raise _Refused(refuse)
-            pieces = list(self.source.local_pieces())
+            pieces = self.pieces(self.source.local_pieces())
             fingerprint = None
             if self.own.groups and self.config.statistics.replica_check and self.world_size > 1:
                 present = [p for p, c in zip(pieces, self.own.check) if c and p is not None and p.numel()]
@@ -453,6 +460,11 @@ class Instrument:
         sum_block, max_block = error_blocks(self.layout, self.rank, device)
         return torch.cat([sum_block, self.loss.block(None, self.rank, device, self.loss_reduction)]), max_block
 
+    def pieces(self, local: Any) -> list[torch.Tensor | None]:
+        """The source's per-parameter pieces at the positions of :attr:`names` (the job view
+        places them in the job-wide list, None for parameters held elsewhere)."""
+        return self.job.expand(local) if self.job is not None else list(local)
+
     def watch(self, step: int) -> None:
         """Non-finite check of an optimizer step that is not sampled (``interval`` > 1): see
         :mod:`distgrad.watch`. Called on every rank at the boundary of unsampled step ``step``,
@@ -463,7 +475,7 @@ class Instrument:
         if not self.config.enabled or self.config.sampling.interval < 2 or step % self.config.sampling.interval == 0:
             return
         try:
-            pieces = self.own.take(list(self.source.local_pieces()))
+            pieces = self.own.take(self.pieces(self.source.local_pieces()))
             self._watcher.observe(step, pieces, self.loss.cur.sum, self.source.device())
         except Exception:  # noqa: BLE001
             self._internal_error("non-finite check of an unsampled step")
@@ -534,7 +546,7 @@ class Instrument:
         step, micro_step, grad_scale, loss_scale, overflow, step_applied = args
         host = self._fold_watch(step, host)  # sets self._unsampled for _build
         host, rank_block = split_loss(host, self.layout.sum_size, self.loss.block_size)
-        red = unpack(host, self.layout, self.source.names, grad_scale)
+        red = unpack(host, self.layout, self.names, grad_scale)
         if red.rank_error.sum():
             # this rank counted its own failure already; learn of the others' from the flags.
             # A flag of _REFUSED is a rank that could not vouch for its gradients (not an error

@@ -22,7 +22,7 @@ def _dist_ready() -> bool:
 def weight_pieces(inst: Any) -> list[torch.Tensor | None]:
     """This rank's pieces of the (master) weights, aligned with the gradient pieces: per
     parameter a 1-D tensor or None (replicated pieces: this rank's share, ``inst.own``)."""
-    return inst.own.take(list(inst.source.local_param_pieces()))
+    return inst.own.take(inst.pieces(inst.source.local_param_pieces()))
 
 
 def update_ratio_sums(inst: Any, n_params: int) -> torch.Tensor:

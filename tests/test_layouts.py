@@ -140,10 +140,70 @@ def test_nan_in_one_tp_shard_is_named_with_parameter_and_global_rank(tp_results)
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("key", ["ddp-subgroup", "fsdp2-submesh"])
-def test_model_reduced_over_part_of_the_job_is_refused(hsdp_results, key):
-    """2 pipeline stages x 2-way data parallelism, each rank instrumenting its stage's DDP or
-    FSDP2 module: refused at instrument() with why and what to do (was: one stage reported as
-    the whole model)."""
+def test_same_names_reduced_over_different_groups_are_refused(hsdp_results, key):
+    """Two copies of one model on two halves of the job (DDP on each 2-rank group, FSDP2 on
+    each ``dp`` sub-mesh): the same names held by different rank sets are separate tensors that
+    distgrad would add; refused at instrument() with why and what to do."""
     msg = _case(hsdp_results, "refusals")[key]
     assert msg is not None and msg.startswith("ValueError")
-    assert "over 2 of the job's 4 ranks" in msg and "pipeline stages" in msg
+    assert "'inp.weight' is held by ranks [0, 1]" in msg and "ranks [2, 3]" in msg
+    assert "two separate tensors under one name" in msg and "give the parameters distinct names" in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# pipeline parallel: torch.distributed.pipelining, 2 stages x 2-way DDP / FSDP2
+
+PP = ["pp-ddp", "pp-fsdp2"]
+PP_NAMES = ["inp.weight", "inp.bias"] + [f"blocks.{b}.{m}.{k}" for b in (0, 1) for m in (0, 1, 3)
+                                         for k in ("weight", "bias")] + ["head.weight", "head.bias"]
+
+
+@pytest.fixture(scope="session")
+def pp_results(tmp_path_factory):
+    """Every pipeline case, one 4-rank launch."""
+    return launch("layout_cases.py", tmp_path_factory.mktemp("pp") / "pp.json", "--group", "pp", nproc=4)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("key", PP)
+def test_pipeline_stages_report_the_whole_model(pp_results, key):
+    """Each rank instruments only its stage's module; every rank's record covers all 16
+    parameters of both stages under the user's names, in model order, and equals the full
+    gradient gathered from the stages (reference A, both steps) and a float64 model over both
+    data-parallel ranks' batches (reference B). The loss (observed on the last stage) is the
+    model's mean loss. (Was: stage 0 alone reported as the model.)"""
+    c = _case(pp_results, key)
+    assert c["local_names"] == PP_NAMES[:8]  # rank 0 holds stage 0 only
+    for step, (rec, ref) in enumerate(zip(c["records"], c["ref_full"])):
+        rec = StepRecord.from_dict(rec)
+        assert rec.step == step and rec.params.names == PP_NAMES
+        _check_against(rec, ref, rtol=1e-5, exact=True)
+    rec = StepRecord.from_dict(c["records"][0])
+    _check_against(rec, c["ref_fp64_step0"], rtol=1e-5, exact=False)
+    assert rec.loss == pytest.approx(c["ref_loss_step0"], rel=1e-6)
+    assert c["counts"] == [{"collectives": 2, "syncs": 1}] * 2
+    assert c["counters"]["internal_errors"] == 0 and c["counters"]["replica_mismatch"] == 0
+
+
+@pytest.mark.multirank
+def test_pipeline_ddp_replicas_split_within_their_stage(pp_results):
+    """DDP inside each stage: each stage's parameters are counted half by each of its two
+    replicas, and the replica check compares the ranks of one stage ({0, 1}, {2, 3}); counting
+    both replicas (the mutation) fails the comparison."""
+    c = _case(pp_results, "pp-ddp")
+    assert c["copies"][:8] == [2] * 8 and c["groups"] == [[0, 1], [2, 3]]
+    d = _case(pp_results, "pp-ddp-double")
+    for rec, ref in zip(d["records"], d["ref_full"]):
+        with pytest.raises(AssertionError):
+            _check_against(StepRecord.from_dict(rec), ref, rtol=1e-5, exact=True)
+
+
+@pytest.mark.multirank
+def test_nan_in_one_pipeline_stage_is_named_with_parameter_and_global_rank(pp_results):
+    """Step 1: a NaN put into global rank 3's FSDP2 shard of stage 1's ``blocks.1.1.weight``; rank
+    0 (stage 0, which does not hold it) exports it under its name with rank 3."""
+    c = _case(pp_results, "pp-fsdp2-nan")
+    ok, bad = (StepRecord.from_dict(r) for r in c["records"])
+    assert not ok.nonfinite and bad.nonfinite and bad.nonfinite_ranks == [3]
+    assert bad.extra["nonfinite_params"] == [{"param": "blocks.1.1.weight", "rank": 3, "nan": 1, "inf": 0,
+                                              "count": 1}]

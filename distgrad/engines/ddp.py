@@ -8,8 +8,7 @@ import torch
 import torch.nn as nn
 
 from distgrad.canonical import clean_name
-from distgrad.engines.torch_base import (TorchSource, _comm_device, _first_float_dtype, _unwrap_compiled,
-    require_whole_job)
+from distgrad.engines.torch_base import (TorchSource, _comm_device, _first_float_dtype, _unwrap_compiled)
 
 
 class DDPSource(TorchSource):
@@ -22,7 +21,8 @@ class DDPSource(TorchSource):
 
     Raises:
         TypeError: ``model`` is not a DistributedDataParallel.
-        ValueError: its process group does not span the job (pipeline stages).
+        ValueError: from ``distgrad.job`` when the process group is part of the job (pipeline
+            stages) and names collide across groups.
     """
 
     engine_name = "ddp"
@@ -34,7 +34,6 @@ class DDPSource(TorchSource):
             raise TypeError(f"expected DistributedDataParallel, got {type(model).__name__}")
         ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
         self.group = ddp.process_group
-        require_whole_job(self.group, "DistributedDataParallel")
         self._params: list[torch.Tensor] = []
         self.names, self.numels, skipped = [], [], []
         for name, p in ddp.module.named_parameters():

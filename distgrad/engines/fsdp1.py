@@ -10,8 +10,7 @@ import torch.nn as nn
 
 from distgrad.canonical import clean_name
 from distgrad.engines.base import Ownership
-from distgrad.engines.torch_base import (TorchSource, _comm_device, _first_float_dtype, _unwrap_compiled,
-    require_whole_job)
+from distgrad.engines.torch_base import (TorchSource, _comm_device, _first_float_dtype, _unwrap_compiled)
 
 
 def _check_flat_layout(fp: Any, where: str) -> None:
@@ -73,8 +72,7 @@ class FSDP1Source(TorchSource):
     Raises:
         TypeError: no FSDP unit in ``model``.
         ValueError: units mixing strategies (hybrid with others, ``NO_SHARD`` with sharded
-            ones), hybrid units on different groups, or a process group that does not span the
-            job (pipeline stages).
+            ones), or hybrid units on different groups or not spanning the job.
         RuntimeError: the private FlatParameter layout is not the expected one.
     """
 
@@ -101,7 +99,6 @@ class FSDP1Source(TorchSource):
         if hybrid:
             self._own = self._hybrid_ownership(units)
             self.group = None  # shard groups x replica groups: the whole job
-        require_whole_job(self.group, "FSDP1")
         mp = units[0].mixed_precision
         flat = [(n, p) for n, p in root.named_parameters() if getattr(p, "_is_flat_param", False)]
         self.use_orig_params = not flat

@@ -5,13 +5,12 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from distgrad.canonical import clean_name
 from distgrad.engines.base import Ownership
 from distgrad.engines.torch_base import (TorchSource, _comm_device, _first_float_dtype, _fsdp2_module_type,
-    _unwrap_compiled, is_fsdp2, require_whole_job)
+    _unwrap_compiled, is_fsdp2)
 
 
 class FSDP2Source(TorchSource):
@@ -23,13 +22,13 @@ class FSDP2Source(TorchSource):
     :func:`distgrad.engines.mesh.mesh_ownership` (facts there).
 
     Statistics are combined over the parameters' mesh: its process group for a 1-D mesh, the
-    default group (the whole job) for more dimensions.
+    default group (the whole job) for more dimensions; a mesh smaller than the job (pipeline
+    stages) joins the job-wide parameter list of :mod:`distgrad.job`.
 
     Raises:
         TypeError: no ``fully_shard`` module in ``model``.
-        ValueError: a ``Partial`` placement, meshes that are not one mesh and its named
-            sub-meshes, or a multi-dimensional mesh that does not span the job (pipeline stages:
-            not supported yet).
+        ValueError: a ``Partial`` placement, or meshes that are not one mesh and its named
+            sub-meshes.
     """
 
     engine_name = "fsdp2"
@@ -66,20 +65,18 @@ class FSDP2Source(TorchSource):
         self.mesh = mesh
         if mesh is None or mesh.ndim == 1:
             self.group = mesh.get_group() if mesh is not None else None
-            require_whole_job(self.group, "FSDP2 (fully_shard)")
         else:
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            if mesh.size() != world:
-                raise ValueError(f"FSDP2 parameters live on a {mesh.ndim}-D device mesh {mesh} of {mesh.size()} "
-                                 f"ranks in a job of {world}: ranks outside the mesh (pipeline stages?) hold other "
-                                 "parameters, which distgrad does not combine yet; instrument a model whose "
-                                 "mesh spans every rank")
-            self.group = None  # the whole job
+            self.group = None  # the whole job (a mesh smaller than the job: see distgrad.job)
         self._own = mesh_ownership(self._placements, mesh, self.group) if mesh is not None else None
         self.grad_dtype = _first_float_dtype(self._params)
         self.compute_dtype = self._param_dtype(root) or self.grad_dtype
         first = self._params[0].to_local().device if self._params else torch.device("cpu")
         self._device = _comm_device(self.group, first)
+
+    def param_holders(self) -> list[tuple[int, ...]]:
+        """Per parameter, the global ranks of the mesh (pipeline stages: this stage's mesh)."""
+        ranks = tuple(int(r) for r in self.mesh.mesh.reshape(-1).tolist()) if self.mesh is not None else ()
+        return [ranks] * len(self.names)
 
     def ownership(self, rank: int, world: int) -> Ownership:
         """From the placements over the mesh (:func:`distgrad.engines.mesh.mesh_ownership`)."""

@@ -86,25 +86,6 @@ def _comm_device(group: Any, fallback: torch.device) -> torch.device:
     return fallback
 
 
-def require_whole_job(group: Any, what: str) -> None:
-    """Refuse a model whose gradients are reduced over a process group smaller than the job:
-    the other ranks (pipeline stages, another model) hold gradients this instrument would not
-    combine, so its global norm and per-parameter statistics would silently cover part of the
-    model only.
-
-    Raises:
-        ValueError: ``group`` has fewer ranks than the default group (names both sizes)."""
-    if group is None or not dist.is_initialized():
-        return
-    n, world = dist.get_world_size(group), dist.get_world_size()
-    if n != world:
-        raise ValueError(f"{what} reduces gradients over {n} of the job's {world} ranks; the other ranks "
-                         "(pipeline stages?) hold gradients this instrument would not combine, so its numbers "
-                         "would cover part of the model only. distgrad supports data, hybrid and tensor "
-                         "parallelism over every rank of the job; instrument a model whose data-parallel "
-                         "group spans the job")
-
-
 class TorchSource(GradSource):
     """Common part of the PyTorch-native adapters.
 

@@ -96,6 +96,171 @@ def tp_batch(step: int, micro: int, dp_rank: int) -> tuple[torch.Tensor, torch.T
     return torch.randn(2, 4, 5, generator=g) * 2.0, torch.randint(0, 3, (2, 4), generator=g)
 
 
+class PPModel(nn.Module):
+    """inp -> blocks.0 -> blocks.1 -> head (residual MLP blocks with a LayerNorm), logits over 13
+    classes; input x float [B, 7]. Split into 2 pipeline stages torchtitan's way: a copy of the
+    whole model with the modules of the other stage set to None, so each stage keeps the user's
+    parameter names (stage 0: inp, blocks.0; stage 1: blocks.1, head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, 5)
+        self.blocks = nn.ModuleDict({str(i): nn.Sequential(nn.LayerNorm(5), nn.Linear(5, 9), nn.GELU(),
+                                                            nn.Linear(9, 5)) for i in range(2)})
+        self.head = nn.Linear(5, 13)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inp is not None:
+            x = self.inp(x)
+        for b in self.blocks.values():
+            x = x + b(x)
+        return self.head(x) if self.head is not None else x
+
+    def stage(self, index: int) -> "PPModel":
+        m = copy.deepcopy(self)
+        if index == 0:
+            m.head = None
+            del m.blocks["1"]
+        else:
+            m.inp = None
+            del m.blocks["0"]
+        return m
+
+
+def pp_batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(30_000 * step + dp_rank)
+    return torch.randn(4, 7, generator=g) * 2.0, torch.randint(0, 13, (4,), generator=g)
+
+
+def run_pp_case(layout: str, rank: int) -> dict:
+    """2 pipeline stages (``torch.distributed.pipelining``, ``ScheduleGPipe``, 2 micro-batches)
+    x 2-way data parallelism (DDP or FSDP2) inside each stage, on a ``(pp, dp)`` mesh; each rank
+    instruments its own stage module with its optimizer."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(1234)
+    full = PPModel()
+    ref_model = copy.deepcopy(full).double()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage_index, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    mod = full.stage(stage_index)
+    if "-ddp" in layout:
+        wrapped = DDP(mod, process_group=mesh["dp"].get_group())
+        trainable = [(n, p) for n, p in mod.named_parameters()]
+        gather = lambda: {n: _flat(p.grad) for n, p in trainable}  # noqa: E731
+    else:
+        fully_shard(mod, mesh=mesh["dp"])
+        wrapped = mod
+        trainable = [(n, p) for n, p in mod.named_parameters()]
+        gather = lambda: {n: _flat(p.grad.full_tensor()) for n, p in trainable}  # noqa: E731
+    stage = PipelineStage(wrapped, stage_index, 2, CPU, group=mesh["pp"].get_group())
+    # DDP: one micro-batch (torch 2.13's DDP reducer fails on two forwards before a backward:
+    # "rebuilt parameter indices size is not same"; with static_graph=True the last stage's
+    # replicas then differ, which distgrad's replica check reports)
+    n_micro = 1 if "-ddp" in layout else 2
+    schedule = ScheduleGPipe(stage, n_microbatches=n_micro, loss_fn=lambda out, y: F.cross_entropy(out, y))
+    opt = torch.optim.AdamW(mod.parameters(), lr=1e-2)
+    state = {"step": 0}
+    if layout.endswith("-nan"):  # before distgrad's hook: a NaN in rank 3's (stage 1) blocks.1.1.weight, step 1
+
+        def nan(o, a, k):
+            if rank == 3 and state["step"] == 1:
+                g = mod.blocks["1"][1].weight.grad
+                with torch.no_grad():
+                    (g.to_local() if hasattr(g, "to_local") else g).view(-1)[2] = float("nan")
+        opt.register_step_pre_hook(nan)
+    log = _Log()
+    logging.getLogger("distgrad").addHandler(log)
+    inst = distgrad.instrument(wrapped, optimizer=opt, prometheus=False)
+    if layout.endswith("-double"):
+        o = inst.own
+        inst.own = Ownership([0] * len(o.index), [1] * len(o.copies), o.check, o.groups, o.describe)
+    counts, refs, records = _count(inst), [], []
+
+    def capture(o, a, k):
+        mine = gather()
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        refs.append(full_stats({n: g for e in every for n, g in e.items()}))
+    opt.register_step_pre_hook(capture)
+    try:
+        for step in range(2):
+            state["step"] = step
+            x, y = pp_batch(step, dp_rank)
+            if stage_index == 0:
+                schedule.step(x)
+            else:
+                losses: list = []
+                schedule.step(target=y, losses=losses)
+                inst.observe_loss(torch.stack(losses).mean())
+            counts.start()
+            opt.step()
+            counts.stop()
+            opt.zero_grad(set_to_none=True)
+            records.append(inst.last_record.to_dict() if inst.last_record else None)
+    finally:
+        counts.restore()
+        logging.getLogger("distgrad").removeHandler(log)
+    ref_model.zero_grad()
+    loss0 = 0.0
+    for r in range(2):
+        x, y = pp_batch(0, r)
+        loss = F.cross_entropy(ref_model(x.double()), y) / 2
+        loss.backward()
+        loss0 += loss.item()
+    out = {"records": records, "ref_full": refs, "counts": counts.per_step, "counters": dict(inst.counters),
+           "ref_fp64_step0": full_stats({n: p.grad for n, p in ref_model.named_parameters()}),
+           "ref_loss_step0": loss0, "warnings": log.messages, "groups": inst.own.groups,
+           "copies": inst.own.copies, "names": list(inst.names), "local_names": list(inst.source.names)}
+    inst.close()
+    return out
+
+
+class _count:
+    """Collectives (``torch.distributed`` calls) and host syncs inside distgrad's ``collect`` /
+    ``finish`` between ``start()`` and ``stop()``, per step in ``per_step``."""
+
+    def __init__(self, inst) -> None:
+        self.on, self.collectives, self.syncs, self.per_step = False, 0, 0, []
+        self.originals = {fn: getattr(dist, fn) for fn in COLLECTIVES if hasattr(dist, fn)}
+        for fn in self.originals:
+            setattr(dist, fn, self._counting(fn))
+        for name in ("collect", "finish"):
+            setattr(inst, name, self._window(getattr(inst, name)))
+
+    def _counting(self, fn):
+        def call(*a, **kw):
+            if self.inside:
+                self.collectives += 1
+            return self.originals[fn](*a, **kw)
+        return call
+
+    inside = False
+
+    def _window(self, method):
+        def call(*a, **kw):
+            self.inside = self.on
+            with HostSyncs() as m:
+                try:
+                    return method(*a, **kw)
+                finally:
+                    self.inside = False
+                    self.syncs += m.n if self.on else 0
+        return call
+
+    def start(self) -> None:
+        self.on, self.collectives, self.syncs = True, 0, 0
+
+    def stop(self) -> None:
+        self.on = False
+        self.per_step.append({"collectives": self.collectives, "syncs": self.syncs})
+
+    def restore(self) -> None:
+        for fn, f in self.originals.items():
+            setattr(dist, fn, f)
+
+
 def _flat(t):
     return None if t is None else t.detach().double().reshape(-1).clone()
 
@@ -304,6 +469,7 @@ GROUPS = {
     "hsdp": ["fsdp1-hybrid-orig", "fsdp1-hybrid-zero2-orig", "fsdp1-hybrid-flat", "fsdp2-hsdp",
              "fsdp2-hsdp-double", "fsdp2-hsdp-corrupt", "fsdp1-hybrid-orig-corrupt", "refusals"],
     "tp": ["fsdp2-tp", "fsdp2-tp-double", "fsdp2-tp-corrupt", "fsdp2-tp-nan"],
+    "pp": ["pp-ddp", "pp-fsdp2", "pp-ddp-double", "pp-fsdp2-nan"],
 }
 
 
@@ -319,9 +485,11 @@ def main() -> None:
     for key in GROUPS[args.group]:
         t = time.time()
         try:
-            results[key] = run_refusals(rank) if key == "refusals" else run_case(key, rank)
+            run = run_refusals if key == "refusals" else run_pp_case if key.startswith("pp-") else run_case
+            results[key] = run(key, rank) if run is not run_refusals else run(rank)
         except Exception as e:  # noqa: BLE001 - reported per case by the pytest side
             results[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            print(f"[layout_cases] rank {rank} {key}: {results[key]['traceback']}", file=sys.stderr, flush=True)
         if rank == 0:
             print(f"[layout_cases] {key}: {'error' if 'error' in results[key] else 'ok'} "
                   f"({time.time() - t:.2f}s)", flush=True)
