@@ -4,6 +4,7 @@ metrics served from rank 0 while it trains.
 
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 launch/train.py --ds-config configs/ds_zero2_fp32.json
     torchrun --nproc_per_node 2 launch/train.py --engine fsdp2          # or ddp, fsdp1
+    torchrun --nproc_per_node 4 launch/train.py --engine fsdp2 --tp 2   # FSDP2 x tensor parallel
     mpirun -np 2 python launch/train.py                                 # rank discovery: launch/dist_env.py
 
 Data: the source files of the Python standard library found on this machine (``sysconfig``),
@@ -254,6 +255,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--inject-rank", type=int, default=1)
     ap.add_argument("--lora", type=int, default=0, metavar="R",
                     help="train rank-R LoRA adapters on the block linears, base weights frozen")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel degree (--engine fsdp2 only): a (dp, tp) device mesh; each block's MLP "
+                         "column/row parallel over tp, FSDP2 over dp")
     ap.add_argument("--no-distgrad", action="store_true", help="train without distgrad (baseline)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a distgrad config key (YAML value), e.g. --set flight_recorder.dir=runs/fr")
@@ -282,6 +286,25 @@ class DeepSpeedRunner:
     def start(self) -> None:
         """Nothing to do: DeepSpeed clips inside its step, after distgrad has read."""
 
+    def _clip_tp(self) -> None:
+        """Global-norm clipping with parameters on the 2-D mesh and on its ``dp`` sub-mesh: each
+        local block's sum of squares divided by its number of copies (``Replicate`` dimensions,
+        and the ``tp`` ranks for sub-mesh parameters), one all-reduce, then scale in place."""
+        world = torch.distributed.get_world_size()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        for g in grads:
+            mesh = g.device_mesh
+            copies = world // mesh.size()
+            for d, pl in enumerate(g.placements):
+                copies *= mesh.size(d) if pl.is_replicate() else 1
+            total += g.to_local().double().pow(2).sum() / copies
+        torch.distributed.all_reduce(total)
+        self.clip_norm = float(total.sqrt())  # printed beside distgrad's grad_norm (a cross-check)
+        coef = torch.clamp(self.clip / (total.sqrt() + 1e-6), max=1.0)
+        for g in grads:
+            g.to_local().mul_(coef.to(g.dtype))
+
     def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool) -> torch.Tensor:
         loss = self.engine(x, y)
         self.engine.backward(loss)
@@ -296,10 +319,11 @@ class TorchRunner:
     grad-norm clipping; batch sizes, learning rate, clipping and bf16 from the DeepSpeed config so
     that every engine trains the same job."""
 
-    def __init__(self, model: GPT, ds_cfg: dict, engine: str, device: torch.device) -> None:
+    def __init__(self, model: GPT, ds_cfg: dict, engine: str, device: torch.device, tp: int = 1) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        self.kind, self.device = engine, device
+        self.kind, self.device, self.tp = engine, device, tp
+        self.dp_rank, self.dp_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.gas = int(ds_cfg.get("gradient_accumulation_steps", 1))
         self.mb = int(ds_cfg.get("train_micro_batch_size_per_gpu", 8))
         self.clip = float(ds_cfg.get("gradient_clipping", 0.0))
@@ -319,15 +343,32 @@ class TorchRunner:
 
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
                 else MixedPrecisionPolicy()
+            mesh = self._tensor_parallel(model) if tp > 1 else None
             for b in model.blocks:
-                fully_shard(b, mp_policy=mp)
-            self.model = fully_shard(model, mp_policy=mp)
+                fully_shard(b, mp_policy=mp, mesh=mesh)
+            self.model = fully_shard(model, mp_policy=mp, mesh=mesh)
         p = ds_cfg.get("optimizer", {}).get("params", {})
         self.optimizer = torch.optim.AdamW([q for q in self.model.parameters() if q.requires_grad],
                                            lr=p.get("lr", 1e-3), betas=tuple(p.get("betas", (0.9, 0.95))),
                                            weight_decay=p.get("weight_decay", 0.0))
-        self.describe = f"{engine.upper()} {'bf16' if bf16 else 'fp32'}"
+        self.describe = f"{engine.upper()} {'bf16' if bf16 else 'fp32'}" + (f" x TP {tp}" if tp > 1 else "")
         self.engine = self.model
+
+    def _tensor_parallel(self, model: GPT):
+        """A ``(dp, tp)`` mesh; each block's MLP column-parallel (``fc``) then row-parallel
+        (``proj``) over ``tp`` (Megatron-LM's MLP split); attention, norms and embeddings stay
+        replicated over ``tp``. Ranks of one TP group read the same batch. Returns the ``dp``
+        sub-mesh for FSDP2."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        if self.dp_size % self.tp:
+            raise SystemExit(f"--tp {self.tp} does not divide the world size {self.dp_size}")
+        mesh = init_device_mesh(self.device.type, (self.dp_size // self.tp, self.tp), mesh_dim_names=("dp", "tp"))
+        for b in model.blocks:
+            parallelize_module(b.mlp, mesh["tp"], {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+        self.dp_rank, self.dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+        return mesh["dp"]
 
     def instrument(self, distgrad, cfg, **overrides):
         if "max_grad_norm" not in overrides:  # the old flat key from --set
@@ -344,8 +385,29 @@ class TorchRunner:
     def _clip(self) -> None:
         if self.kind == "fsdp1":
             self.model.clip_grad_norm_(self.clip)
+        elif self.tp > 1:
+            self._clip_tp()
         else:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+
+    def _clip_tp(self) -> None:
+        """Global-norm clipping with parameters on the 2-D mesh and on its ``dp`` sub-mesh: each
+        local block's sum of squares divided by its number of copies (``Replicate`` dimensions,
+        and the ``tp`` ranks for sub-mesh parameters), one all-reduce, then scale in place."""
+        world = torch.distributed.get_world_size()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        for g in grads:
+            mesh = g.device_mesh
+            copies = world // mesh.size()
+            for d, pl in enumerate(g.placements):
+                copies *= mesh.size(d) if pl.is_replicate() else 1
+            total += g.to_local().double().pow(2).sum() / copies
+        torch.distributed.all_reduce(total)
+        self.clip_norm = float(total.sqrt())  # printed beside distgrad's grad_norm (a cross-check)
+        coef = torch.clamp(self.clip / (total.sqrt() + 1e-6), max=1.0)
+        for g in grads:
+            g.to_local().mul_(coef.to(g.dtype))
 
     def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool) -> torch.Tensor:
         import contextlib
@@ -402,7 +464,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.inject and args.engine.startswith("fsdp"):
             raise SystemExit("--inject works with --engine deepspeed or ddp (FSDP's autograd sees flat/"
                              "unsharded parameters, not the hooks of the user's parameters)")
-        runner = TorchRunner(model, ds_cfg, args.engine, device)
+        if args.tp > 1 and args.engine != "fsdp2":
+            raise SystemExit("--tp works with --engine fsdp2 (FSDP2 + tensor parallel on a (dp, tp) mesh)")
+        runner = TorchRunner(model, ds_cfg, args.engine, device, args.tp)
     overrides = {k: v for k, v in (("exporter.port", args.port), ("sampling.interval", args.interval))
                  if v is not None}
     import yaml
@@ -426,13 +490,14 @@ def main(argv: list[str] | None = None) -> None:
                   f"the injected value lands in the shard of the rank that owns element 0", flush=True)
         injector.offset = off[0] if off else 0
     gas, mb = runner.gas, runner.mb
-    tokens_per_step = mb * gas * args.block * world
+    data_rank, data_world = getattr(runner, "dp_rank", rank), getattr(runner, "dp_size", world)
+    tokens_per_step = mb * gas * args.block * data_world
     step_times: list[float] = []
     t_first = None
     for step in range(args.steps):
         t0 = time.perf_counter()
         for micro in range(gas):
-            x, y = get_batch(data, mb, args.block, hash((args.seed, rank, step, micro)) & 0x7FFFFFFF,
+            x, y = get_batch(data, mb, args.block, hash((args.seed, data_rank, step, micro)) & 0x7FFFFFFF,
                              runner.device)
             last = micro == gas - 1
             if last:
@@ -447,6 +512,8 @@ def main(argv: list[str] | None = None) -> None:
             gn = f"{rec.grad_norm:.4f}" if rec else "n/a"
             if rec and rec.step != step:  # asynchronous records (CUDA default): one step late
                 gn += f" (of step {rec.step})"
+            elif getattr(runner, "clip_norm", None) is not None:
+                gn += f" (clip norm {runner.clip_norm:.6g})"
             ls = f"{rec.loss:.4f}" if rec and rec.loss is not None else f"{loss.item():.4f}"
             recent = step_times[-args.log_every:]
             print(f"[train] step {step:5d}  loss {ls}  grad_norm {gn}  "
