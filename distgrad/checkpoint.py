@@ -49,7 +49,7 @@ def instrument_state(inst: "Instrument") -> dict[str, Any]:
         has no statistics yet).
     """
     d = inst.diagnostics
-    return {"format": FORMAT, "version": VERSION, "n_params": len(inst.source.names),
+    return {"format": FORMAT, "version": VERSION, "n_params": len(inst.names),
             "counters": dict(inst.counters), "consecutive_overflow_steps": inst._consecutive_overflow,
             "replica_mismatch_rank": inst._replica_mismatch_rank,
             "diagnostics": d.state_dict() if d is not None else None}
@@ -71,9 +71,9 @@ def load_instrument_state(inst: "Instrument", state: dict[str, Any]) -> None:
     if state.get("version") != VERSION:
         raise ValueError(f"distgrad: instrument state version {state.get('version')!r} is not {VERSION}: "
                          "it was written by another distgrad version")
-    if state.get("n_params") != len(inst.source.names):
+    if state.get("n_params") != len(inst.names):
         raise ValueError(f"distgrad: the state is of a model with {state.get('n_params')} trainable parameter "
-                         f"tensors, this one has {len(inst.source.names)}: restore it into the same model")
+                         f"tensors, this one has {len(inst.names)}: restore it into the same model")
     if inst.diagnostics is not None and state.get("diagnostics"):
         inst.diagnostics.load_state_dict(state["diagnostics"])
     inst.counters.update({k: int(v) for k, v in state.get("counters", {}).items() if k in inst.counters})

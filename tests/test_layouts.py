@@ -122,7 +122,7 @@ def test_replica_check_names_global_rank_and_mesh_coordinate(hsdp_results, tp_re
     assert c["counters"]["replica_mismatch"] == 2
     for rec in c["records"]:
         assert rec["replica_mismatch_ranks"] == [3]
-        assert rec["extra"]["replica_mismatch_rank"] == 3
+        assert rec["replica_mismatch_rank"] == 3
     assert any(f"global rank 3 ({coordinate})" in w for w in c["warnings"]), c["warnings"]
 
 
@@ -205,5 +205,5 @@ def test_nan_in_one_pipeline_stage_is_named_with_parameter_and_global_rank(pp_re
     c = _case(pp_results, "pp-fsdp2-nan")
     ok, bad = (StepRecord.from_dict(r) for r in c["records"])
     assert not ok.nonfinite and bad.nonfinite and bad.nonfinite_ranks == [3]
-    assert bad.extra["nonfinite_params"] == [{"param": "blocks.1.1.weight", "rank": 3, "nan": 1, "inf": 0,
-                                              "count": 1}]
+    assert c["records"][1]["nonfinite_params"] == [{"param": "blocks.1.1.weight", "rank": 3, "nan": 1, "inf": 0,
+                                                     "count": 1}]

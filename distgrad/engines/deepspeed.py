@@ -56,8 +56,12 @@ class DeepSpeedSource(GradSource):
         if not is_deepspeed_engine(engine):
             raise TypeError(f"expected a deepspeed.DeepSpeedEngine, got {type(engine).__name__}")
         if type(engine).__name__ == "PipelineEngine":
-            raise TypeError("DeepSpeed PipelineEngine is not supported yet: instrument a "
-                            "DeepSpeedEngine (deepspeed.initialize without a PipelineModule)")
+            raise TypeError("DeepSpeed PipelineEngine is not supported: each stage holds other layers, "
+                            "reduced over its own data-parallel group, and tied layers live on several stages; "
+                            "this combination is not tested, so distgrad refuses it rather than report one "
+                            "stage as the model. Instrument a DeepSpeedEngine (deepspeed.initialize without a "
+                            "PipelineModule), or pipeline with torch.distributed.pipelining and FSDP2/DDP "
+                            "per stage, which distgrad supports (docs/engines.md, 'Parallelism layouts')")
         if engine.optimizer is None:
             raise ValueError("the DeepSpeed engine has no optimizer: distgrad watches training "
                              "gradients; pass an optimizer (or an 'optimizer' config section) "
@@ -69,13 +73,18 @@ class DeepSpeedSource(GradSource):
         self.zero_stage = int(engine.zero_optimization_stage())
         self.replicated = self.zero_stage == 0
         self._params: list[torch.nn.Parameter] = []
-        self.names, self.numels = [], []
+        self.names, self.numels, raw = [], [], []
         for name, p in engine.module.named_parameters():  # dedups tied weights
             if not p.requires_grad:
                 continue
             self._params.append(p)
-            self.names.append(clean_name(name))
+            raw.append(name)
             self.numels.append(int(p.ds_numel) if hasattr(p, "ds_numel") else p.numel())
+        from distgrad.engines.deepspeed_moe import expert_layout
+
+        moe = expert_layout(engine, raw, self._params, self.zero_stage)
+        self._holders = moe[1] if moe is not None else None
+        self.names = [clean_name(n) for n in (moe[0] if moe is not None else raw)]
         if engine.fp16_enabled():
             self.grad_dtype = self.compute_dtype = torch.float16
         elif engine.bfloat16_enabled():
@@ -89,6 +98,16 @@ class DeepSpeedSource(GradSource):
             grp = getattr(engine.optimizer, "dp_process_group", None)
             self.rank = dist.get_rank(grp)
             self.world = dist.get_world_size(grp)
+
+    def param_holders(self) -> list[tuple[int, ...]]:
+        """Per parameter, the global ranks its gradient is reduced over: every rank, except
+        experts under expert parallelism (their expert-data-parallel group; see
+        :mod:`distgrad.engines.deepspeed_moe`), which puts them in the job-wide list."""
+        if self._holders is not None:
+            return list(self._holders)
+        import torch.distributed as dist
+
+        return [tuple(range(dist.get_world_size()))] * len(self.names)
 
     # ------------------------------------------------------------------------------------
     def device(self) -> torch.device:

@@ -1,0 +1,192 @@
+"""Multi-rank driver for DeepSpeed layouts beyond data parallelism (tests/test_deepspeed_layouts.py)
+under ``torchrun --nproc_per_node 4``, gloo, CPU.
+
+``moe-z2``: :class:`MoEModel` (4 experts of ``deepspeed.moe.layer.MoE`` with ``ep_size`` 2, so
+each rank holds 2 experts and each expert lives on the 2 ranks of its expert-data-parallel
+group) under ZeRO-2, two optimizer steps; records on rank 0:
+  * distgrad's record of each step;
+  * reference A: every rank's full reduced gradient of each of its parameters
+    (``safe_get_full_grad``, right before distgrad's boundary), the experts keyed by their global
+    index ``expert-parallel rank * num_local_experts + local index`` (DeepSpeed's dispatch order),
+    gathered from all ranks; float64 statistics;
+  * the collectives and host syncs inside distgrad's ``collect`` / ``finish``.
+``moe-z2-nan``: the same, with a NaN put into global rank 3's ZeRO-2 fragment of one expert
+parameter on step 1. ``refusals``: ``instrument()`` on a MoE model under ZeRO-0 and on a
+``PipelineEngine`` (ZeRO-1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import deepspeed
+import deepspeed.comm
+from deepspeed.moe.layer import MoE
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from deepspeed.utils import groups, safe_get_full_grad
+
+import distgrad
+from distgrad import stats
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import full_stats  # noqa: E402
+from layout_cases import _count  # noqa: E402
+
+
+class MoEModel(nn.Module):
+    """inp -> MoE (4 experts, top-1, no token dropping, no random token selection) -> head;
+    x float [6, 7], y [6] in [0, 13)."""
+
+    def __init__(self, ep_size: int = 2) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, 6)
+        expert = nn.Sequential(nn.Linear(6, 5), nn.GELU(), nn.Linear(5, 6))
+        self.moe = MoE(hidden_size=6, expert=expert, num_experts=4, ep_size=ep_size, k=1, drop_tokens=False,
+                       use_rts=False)
+        self.head = nn.Linear(6, 13)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h, _, _ = self.moe(self.inp(x).unsqueeze(0))
+        return F.cross_entropy(self.head(h.squeeze(0)), y)
+
+
+def batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(40_000 * step + rank)
+    return torch.randn(6, 7, generator=g) * 2.0, torch.randint(0, 13, (6,), generator=g)
+
+
+def ds_config(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 6, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+
+
+def make_engine(stage: int):
+    torch.manual_seed(1234)
+    model = MoEModel()
+    params = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
+                                                                   "name": "params"})
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage))
+    return engine
+
+
+def global_name(engine, name: str) -> str:
+    """The test's own mapping of a local expert name to its global index (see module doc)."""
+    if ".deepspeed_experts." not in name:
+        return name
+    head, rest = name.split(".deepspeed_experts.", 1)
+    local, tail = rest.split(".", 1)
+    ep_rank = groups._get_expert_parallel_rank("ep_size_2")
+    return f"{head}.deepspeed_experts.{int(local) + 2 * ep_rank}.{tail}"
+
+
+def run_moe(key: str, rank: int) -> dict:
+    engine = make_engine(2)
+    inst = distgrad.instrument(engine, prometheus=False)
+    counts, refs, records = _count(inst), [], []
+    inner = engine._take_model_step
+    state = {"step": 0}
+    injected: list = [None]
+
+    def before(*a, **kw):  # wraps distgrad's wrapper: runs first
+        full = {}
+        for n, p in engine.module.named_parameters():
+            g = safe_get_full_grad(p)
+            full[global_name(engine, n)] = g.detach().double().reshape(-1).clone()
+        every: list = [None] * deepspeed.comm.get_world_size()
+        torch.distributed.all_gather_object(every, full)
+        refs.append(full_stats({n: g for e in every for n, g in e.items()}))
+        if key.endswith("-nan") and state["step"] == 1 and rank == 3:
+            for n, p in engine.module.named_parameters():
+                m = getattr(p, "_hp_mapping", None)
+                if ".deepspeed_experts." in n and m is not None:
+                    frag = m.get_lp_grad_fragment(p._index_in_param_group)
+                    frag.view(-1)[0] = float("nan")
+                    injected[0] = global_name(engine, n)
+                    break
+        counts.start()
+        try:
+            return inner(*a, **kw)
+        finally:
+            counts.stop()
+
+    engine._take_model_step = before
+    try:
+        for step in range(2):
+            state["step"] = step
+            x, y = batch(step, rank)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            records.append(inst.last_record.to_dict() if inst.last_record else None)
+    finally:
+        counts.restore()
+    names: list = [None] * deepspeed.comm.get_world_size()
+    torch.distributed.all_gather_object(names, [n for n, _ in engine.module.named_parameters()])
+    hit: list = [None] * deepspeed.comm.get_world_size()
+    torch.distributed.all_gather_object(hit, injected[0])
+    out = {"records": records, "ref_full": refs, "counts": counts.per_step, "counters": dict(inst.counters),
+           "local_names": names, "injected": hit, "names": list(inst.names)}
+    inst.close()
+    return out
+
+
+def run_refusals(rank: int) -> dict:
+    """instrument() on MoE with expert parallelism under ZeRO-0 (not located by distgrad) and on
+    a ``PipelineEngine`` (2 stages x 2-way data parallel, ZeRO-1): both refused."""
+    from deepspeed.pipe import PipelineModule
+
+    out = {}
+    for key, make in (("moe-z0", lambda: make_engine(0)),
+                      ("pipeline-engine", lambda: deepspeed.initialize(
+                          model=PipelineModule(layers=[nn.Linear(7, 5), nn.GELU(), nn.Linear(5, 13)], num_stages=2,
+                                               loss_fn=nn.CrossEntropyLoss()),
+                          config=dict(ds_config(1), optimizer={"type": "AdamW", "params": {"lr": 1e-3,
+                                                                                           "torch_adam": True}}))[0])):
+        try:
+            distgrad.instrument(make(), prometheus=False).close()
+            out[key] = None
+        except Exception as e:  # noqa: BLE001
+            out[key] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--group", default="moe")
+    args = ap.parse_args()
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see launch/train.py skip_cpu_shm_op
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
+    stats.stats_table([torch.ones(3)], torch.device("cpu"))  # one-time kernel set-up, not counted
+    results, t0 = {}, time.time()
+    for key in ("moe-z2", "moe-z2-nan", "refusals"):
+        t = time.time()
+        try:
+            results[key] = run_refusals(rank) if key == "refusals" else run_moe(key, rank)
+        except Exception as e:  # noqa: BLE001 - reported per case by the pytest side
+            results[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            print(f"[ds_layout_cases] rank {rank} {key}: {results[key]['traceback']}", file=sys.stderr, flush=True)
+        if rank == 0:
+            print(f"[ds_layout_cases] {key}: {'error' if 'error' in results[key] else 'ok'} "
+                  f"({time.time() - t:.2f}s)", flush=True)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"world_size": world, "cases": results}, f)
+    deepspeed.comm.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""DeepSpeed beyond data parallelism, on 4 gloo CPU ranks (tests/dist/ds_layout_cases.py, one
+launch): mixture of experts (``deepspeed.moe.layer.MoE``, 4 experts, ``ep_size`` 2, ZeRO-2),
+where each expert's gradient is reduced only over its expert-data-parallel group, must be
+exported exactly, every expert once under its global index (was: experts 2 and 3 missing, 0 and 1
+mixing two ranks' experts); what distgrad cannot vouch for (MoE under ZeRO-0, the
+``PipelineEngine``) is refused at ``instrument()``."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import launch
+from distgrad.record import StepRecord
+from reference import case as _case, check_against as _check_against
+
+pytestmark = pytest.mark.multirank
+EXPERTS = [f"moe.deepspeed_moe.experts.deepspeed_experts.{e}.{m}.{k}" for e in range(4) for m in (0, 2)
+           for k in ("weight", "bias")]
+
+
+@pytest.fixture(scope="session")
+def ds_layout_results(tmp_path_factory):
+    return launch("ds_layout_cases.py", tmp_path_factory.mktemp("dsl") / "dsl.json", nproc=4)
+
+
+def test_moe_experts_exported_once_under_global_index(ds_layout_results):
+    """Every rank names its own 2 experts 0 and 1; the record holds experts 0-3 once each,
+    equal to the full reduced gradient of that expert (reference A, both steps, 1e-5, extrema and
+    counts exact), with 2 collectives and 1 host copy per sampled step."""
+    c = _case(ds_layout_results, "moe-z2")
+    assert ds_layout_results["world_size"] == 4
+    for local in c["local_names"]:  # every rank's module names its two experts 0 and 1
+        assert [n for n in local if "deepspeed_experts" in n] == EXPERTS[:8]
+    assert c["names"] == ["inp.weight", "inp.bias", "moe.deepspeed_moe.gate.wg.weight", *EXPERTS,
+                          "head.weight", "head.bias"]
+    for step, (rec, ref) in enumerate(zip(c["records"], c["ref_full"])):
+        rec = StepRecord.from_dict(rec)
+        assert rec.step == step and rec.world_size == 4
+        _check_against(rec, ref, rtol=1e-5, exact=True)
+    assert c["counts"] == [{"collectives": 2, "syncs": 1}] * 2
+    assert c["counters"]["internal_errors"] == 0
+
+
+def test_nan_in_one_expert_named_with_global_expert_and_rank(ds_layout_results):
+    """Step 1: a NaN in global rank 3's ZeRO-2 fragment of one of its experts (expert-parallel
+    rank 1, so a global expert 2 or 3): named with that expert's global name and rank 3."""
+    c = _case(ds_layout_results, "moe-z2-nan")
+    name = c["injected"][3]
+    assert name is not None and (".deepspeed_experts.2." in name or ".deepspeed_experts.3." in name)
+    ok, bad = (StepRecord.from_dict(r) for r in c["records"])
+    assert not ok.nonfinite and bad.nonfinite and bad.nonfinite_ranks == [3]
+    assert c["records"][1]["nonfinite_params"] == [{"param": name, "rank": 3, "nan": 1, "inf": 0, "count": 1}]
+
+
+@pytest.mark.parametrize("key, words", [
+    ("moe-z0", ["expert parallelism", "ZeRO stage 1 or 2, not 0", "Use ZeRO-2, or ep_size 1"]),
+    ("pipeline-engine", ["PipelineEngine is not supported", "reduced over its own data-parallel group",
+                         "torch.distributed.pipelining"]),
+])
+def test_unsupported_deepspeed_layouts_refused_with_why_and_what_to_do(ds_layout_results, key, words):
+    msg = _case(ds_layout_results, "refusals")[key]
+    assert msg is not None
+    for w in words:
+        assert w in msg, msg
