@@ -2,8 +2,9 @@
 launch): mixture of experts (``deepspeed.moe.layer.MoE``, 4 experts, ``ep_size`` 2, ZeRO-2),
 where each expert's gradient is reduced only over its expert-data-parallel group, must be
 exported exactly, every expert once under its global index (was: experts 2 and 3 missing, 0 and 1
-mixing two ranks' experts); what distgrad cannot vouch for (MoE under ZeRO-0, the
-``PipelineEngine``) is refused at ``instrument()``."""
+mixing two ranks' experts); the ``PipelineEngine`` (2 stages x 2-way data parallel, ZeRO-0 and
+ZeRO-1) reports the whole model on every rank (was: refused); what distgrad cannot vouch for
+(MoE under ZeRO-0, a pipeline with tied layers) is refused at ``instrument()``."""
 
 from __future__ import annotations
 
@@ -54,11 +55,30 @@ def test_nan_in_one_expert_named_with_global_expert_and_rank(ds_layout_results):
 
 @pytest.mark.parametrize("key, words", [
     ("moe-z0", ["expert parallelism", "ZeRO stage 1 or 2, not 0", "Use ZeRO-2, or ep_size 1"]),
-    ("pipeline-engine", ["PipelineEngine is not supported", "reduced over its own data-parallel group",
-                         "torch.distributed.pipelining"]),
+    ("pipeline-tied", ["PipelineEngine with tied layers ['w'] is not supported", "distgrad would add the copies",
+                       "untie them"]),
 ])
 def test_unsupported_deepspeed_layouts_refused_with_why_and_what_to_do(ds_layout_results, key, words):
     msg = _case(ds_layout_results, "refusals")[key]
     assert msg is not None
     for w in words:
         assert w in msg, msg
+
+
+@pytest.mark.parametrize("key", ["pipe-z0", "pipe-z1"])
+def test_pipeline_engine_reports_the_whole_model(ds_layout_results, key):
+    """Each rank's ``PipelineModule`` holds its stage's layers (rank 0: layers 0 and 2); the record
+    holds both stages' parameters under their global layer names and equals the full gradient
+    gathered from both stages (reference A, both steps), with 2 collectives and 1 host copy per
+    step. ZeRO-0: each stage's two data-parallel replicas split its parameters and are compared."""
+    c = _case(ds_layout_results, key)
+    assert c["local_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert c["names"] == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    for step, (rec, ref) in enumerate(zip(c["records"], c["ref_full"])):
+        rec = StepRecord.from_dict(rec)
+        assert rec.step == step
+        _check_against(rec, ref, rtol=1e-5, exact=True)
+    assert c["counts"] == [{"collectives": 2, "syncs": 1}] * 2
+    assert c["counters"]["internal_errors"] == 0 and c["counters"]["replica_mismatch"] == 0
+    if key == "pipe-z0":
+        assert c["copies"][:4] == [2] * 4 and c["groups"] == [[0, 1], [2, 3]]

@@ -45,7 +45,7 @@ class DeepSpeedSource(GradSource):
     """Reads the post-reduction local gradient pieces of a ``deepspeed.DeepSpeedEngine``.
 
     Raises:
-        TypeError: ``engine`` is not a DeepSpeedEngine or is a pipeline engine.
+        TypeError: ``engine`` is not a DeepSpeedEngine.
         ValueError: the engine has no optimizer (inference engine) or uses a configuration
             whose reduced gradients distgrad cannot locate (named in the message).
     """
@@ -55,13 +55,6 @@ class DeepSpeedSource(GradSource):
     def __init__(self, engine) -> None:
         if not is_deepspeed_engine(engine):
             raise TypeError(f"expected a deepspeed.DeepSpeedEngine, got {type(engine).__name__}")
-        if type(engine).__name__ == "PipelineEngine":
-            raise TypeError("DeepSpeed PipelineEngine is not supported: each stage holds other layers, "
-                            "reduced over its own data-parallel group, and tied layers live on several stages; "
-                            "this combination is not tested, so distgrad refuses it rather than report one "
-                            "stage as the model. Instrument a DeepSpeedEngine (deepspeed.initialize without a "
-                            "PipelineModule), or pipeline with torch.distributed.pipelining and FSDP2/DDP "
-                            "per stage, which distgrad supports (docs/engines.md, 'Parallelism layouts')")
         if engine.optimizer is None:
             raise ValueError("the DeepSpeed engine has no optimizer: distgrad watches training "
                              "gradients; pass an optimizer (or an 'optimizer' config section) "
@@ -72,6 +65,9 @@ class DeepSpeedSource(GradSource):
         self.engine = engine
         self.zero_stage = int(engine.zero_optimization_stage())
         self.replicated = self.zero_stage == 0
+        self._stage_ranks: tuple[int, ...] | None = None
+        if type(engine).__name__ == "PipelineEngine":
+            self._pipeline(engine)
         self._params: list[torch.nn.Parameter] = []
         self.names, self.numels, raw = [], [], []
         for name, p in engine.module.named_parameters():  # dedups tied weights
@@ -99,12 +95,36 @@ class DeepSpeedSource(GradSource):
             self.rank = dist.get_rank(grp)
             self.world = dist.get_world_size(grp)
 
+    def _pipeline(self, engine: Any) -> None:
+        """``PipelineEngine`` (ZeRO 0/1; DeepSpeed refuses 2/3 with pipelines): this rank's
+        ``PipelineModule`` holds its stage's layers, named by their global layer index
+        (``PipelineModule._build``: ``add_module(str(layer_idx), ...)``), whose gradients are
+        reduced over the stage's data-parallel group (``engine.mpu.get_data_parallel_group()``,
+        the group ZeRO-1 partitions over), so the stage joins the job-wide list of
+        :mod:`distgrad.job`; ``engine._take_model_step`` is called once per ``train_batch()`` on
+        every stage. Tied layers (``TiedLayerSpec``) live on several stages, as copies whose
+        gradients are all-reduced across them: refused.
+
+        Raises:
+            ValueError: tied layers."""
+        import torch.distributed as dist
+
+        tied = list(getattr(engine.module, "tied_modules", {}) or {})
+        if tied:
+            raise ValueError(f"DeepSpeed PipelineEngine with tied layers {tied} is not supported: each tied "
+                             "weight is a separate copy on every stage that uses it, and distgrad would add the "
+                             "copies; untie them (separate LayerSpecs) or instrument without pipeline parallelism")
+        self.group = engine.mpu.get_data_parallel_group()
+        self._stage_ranks = tuple(int(r) for r in dist.get_process_group_ranks(self.group))
+
     def param_holders(self) -> list[tuple[int, ...]]:
         """Per parameter, the global ranks its gradient is reduced over: every rank, except
         experts under expert parallelism (their expert-data-parallel group; see
         :mod:`distgrad.engines.deepspeed_moe`), which puts them in the job-wide list."""
         if self._holders is not None:
             return list(self._holders)
+        if self._stage_ranks is not None:
+            return [self._stage_ranks] * len(self.names)
         import torch.distributed as dist
 
         return [tuple(range(dist.get_world_size()))] * len(self.names)

@@ -11,8 +11,9 @@ group) under ZeRO-2, two optimizer steps; records on rank 0:
     gathered from all ranks; float64 statistics;
   * the collectives and host syncs inside distgrad's ``collect`` / ``finish``.
 ``moe-z2-nan``: the same, with a NaN put into global rank 3's ZeRO-2 fragment of one expert
-parameter on step 1. ``refusals``: ``instrument()`` on a MoE model under ZeRO-0 and on a
-``PipelineEngine`` (ZeRO-1).
+parameter on step 1. ``pipe-z0`` / ``pipe-z1``: a ``PipelineEngine`` (2 stages x 2-way data
+parallel) under ZeRO-0 / ZeRO-1, reference A gathered from both stages. ``refusals``:
+``instrument()`` on a MoE model under ZeRO-0 and on a ``PipelineEngine`` with tied layers.
 """
 
 from __future__ import annotations
@@ -140,18 +141,67 @@ def run_moe(key: str, rank: int) -> dict:
     return out
 
 
+def pipe_engine(stage: int, tied: bool = False):
+    """A ``PipelineEngine``: 5 layers (3 with parameters) in 2 stages x 2-way data parallel,
+    gradient accumulation 2 (micro-batches of 3); ``tied``: the first and last layer share a
+    weight (``TiedLayerSpec``)."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    torch.manual_seed(1234)
+    if tied:
+        layers = [TiedLayerSpec("w", nn.Linear, 7, 7), LayerSpec(nn.GELU), TiedLayerSpec("w", nn.Linear, 7, 7),
+                  LayerSpec(nn.Linear, 7, 13)]
+    else:
+        layers = [LayerSpec(nn.Linear, 7, 5), LayerSpec(nn.GELU), LayerSpec(nn.Linear, 5, 9), LayerSpec(nn.GELU),
+                  LayerSpec(nn.Linear, 9, 13)]
+    module = PipelineModule(layers=layers, num_stages=2, loss_fn=nn.CrossEntropyLoss(), partition_method="uniform")
+    cfg = dict(ds_config(stage), train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=2,
+               optimizer={"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}})
+    return deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()], config=cfg)[0]
+
+
+def run_pipe(key: str, rank: int) -> dict:
+    """``PipelineEngine`` with ZeRO-0 or ZeRO-1, two ``train_batch()`` calls; reference A:
+    ``safe_get_full_grad`` of every rank's stage parameters right before distgrad's boundary,
+    gathered from all ranks."""
+    engine = pipe_engine(int(key[-1]))
+    inst = distgrad.instrument(engine, prometheus=False)
+    counts, refs, records = _count(inst), [], []
+    inner = engine._take_model_step
+
+    def before(*a, **kw):
+        full = {n: safe_get_full_grad(p).detach().double().reshape(-1).clone()
+                for n, p in engine.module.named_parameters()}
+        every: list = [None] * deepspeed.comm.get_world_size()
+        torch.distributed.all_gather_object(every, full)
+        refs.append(full_stats({n: g for e in every for n, g in e.items()}))
+        counts.start()
+        try:
+            return inner(*a, **kw)
+        finally:
+            counts.stop()
+
+    engine._take_model_step = before
+    dp = engine.mpu.get_data_parallel_rank()
+    try:
+        for step in range(2):
+            it = iter([batch(10 * step + micro, dp) for micro in range(2)])
+            engine.train_batch(data_iter=((x[:3], y[:3]) for x, y in it))
+            records.append(inst.last_record.to_dict() if inst.last_record else None)
+    finally:
+        counts.restore()
+    out = {"records": records, "ref_full": refs, "counts": counts.per_step, "counters": dict(inst.counters),
+           "names": list(inst.names), "local_names": list(inst.source.names), "copies": inst.own.copies,
+           "groups": inst.own.groups}
+    inst.close()
+    return out
+
+
 def run_refusals(rank: int) -> dict:
     """instrument() on MoE with expert parallelism under ZeRO-0 (not located by distgrad) and on
-    a ``PipelineEngine`` (2 stages x 2-way data parallel, ZeRO-1): both refused."""
-    from deepspeed.pipe import PipelineModule
-
+    a ``PipelineEngine`` with tied layers: both refused."""
     out = {}
-    for key, make in (("moe-z0", lambda: make_engine(0)),
-                      ("pipeline-engine", lambda: deepspeed.initialize(
-                          model=PipelineModule(layers=[nn.Linear(7, 5), nn.GELU(), nn.Linear(5, 13)], num_stages=2,
-                                               loss_fn=nn.CrossEntropyLoss()),
-                          config=dict(ds_config(1), optimizer={"type": "AdamW", "params": {"lr": 1e-3,
-                                                                                           "torch_adam": True}}))[0])):
+    for key, make in (("moe-z0", lambda: make_engine(0)), ("pipeline-tied", lambda: pipe_engine(1, tied=True))):
         try:
             distgrad.instrument(make(), prometheus=False).close()
             out[key] = None
@@ -172,10 +222,11 @@ def main() -> None:
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
     stats.stats_table([torch.ones(3)], torch.device("cpu"))  # one-time kernel set-up, not counted
     results, t0 = {}, time.time()
-    for key in ("moe-z2", "moe-z2-nan", "refusals"):
+    for key in ("moe-z2", "moe-z2-nan", "refusals", "pipe-z0", "pipe-z1"):  # MoE before any PipelineEngine (it sets groups.mpu)
         t = time.time()
         try:
-            results[key] = run_refusals(rank) if key == "refusals" else run_moe(key, rank)
+            run = run_pipe if key.startswith("pipe-") else run_moe
+            results[key] = run_refusals(rank) if key == "refusals" else run(key, rank)
         except Exception as e:  # noqa: BLE001 - reported per case by the pytest side
             results[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
             print(f"[ds_layout_cases] rank {rank} {key}: {results[key]['traceback']}", file=sys.stderr, flush=True)
