@@ -56,6 +56,8 @@ Mixtral / Qwen-MoE /     ``block_sparse_moe.gate``, ``mlp.gate``, ``mlp.shared_e
 DeepSeek                 router; ``...experts.E.*``, ``mlp.shared_expert(s).*`` -> expert;
                          ``self_attn.q_{a,b}_proj`` -> attn_q, ``kv_a_proj_with_mqa``,
                          ``kv_b_proj`` -> attn_kv
+DeepSpeed MoE            ``<moe>.deepspeed_moe.gate.wg`` -> router,
+                         ``<moe>.deepspeed_moe.experts.deepspeed_experts.E.*`` -> expert
 Phi-3                    ``self_attn.qkv_proj`` -> attn_qkv, ``mlp.gate_up_proj`` -> mlp_gate_up
 Phi-2 (HF / remote)      ``self_attn.dense`` -> attn_out, ``mlp.fc1``/``fc2`` -> mlp_up/down,
                          ``model.final_layernorm`` -> norm; remote code ``mixer.Wqkv``,
@@ -293,6 +295,9 @@ IN_BLOCK_RULES: tuple[tuple[str, str, int], ...] = (
     # mixture of experts (before the dense MLP: Qwen-MoE/DeepSeek call the router mlp.gate)
     (_MOE + r"\.(?:gate|router|shared_expert_gate)(?:\.\w+)?", "router", 30),
     (_MOE + r"\.(?:experts|shared_experts?)(?:\..+)?", "expert", 31),
+    # DeepSpeed MoE (deepspeed.moe.layer.MoE; experts renamed to their global index by distgrad)
+    (_MOE + r"\.deepspeed_moe\.gate(?:\.\w+)?", "router", 30),
+    (_MOE + r"\.deepspeed_moe\.experts(?:\..+)?", "expert", 31),
     # dense MLP
     (_M + r"\.(?:gate_proj|w1|wi_0)", "mlp_gate", 32),
     (

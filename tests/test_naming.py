@@ -167,6 +167,10 @@ def test_more_families():
         # torchtitan MoE (grouped expert weights without .weight)
         "layers.2.moe.experts.w1": ("2", "expert"),
         "layers.2.moe.router.gate.weight": ("2", "router"),
+        # DeepSpeed MoE (deepspeed.moe.layer.MoE), experts under their global index
+        "layers.2.moe.deepspeed_moe.gate.wg.weight": ("2", "router"),
+        "layers.2.moe.deepspeed_moe.experts.deepspeed_experts.3.0.weight": ("2", "expert"),
+        "blocks.1.mlp.deepspeed_moe.experts.deepspeed_experts.12.2.bias": ("1", "expert"),
         # nn.TransformerEncoder
         "encoder.layers.1.self_attn.in_proj_weight": ("enc.1", "attn_qkv"),
         "encoder.layers.1.self_attn.out_proj.weight": ("enc.1", "attn_out"),
