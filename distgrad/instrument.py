@@ -488,7 +488,7 @@ class Instrument:
         self.counters["nonfinite_loss_steps"] += len(self._unsampled["loss"]) if self._unsampled else 0
         if grad and not self._unsampled_logged and self.global_rank == 0:
             log.warning("distgrad: non-finite gradients on unsampled optimizer step(s) %s (interval %d): "
-                        "counted in distgrad_nonfinite_unsampled_steps_total; set interval=1 for per-parameter "
+                        "counted in distgrad_nonfinite_unsampled_steps_total; set sampling.interval: 1 for per-parameter "
                         "detail on every step", step_ranges(grad), self.config.sampling.interval)
         self._unsampled_logged = bool(grad)
         return host
@@ -576,7 +576,7 @@ class Instrument:
             if path is not None:
                 rec.loss_spike_report = str(path)
         except OSError as e:
-            log.warning("distgrad: loss-spike report of step %d not written to flight_recorder_dir=%r: %s",
+            log.warning("distgrad: loss-spike report of step %d not written to flight_recorder.dir=%r: %s",
                         step, self.config.flight_recorder.dir, e)
             self._sink_error("flight_recorder")
         except Exception:  # noqa: BLE001

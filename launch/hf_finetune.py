@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
 
     trainer = Trainer(model=model, args=args, callbacks=[Hold()],
                       train_dataset=Windows(data, a.block, a.steps * a.batch * a.accum * 8, seed=1))
-    dg = attach(trainer, port=a.port, jsonl_path=a.jsonl)  # <- the one line: every rank, before train()
+    dg = attach(trainer, exporter={"port": a.port}, sinks={"jsonl": {"path": a.jsonl}})  # <- the one line: every rank, before train()
     trainer.train()
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"[hf_finetune] done; metrics were served on 127.0.0.1:{dg.instrument.port}/metrics", flush=True)

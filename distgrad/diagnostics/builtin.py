@@ -209,7 +209,7 @@ class ProvenanceDiagnostic(Diagnostic):
                         loss_scale_history=self._loss_scale_history)
                 except OSError as e:  # a full or unwritable directory: a sink failure, not distgrad's
                     log.warning("distgrad: flight-recorder report for step %d not written to "
-                                "flight_recorder_dir=%r: %s (counted in distgrad_sink_errors_total"
+                                "flight_recorder.dir=%r: %s (counted in distgrad_sink_errors_total"
                                 "{sink=\"flight_recorder\"})", rec.step, c.flight_recorder.dir, e)
                     raise SinkError(f"flight recorder: {e}") from e
                 self._dump_failed = False

@@ -4,7 +4,7 @@ and plain Accelerate loops.
 One line with the Trainer (every rank, before ``trainer.train()``)::
 
     from distgrad.integrations.hf import attach
-    attach(trainer)                      # or attach(trainer, port=9400, interval=10, ...)
+    attach(trainer)                      # or attach(trainer, exporter={"port": 9400}, sampling={"interval": 10})
 
 One line in an Accelerate loop, after ``accelerator.prepare``::
 
@@ -87,7 +87,8 @@ def attach(trainer: Any, config: Any = None, **overrides: Any) -> DistgradCallba
     Args:
         trainer: the Trainer.
         config: as for :func:`distgrad.instrument` (a DistgradConfig, dict, YAML path or None).
-        **overrides: individual config keys (``port=0``, ``interval=10``, ...).
+        **overrides: config sections or dotted keys (``exporter={"port": 0}``,
+            ``sampling={"interval": 10}``; see docs/configuration.md).
 
     Returns:
         The callback; ``callback.instrument`` is the Instrument once training has started.

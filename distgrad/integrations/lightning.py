@@ -1,7 +1,7 @@
 """PyTorch Lightning (tested with lightning 2.6): one callback.
 
     from distgrad.integrations.lightning import DistgradCallback
-    trainer = L.Trainer(..., callbacks=[DistgradCallback(port=9400)])
+    trainer = L.Trainer(..., callbacks=[DistgradCallback(exporter={"port": 9400})])
 
 What Lightning does, and what the callback does about it (measured on lightning 2.6.6):
 
@@ -59,7 +59,8 @@ class DistgradCallback(Callback):
     Args:
         config: as for :func:`distgrad.instrument` (DistgradConfig, dict, YAML path or None; under
             DeepSpeed with None, the DeepSpeed config's ``"distgrad"`` section).
-        **overrides: individual config keys (``port=0``, ``interval=10``, ...).
+        **overrides: config sections or dotted keys (``exporter={"port": 0}``,
+            ``sampling={"interval": 10}``; see docs/configuration.md).
 
     Attributes:
         instrument: the :class:`distgrad.Instrument` once training has started, else None.
