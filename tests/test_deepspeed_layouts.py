@@ -82,3 +82,12 @@ def test_pipeline_engine_reports_the_whole_model(ds_layout_results, key):
     assert c["counters"]["internal_errors"] == 0 and c["counters"]["replica_mismatch"] == 0
     if key == "pipe-z0":
         assert c["copies"][:4] == [2] * 4 and c["groups"] == [[0, 1], [2, 3]]
+
+
+def test_pipeline_engine_counting_both_replicas_fails_the_comparison(ds_layout_results):
+    """The mutation (``inst.own`` patched so that each ZeRO-0 replica counts its whole copy) must
+    be rejected by the reference comparison, so the test above can fail."""
+    c = _case(ds_layout_results, "pipe-z0-double")
+    for rec, ref in zip(c["records"], c["ref_full"]):
+        with pytest.raises(AssertionError):
+            _check_against(StepRecord.from_dict(rec), ref, rtol=1e-5, exact=True)

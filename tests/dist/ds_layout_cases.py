@@ -12,7 +12,8 @@ group) under ZeRO-2, two optimizer steps; records on rank 0:
   * the collectives and host syncs inside distgrad's ``collect`` / ``finish``.
 ``moe-z2-nan``: the same, with a NaN put into global rank 3's ZeRO-2 fragment of one expert
 parameter on step 1. ``pipe-z0`` / ``pipe-z1``: a ``PipelineEngine`` (2 stages x 2-way data
-parallel) under ZeRO-0 / ZeRO-1, reference A gathered from both stages. ``refusals``:
+parallel) under ZeRO-0 / ZeRO-1, reference A gathered from both stages; ``pipe-z0-double``: the
+mutation counting both data-parallel replicas of a stage. ``refusals``:
 ``instrument()`` on a MoE model under ZeRO-0 and on a ``PipelineEngine`` with tied layers.
 """
 
@@ -164,8 +165,13 @@ def run_pipe(key: str, rank: int) -> dict:
     """``PipelineEngine`` with ZeRO-0 or ZeRO-1, two ``train_batch()`` calls; reference A:
     ``safe_get_full_grad`` of every rank's stage parameters right before distgrad's boundary,
     gathered from all ranks."""
-    engine = pipe_engine(int(key[-1]))
+    engine = pipe_engine(int(key.split("-z")[1][0]))
     inst = distgrad.instrument(engine, prometheus=False)
+    if key.endswith("-double"):  # the mutation: both replicas of a stage count their whole copy
+        from distgrad.engines.base import Ownership
+
+        o = inst.own
+        inst.own = Ownership([0] * len(o.index), [1] * len(o.copies), o.check, o.groups, o.describe)
     counts, refs, records = _count(inst), [], []
     inner = engine._take_model_step
 
@@ -222,7 +228,7 @@ def main() -> None:
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
     stats.stats_table([torch.ones(3)], torch.device("cpu"))  # one-time kernel set-up, not counted
     results, t0 = {}, time.time()
-    for key in ("moe-z2", "moe-z2-nan", "refusals", "pipe-z0", "pipe-z1"):  # MoE before any PipelineEngine (it sets groups.mpu)
+    for key in ("moe-z2", "moe-z2-nan", "refusals", "pipe-z0", "pipe-z1", "pipe-z0-double"):  # MoE before any PipelineEngine (it sets groups.mpu)
         t = time.time()
         try:
             run = run_pipe if key.startswith("pipe-") else run_moe
