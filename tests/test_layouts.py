@@ -5,7 +5,7 @@ by exactly one rank of the job: the statistics equal those of the full unsharded
 the same step (reference A, 1e-5, extrema and counts exact) and of a float64 model (reference
 B), a mutation counting the replicated dimension twice is caught, the replica check covers the
 replicated dimension, and a sampled step makes 2 collectives and 1 host copy (drivers:
-tests/dist/layout_cases.py, one launch per group)."""
+tests/dist/layout_cases.py, one launch for every case)."""
 
 from __future__ import annotations
 
@@ -25,20 +25,29 @@ TP_NAMES = ["inp.weight", "inp.bias", "norm.weight", "norm.bias", "up.weight", "
 
 
 @pytest.fixture(scope="session")
-def hsdp_results(tmp_path_factory):
-    """Every HSDP case, one 4-rank launch."""
-    return launch("layout_cases.py", tmp_path_factory.mktemp("hsdp") / "hsdp.json", "--group", "hsdp", nproc=4)
-
-
-@pytest.fixture(scope="session")
-def tp_results(tmp_path_factory):
-    """Every FSDP2 + tensor-parallel case, one 4-rank launch."""
-    return launch("layout_cases.py", tmp_path_factory.mktemp("tp") / "tp.json", "--group", "tp", nproc=4)
+def layout_results(tmp_path_factory):
+    """Every HSDP, tensor-parallel and pipeline case: one 4-rank launch."""
+    return launch("layout_cases.py", tmp_path_factory.mktemp("layouts") / "layouts.json", nproc=4)
 
 
 @pytest.fixture
-def results(request, hsdp_results, tp_results):
-    return tp_results if request.node.callspec.params["key"].startswith("fsdp2-tp") else hsdp_results
+def hsdp_results(layout_results):
+    return layout_results
+
+
+@pytest.fixture
+def tp_results(layout_results):
+    return layout_results
+
+
+@pytest.fixture
+def pp_results(layout_results):
+    return layout_results
+
+
+@pytest.fixture
+def results(layout_results):
+    return layout_results
 
 
 @pytest.mark.multirank
@@ -156,12 +165,6 @@ def test_same_names_reduced_over_different_groups_are_refused(hsdp_results, key)
 PP = ["pp-ddp", "pp-fsdp2"]
 PP_NAMES = ["inp.weight", "inp.bias"] + [f"blocks.{b}.{m}.{k}" for b in (0, 1) for m in (0, 1, 3)
                                          for k in ("weight", "bias")] + ["head.weight", "head.bias"]
-
-
-@pytest.fixture(scope="session")
-def pp_results(tmp_path_factory):
-    """Every pipeline case, one 4-rank launch."""
-    return launch("layout_cases.py", tmp_path_factory.mktemp("pp") / "pp.json", "--group", "pp", nproc=4)
 
 
 @pytest.mark.multirank

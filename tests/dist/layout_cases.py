@@ -476,13 +476,14 @@ GROUPS = {
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--group", default="hsdp")
+    ap.add_argument("--group", default="all", help="hsdp, tp, pp or all (one launch for every case)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     stats.stats_table([torch.ones(3)], CPU)  # one-time kernel set-up (native self-check), not counted
     results, t0 = {}, time.time()
-    for key in GROUPS[args.group]:
+    keys = [k for g in GROUPS.values() for k in g] if args.group == "all" else GROUPS[args.group]
+    for key in keys:
         t = time.time()
         try:
             run = run_refusals if key == "refusals" else run_pp_case if key.startswith("pp-") else run_case
