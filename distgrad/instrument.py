@@ -55,10 +55,6 @@ REFUSAL_REASONS: tuple[str, ...] = metrics.LABELS["reason"].values or ()
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
-class _BadLoss(ValueError):
-    """observe_loss got something that is not one loss value (message: what it got)."""
-
-
 def _dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -108,7 +104,7 @@ class Instrument:
         self.prometheus = None
         self.port: int | None = None
         #: this rank's losses, sample indices and times of the current step (distgrad.loss)
-        self.loss = LossTracker(self.world_size)
+        self.loss = LossTracker(self.world_size, config.loss.sources, config.loss.token_threshold)
         self._loss_step: StepLoss | None = None  # the sampled step's, from collect to its record
         #: how observed losses combine into ``distgrad_loss``: "mean" (each observation is one
         #: micro-batch's loss; averaged over micro-batches and ranks) or "sum" (each observation is
@@ -188,13 +184,18 @@ class Instrument:
 
     # ----------------------------------------------------------------------------------
     # user-facing
-    def observe_loss(self, loss: "torch.Tensor | float", *, automatic: bool = False, samples: Any = None) -> None:
+    def observe_loss(self, loss: "torch.Tensor | float", *, automatic: bool = False, samples: Any = None,
+                     components: "dict[str, Any] | None" = None, weights: "dict[str, float] | None" = None,
+                     token_losses: "torch.Tensor | None" = None, token_mask: "torch.Tensor | None" = None,
+                     logits: "torch.Tensor | None" = None, labels: "torch.Tensor | None" = None,
+                     ignore_index: int = -100, sources: "list[Any] | None" = None) -> None:
         """Record one micro-batch's training loss on this rank (no host sync, no collective).
 
         The losses observed since the last optimizer-step boundary are summed on the device and
         averaged over micro-batches and ranks inside the sampled step's SUM collective; the
         result is ``StepRecord.loss`` / ``distgrad_loss``. DeepSpeed engines call this
-        automatically from ``engine.backward(loss)``.
+        automatically from ``engine.backward(loss)`` (as ``automatic``: call it yourself, e.g. to
+        pass components, and the engine's capture stops).
 
         Something that is not one loss value (a per-token loss tensor, a string) is ignored: the
         first time, one error naming the argument and the fix is logged; every time, it is counted
@@ -210,39 +211,29 @@ class Instrument:
                 integer tensor, kept by reference and read only when this rank's batch caused a
                 loss spike (then written to ``flight_recorder_dir``, see
                 :meth:`distgrad.loss.LossTracker.report_spike`).
+            components: ``{name: value}`` (0-d tensors or floats), the loss's components; the
+                set of names is declared by the first call (at most 8); see
+                :mod:`distgrad.loss_components`. ``weights``: ``{name: coefficient}`` with which
+                each enters the loss (default 1). Exported per component: mean, weight, share of
+                the total (``distgrad_loss_component*``, ``StepRecord.loss_components``).
+            token_losses: per-token losses in nats, ``[B, T]`` or ``[N]`` (e.g. cross-entropy
+                with ``reduction="none"``); ``token_mask`` (same shape, True = counted) leaves
+                out padding. Or ``logits`` ``[..., V]`` with ``labels`` ``[...]`` (aligned as
+                your loss uses them; ``ignore_index`` left out): the per-token cross-entropy is
+                computed in bounded chunks. ``sources``: one data-source label per sequence (B,
+                needs ``[B, T]`` token losses; labels from config ``loss_sources``, others count
+                as ``"other"``). Exported: a fixed-bin histogram, the fraction above
+                ``token_loss_threshold``, perplexity, per source (:mod:`distgrad.token_loss`).
+
+        Bad components or token inputs are ignored the same way (the loss itself still counts).
 
         Each rank's own mean and largest loss, and which rank had the largest, are in every
         sampled record (``StepRecord.ranks``, ``distgrad_loss_max_rank``).
         """
-        if automatic and not self._auto_loss:
-            return
-        if not automatic and self._auto_loss:
-            self._auto_loss = False
-            if self._auto_seen:
-                self.loss.clear_losses()
-        try:
-            if isinstance(loss, torch.Tensor):
-                if loss.numel() != 1 or loss.is_complex():
-                    raise _BadLoss(f"a tensor of shape {list(loss.shape)} and dtype {loss.dtype}")
-                t = loss.detach().reshape(()).to(torch.float64)
-            else:
-                try:
-                    t = torch.tensor(float(loss), dtype=torch.float64)
-                except (TypeError, ValueError):
-                    raise _BadLoss(f"a {type(loss).__name__}") from None
-            self.loss.add(t, samples)
-            self._auto_seen = self._auto_seen or automatic
-        except _BadLoss as e:
-            self.counters["internal_errors"] += 1
-            if "observe_loss" not in self._logged_bad_input:
-                self._logged_bad_input.add("observe_loss")
-                log.error("distgrad: observe_loss(loss) needs the scalar training loss (a tensor with one "
-                          "element, or a float), got %s: pass the reduced loss, e.g. loss.mean(); until "
-                          "then losses are ignored (each call counted in distgrad_internal_errors_total, "
-                          "not logged again)", e)
-            self._publish_counters()
-        except Exception:  # noqa: BLE001 - never break training
-            self._internal_error("observe_loss")
+        from distgrad.loss import observe
+
+        observe(self, loss, automatic, samples, components, weights, token_losses, token_mask, logits, labels,
+                ignore_index, sources)
 
     def state_dict(self) -> dict[str, Any]:
         """distgrad's state for a checkpoint (counters, overflow streak, every diagnostic's
@@ -267,18 +258,9 @@ class Instrument:
         (``distgrad_straggler_rank``, ``StepRecord.ranks``). A value that is not a finite
         number >= 0 is ignored and counted in ``distgrad_internal_errors_total`` (logged once).
         Never raises."""
-        try:
-            v = float(seconds)
-            if not (v >= 0.0 and np.isfinite(v)):
-                raise ValueError(v)
-            self.loss.add_data_time(v)
-        except (TypeError, ValueError):
-            self.counters["internal_errors"] += 1
-            if "observe_data_time" not in self._logged_bad_input:
-                self._logged_bad_input.add("observe_data_time")
-                log.error("distgrad: observe_data_time(seconds) needs a finite number of seconds >= 0, got %r: "
-                          "ignored (each call counted in distgrad_internal_errors_total, not logged again)", seconds)
-            self._publish_counters()
+        from distgrad.loss import observe_data_time
+
+        observe_data_time(self, seconds)
 
     def observe_samples(self, samples: Any) -> None:
         """The sample indices (or ids) of the micro-batch whose loss is observed next on this rank,
@@ -429,7 +411,8 @@ class Instrument:
             count = step_loss.count if self.loss_reduction == "mean" else min(step_loss.count, 1)
             sum_block, max_block = pack_local(pieces, self.layout, self.rank, device, fingerprint,
                                               step_loss.sum, count)
-            sum_block = torch.cat([sum_block, self.loss.block(step_loss, self.rank, device, self.loss_reduction)])
+            loss_sum, loss_max = self.loss.block(step_loss, self.rank, device, self.loss_reduction)
+            sum_block, max_block = torch.cat([sum_block, loss_sum]), torch.cat([max_block, loss_max])
         except _Refused:  # join the collectives with the "refused" flag: every rank drops the step
             sum_block, max_block = self._error_blocks(device)
             code = REFUSAL_REASONS.index(refuse) if refuse in REFUSAL_REASONS else 0
@@ -458,7 +441,8 @@ class Instrument:
     def _error_blocks(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`error_blocks` plus the identity of the per-rank loss block."""
         sum_block, max_block = error_blocks(self.layout, self.rank, device)
-        return torch.cat([sum_block, self.loss.block(None, self.rank, device, self.loss_reduction)]), max_block
+        loss_sum, loss_max = self.loss.block(None, self.rank, device, self.loss_reduction)
+        return torch.cat([sum_block, loss_sum]), torch.cat([max_block, loss_max])
 
     def pieces(self, local: Any) -> list[torch.Tensor | None]:
         """The source's per-parameter pieces at the positions of :attr:`names` (the job view
@@ -521,7 +505,7 @@ class Instrument:
             return None
         finally:
             self._loss_step = None
-            self.loss.cur = StepLoss()
+            self.loss.drop()
 
     def _drain(self, collectives: bool) -> StepRecord | None:
         """Build and publish the parked sampled step (asynchronous records), if any. Waits for
@@ -545,7 +529,7 @@ class Instrument:
         None to make that all-reduce now (synchronous)."""
         step, micro_step, grad_scale, loss_scale, overflow, step_applied = args
         host = self._fold_watch(step, host)  # sets self._unsampled for _build
-        host, rank_block = split_loss(host, self.layout.sum_size, self.loss.block_size)
+        host, loss_sum, loss_max = split_loss(host, self.layout.sum_size, self.loss.sum_size, self.loss.max_size)
         red = unpack(host, self.layout, self.names, grad_scale)
         if red.rank_error.sum():
             # this rank counted its own failure already; learn of the others' from the flags.
@@ -561,7 +545,7 @@ class Instrument:
             return None
         rec = self._build(step, micro_step, red, grad_scale, loss_scale, overflow, step_applied,
                           local_nonfinite if collectives else None)
-        rec.ranks = self.loss.rank_stats(rank_block)
+        rec.ranks, rec.loss_components, rec.token_loss = self.loss.unpack(loss_sum, loss_max)
         if self.config.statistics.update_ratio:
             host_sums = (update_ratio_sums(self, len(rec.params.names)).cpu().numpy() if ratio is None
                          else ratio.wait())
@@ -620,7 +604,7 @@ class Instrument:
         except Exception:  # noqa: BLE001
             self._internal_error("accounting an unsampled step")
         finally:
-            self.loss.arrive()  # the step's losses and time are dropped
+            self.loss.drop()  # the step's losses, components, token losses and time are dropped
 
     def _build(self, step, micro_step, red, grad_scale, loss_scale, overflow, step_applied,
                local_nonfinite: torch.Tensor | None) -> StepRecord:

@@ -44,7 +44,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from distgrad.record import RankStats
+from distgrad.loss_components import ComponentError, LossComponents
+from distgrad.record import LossComponents as ComponentsPart, RankStats, TokenLossStats
+from distgrad.token_loss import TokenLoss, TokenLossError, summarize
 
 log = logging.getLogger("distgrad")
 
@@ -79,10 +81,14 @@ class LossTracker:
 
     Args:
         world_size: W, ranks in the instrument's process group.
+        sources: configured data-source labels of per-token losses (config ``loss_sources``).
+        threshold: token-loss threshold in nats (config ``token_loss_threshold``).
     """
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, sources: Sequence[str] = (), threshold: float = 10.0) -> None:
         self.world_size = world_size
+        self.components = LossComponents()
+        self.tokens = TokenLoss(sources, threshold)
         self.cur = StepLoss()
         self.last_exit: float | None = None  # end of the previous boundary (None: first step)
         self.pending_samples: Any = None  # observe_samples: for the next loss observed
@@ -141,9 +147,18 @@ class LossTracker:
         """The boundary is done: the next step's time starts now."""
         self.last_exit = time.perf_counter()
 
-    def block(self, s: StepLoss | None, rank: int, device: torch.device, reduction: str) -> torch.Tensor:
-        """This rank's ``[W * len(RANK_LOSS_COLS)]`` float64 contribution to the SUM block (its
-        own row filled, the others 0); ``s`` None: all zeros (a rank that refused the step)."""
+    def drop(self) -> None:
+        """Drop the step's losses, components, token losses and times (an unsampled step)."""
+        self.arrive()
+        self.components.clear()
+        self.tokens.clear()
+
+    def block(self, s: StepLoss | None, rank: int, device: torch.device,
+              reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's float64 contributions ``(sum_part [sum_size], max_part [max_size])``: its
+        row of the ``[W, len(RANK_LOSS_COLS)]`` per-rank block (the other rows 0), then the
+        components' and the token losses' parts; ``s`` None: identities (a rank that refused
+        the step or failed; its components and token losses are dropped)."""
         out = torch.zeros((self.world_size, len(RANK_LOSS_COLS)), dtype=torch.float64, device=device)
         if s is not None:
             if s.sum is not None and s.count:
@@ -155,16 +170,35 @@ class LossTracker:
             out[rank, 4] = s.step_time
             out[rank, 5] = s.data_time
             out[rank, 6] = 1.0 if s.reported else 0.0
-        return out.reshape(-1)
+        cs, cm = self.components.take(device)
+        ts, tm = self.tokens.take(device)
+        if s is None:
+            cs, ts = torch.zeros_like(cs), torch.zeros_like(ts)
+            cm, tm = torch.full_like(cm, -math.inf), torch.full_like(tm, -math.inf)
+        return torch.cat([out.reshape(-1), cs, ts]), torch.cat([cm, tm])
 
     @property
-    def block_size(self) -> int:
-        return self.world_size * len(RANK_LOSS_COLS)
+    def sum_size(self) -> int:
+        return self.world_size * len(RANK_LOSS_COLS) + self.components.sum_size + self.tokens.sum_size
+
+    @property
+    def max_size(self) -> int:
+        return self.components.max_size + self.tokens.max_size
 
     # -- after the reduction --------------------------------------------------------------------
-    def rank_stats(self, host: np.ndarray) -> RankStats:
-        """:class:`RankStats` from the reduced block (float64 ``[W * len(RANK_LOSS_COLS)]``)."""
-        return rank_stats(host.reshape(self.world_size, len(RANK_LOSS_COLS)))
+    def unpack(self, s: np.ndarray, m: np.ndarray
+               ) -> tuple[RankStats, ComponentsPart | None, TokenLossStats | None]:
+        """The record parts from the reduced ``(sum_part, max_part)`` of :meth:`block`."""
+        n = self.world_size * len(RANK_LOSS_COLS)
+        nc = self.components.sum_size
+        ranks = rank_stats(s[:n].reshape(self.world_size, len(RANK_LOSS_COLS)))
+        comp = self.components.unpack(s[n:n + nc], m[:2])
+        if comp is not None and "error" in comp:
+            log.error("distgrad: %s; the step's components are not exported", comp["error"])
+        comp_part = ComponentsPart.from_dict(comp) if comp is not None else None
+        tok = self.tokens.unpack(s[n + nc:], m[2:])
+        tok_part = TokenLossStats.from_dict(summarize(tok, self.tokens.threshold)) if tok is not None else None
+        return ranks, comp_part, tok_part
 
     def report_spike(self, rec: Any, s: StepLoss | None, rank: int, directory: str | None) -> Path | None:
         """On a loss spike (``"loss"`` in the record's flagged spikes) or a non-finite loss, the
@@ -192,6 +226,95 @@ class LossTracker:
         log.warning("distgrad: step %d: %s on rank %d (micro-batch %s, samples %s): %s", rec.step, doc["reason"],
                     rank, micro, (doc["samples"] or [])[:8], path)
         return path
+
+
+class BadLoss(ValueError):
+    """observe_loss got something that is not one loss value (message: what it got)."""
+
+
+def observe(inst: Any, loss: Any, automatic: bool, samples: Any, components: Any, weights: Any, token_losses: Any,
+            token_mask: Any, logits: Any, labels: Any, ignore_index: int, sources: Any) -> None:
+    """The body of :meth:`distgrad.Instrument.observe_loss` (see there). Never raises."""
+    if automatic and not inst._auto_loss:
+        return
+    if not automatic and inst._auto_loss:
+        inst._auto_loss = False
+        if inst._auto_seen:
+            inst.loss.clear_losses()
+            inst.loss.components.clear()
+            inst.loss.tokens.clear()
+    try:
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1 or loss.is_complex():
+                raise BadLoss(f"a tensor of shape {list(loss.shape)} and dtype {loss.dtype}")
+            t = loss.detach().reshape(()).to(torch.float64)
+        else:
+            try:
+                t = torch.tensor(float(loss), dtype=torch.float64)
+            except (TypeError, ValueError):
+                raise BadLoss(f"a {type(loss).__name__}") from None
+        inst.loss.add(t, samples)
+        inst._auto_seen = inst._auto_seen or automatic
+    except BadLoss as e:
+        inst.counters["internal_errors"] += 1
+        if "observe_loss" not in inst._logged_bad_input:
+            inst._logged_bad_input.add("observe_loss")
+            log.error("distgrad: observe_loss(loss) needs the scalar training loss (a tensor with one "
+                      "element, or a float), got %s: pass the reduced loss, e.g. loss.mean(); until "
+                      "then losses are ignored (each call counted in distgrad_internal_errors_total, "
+                      "not logged again)", e)
+        inst._publish_counters()
+        return
+    except Exception:  # noqa: BLE001 - never break training
+        inst.count_error("observe_loss")
+        return
+    if components is not None:
+        _guarded(inst, lambda: inst.loss.components.add(t, components, weights))
+    if token_losses is not None or logits is not None or labels is not None:
+        _guarded(inst, lambda: _tokens(inst.loss.tokens, token_losses, token_mask, logits, labels, ignore_index,
+                                       sources))
+
+
+def _tokens(tl: TokenLoss, token_losses: Any, token_mask: Any, logits: Any, labels: Any, ignore_index: int,
+            sources: Any) -> None:
+    if logits is not None or labels is not None:
+        if logits is None or labels is None or token_losses is not None:
+            raise TokenLossError("pass either token_losses or both logits and labels")
+        token_losses, token_mask = tl.from_logits(logits, labels, ignore_index)
+    tl.add(token_losses, token_mask, sources)
+
+
+def _guarded(inst: Any, fn: Any) -> None:
+    """Run ``fn``; a ComponentError / TokenLossError is counted and logged once per kind, any
+    other failure counted as distgrad's own."""
+    try:
+        fn()
+    except (ComponentError, TokenLossError) as e:
+        inst.counters["internal_errors"] += 1
+        kind = f"observe_loss {type(e).__name__}"
+        if kind not in inst._logged_bad_input:
+            inst._logged_bad_input.add(kind)
+            log.error("distgrad: observe_loss: %s; ignored (each call counted in distgrad_internal_errors_total, "
+                      "not logged again)", e)
+        inst._publish_counters()
+    except Exception:  # noqa: BLE001 - never break training
+        inst.count_error("observe_loss (components or token losses)")
+
+
+def observe_data_time(inst: Any, seconds: Any) -> None:
+    """The body of :meth:`distgrad.Instrument.observe_data_time` (see there). Never raises."""
+    try:
+        v = float(seconds)
+        if not (v >= 0.0 and math.isfinite(v)):
+            raise ValueError(v)
+        inst.loss.add_data_time(v)
+    except (TypeError, ValueError):
+        inst.counters["internal_errors"] += 1
+        if "observe_data_time" not in inst._logged_bad_input:
+            inst._logged_bad_input.add("observe_data_time")
+            log.error("distgrad: observe_data_time(seconds) needs a finite number of seconds >= 0, got %r: "
+                      "ignored (each call counted in distgrad_internal_errors_total, not logged again)", seconds)
+        inst._publish_counters()
 
 
 def _indices(v: Any) -> list[Any] | None:
@@ -233,10 +356,13 @@ def rank_stats(rows: np.ndarray) -> RankStats:
                      straggler_rank=straggler, straggler_ratio=ratio)
 
 
-def split(host: np.ndarray, core_sum: int, loss_sum: int) -> tuple[np.ndarray, np.ndarray]:
-    """Split the reduced host array ``[core SUM, loss SUM, core MAX ...]`` into the core array
-    ``[core SUM, core MAX ...]`` and the loss block."""
-    return np.concatenate([host[:core_sum], host[core_sum + loss_sum:]]), host[core_sum:core_sum + loss_sum]
+def split(host: np.ndarray, core_sum: int, loss_sum: int, loss_max: int
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split the reduced host array ``[core SUM, loss SUM, core MAX, loss MAX]`` into the core
+    array ``[core SUM, core MAX]`` and the loss parts ``(SUM, MAX)``."""
+    end = len(host) - loss_max
+    core = np.concatenate([host[:core_sum], host[core_sum + loss_sum:end]])
+    return core, host[core_sum:core_sum + loss_sum], host[end:]
 
 
 __all__: Sequence[str] = ["RANK_LOSS_COLS", "LossTracker", "StepLoss", "rank_stats", "split"]

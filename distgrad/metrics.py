@@ -66,6 +66,11 @@ LABELS: dict[str, Label] = {lab.name: lab for lab in (
     Label("zero_stage", "DeepSpeed ZeRO stage, empty for other engines"),
     Label("dtype", "training (compute) dtype: `fp32`, `fp16`, `bf16`"),
     Label("version", "distgrad version"),
+    Label("component", "loss component, as passed to `observe_loss(components=...)` (declared at first use, at "
+                       "most 8)"),
+    Label("source", "data source of per-token losses: the configured `loss_sources` (at most 8) and `other`"),
+    Label("le", "upper edge of a fixed token-loss bin, in nats (`distgrad.token_loss.EDGES`)",
+          ("0.01", "0.05", "0.1", "0.25", "0.5", "1", "2", "3", "4", "5", "6", "8", "10", "15", "20")),
 )}
 
 #: when a metric exists (``Metric.when``): key -> Markdown description
@@ -81,6 +86,8 @@ CONDITIONS: dict[str, str] = {
     "per_param": "`per_param: true`, for the parameters selected by the series budget",
     "update_ratio": "`update_ratio: true` (and `per_param`), for the selected parameters",
     "nonfinite": "after the first non-finite step; kept after the streak ends",
+    "components": "after a sampled step whose loop passed `components=` to `observe_loss`",
+    "tokens": "after a sampled step whose loop passed per-token losses (or logits and labels) to `observe_loss`",
     "data_time": "after a sampled step whose data time is known on some rank (the boundary sees the forward: "
                  "PyTorch models with `optimizer=`, DeepSpeed engines; or the loop calls `observe_data_time`)",
 }
@@ -198,6 +205,33 @@ CATALOGUE: tuple[Metric, ...] = (
        "median rank's (>= 1).", "data_time",
        doc="slowest over median step time: the step's wall time over the wall time had the straggler's data time "
            "been the median rank's, `max(step) / (max(step) - (max(data) - median(data)))` (>= 1; 1 when balanced)"),
+    # --- loss analysis: components, per-token distribution, trend --------------------------------
+    _g("distgrad_loss_component", "loss", "Mean of a loss component over the step's micro-batches and ranks.",
+       "components", ("component",), max_series=8),
+    _g("distgrad_loss_component_weight", "1", "Mean weight of a loss component in the total loss.", "components",
+       ("component",), max_series=8),
+    _g("distgrad_loss_component_share", "ratio", "sum(weight * component) / sum(loss): the component's share of "
+       "the total loss.", "components", ("component",), max_series=8),
+    _c("distgrad_loss_component_spikes_total", "spikes", "Detected spikes of a loss component's mean.", "components",
+       ("component", "detector"), max_series=16),
+    _g("distgrad_token_loss_mean", "nats", "Token-weighted mean per-token loss of the step over all ranks.", "tokens"),
+    _g("distgrad_perplexity", "1", "exp(mean per-token loss) of the step over all ranks.", "tokens"),
+    _g("distgrad_token_loss_above_ratio", "ratio", "Fraction of the step's tokens whose loss exceeds "
+       "token_loss_threshold.", "tokens"),
+    _g("distgrad_token_loss_max", "nats", "Largest per-token loss of the step over all ranks.", "tokens"),
+    _g("distgrad_token_loss_cumulative_ratio", "ratio", "Fraction of the step's tokens whose loss is <= le (fixed "
+       "bins; a cumulative histogram).", "tokens", ("le",)),
+    _g("distgrad_source_token_loss_mean", "nats", "Token-weighted mean per-token loss of one data source.", "tokens",
+       ("source",), max_series=9),
+    _g("distgrad_source_token_loss_above_ratio", "ratio", "Fraction of one data source's tokens whose loss exceeds "
+       "token_loss_threshold.", "tokens", ("source",), max_series=9),
+    _g("distgrad_loss_trend_slope", "loss", "Least-squares slope of the loss over the last trend_window steps, per "
+       "1000 steps.", "loss",
+       doc="least-squares slope of the loss against the step over the last `trend_window` optimizer steps, in loss "
+           "units per 1000 steps (NaN with fewer than 3 sampled steps)"),
+    _g("distgrad_loss_trend_stderr", "loss", "Standard error of distgrad_loss_trend_slope (per 1000 steps).", "loss"),
+    _g("distgrad_loss_plateau", "1", "1 when the loss slope over a covered trend_window is within plateau_z "
+       "standard errors of 0.", "loss"),
     # --- counters ---------------------------------------------------------------------------
     _c("distgrad_nonfinite_steps_total", "steps", "Sampled optimizer steps with any NaN/Inf gradient element."),
     _c("distgrad_nonfinite_unsampled_steps_total", "steps",

@@ -326,48 +326,11 @@ class NonfiniteEvent(_Part):
     provenance: Provenance | None = None
 
 
-@dataclass
-class RankStats(_Part):
-    """Each rank's own loss and step time on one sampled step (carried in the step's SUM
-    collective; see :mod:`distgrad.loss`). Lists have one entry per rank (length W).
-
-    Attributes:
-        loss_mean: the rank's loss over its micro-batches of the step (``"sum"`` loss reduction:
-            its step loss), in the loss's unit; NaN where the rank observed no loss.
-        loss_max: the rank's largest micro-batch loss (``"sum"``: its step loss); NaN where none.
-        loss_max_micro: 0-based index of that micro-batch within the rank's step; NaN where none.
-        step_time: seconds from the end of the rank's previous optimizer-step boundary to its
-            arrival at this one (host wall clock); NaN on the first step.
-        data_time: seconds of data loading the loop reported for the step
-            (``observe_data_time``), else the time from the previous boundary to the step's
-            first forward, else NaN (not known).
-        data_reported: whether ``data_time`` was reported by the loop (else measured).
-        loss_max_rank: the first rank whose loss is NaN/Inf if any, else the rank with the
-            highest ``loss_max`` (ties: lowest); None when no rank observed a loss.
-        straggler_rank: the rank with the longest ``data_time`` (the one the others waited
-            for); None when no rank's data time is known.
-        straggler_ratio: ``max(step_time) / (max(step_time) - (max(data_time) -
-            median(data_time)))``: the step's wall time over what it would have been had the
-            straggler's data time been the median's (dimensionless, >= 1); None when the step
-            time is not known (first step) or shorter than the excess.
-    """
-
-    loss_mean: list[float] = field(default_factory=list)
-    loss_max: list[float] = field(default_factory=list)
-    loss_max_micro: list[float] = field(default_factory=list)
-    step_time: list[float] = field(default_factory=list)
-    data_time: list[float] = field(default_factory=list)
-    data_reported: list[bool] = field(default_factory=list)
-    loss_max_rank: int | None = None
-    straggler_rank: int | None = None
-    straggler_ratio: float | None = None
-
-
 #: record field -> part class of its value (a list of parts when the value is a list)
 _PARTS: dict[str, type] = {"spikes": Spikes, "health": Health, "clip": Clip, "aggregates": Aggregates,
                            "scaler": ScalerState, "nonfinite_params": RankCount, "provenance": Provenance,
                            "nonfinite_event": NonfiniteEvent,
-                           "unsampled_nonfinite": UnsampledNonfinite, "ranks": RankStats}
+                           "unsampled_nonfinite": UnsampledNonfinite}
 
 
 @dataclass
@@ -418,6 +381,9 @@ class StepRecord:
         ranks: each rank's loss and step time (:class:`RankStats`), None when not computed.
         loss_spike_report: path of the loss-spike report this rank wrote on this step (only on
             the rank whose batch had the highest loss; see :mod:`distgrad.loss`).
+        loss_components: :class:`LossComponents`, None unless the loop passes components.
+        token_loss: :class:`TokenLossStats`, None unless the loop passes per-token losses.
+        loss_trend: :class:`LossTrend`, None before the first observed loss.
     """
 
     step: int
@@ -450,6 +416,9 @@ class StepRecord:
     unsampled_nonfinite: UnsampledNonfinite | None = None
     ranks: RankStats | None = None
     loss_spike_report: str | None = None
+    loss_components: LossComponents | None = None
+    token_loss: TokenLossStats | None = None
+    loss_trend: LossTrend | None = None
 
     @property
     def nonfinite(self) -> bool:
@@ -515,3 +484,9 @@ def _from_extra(x: dict[str, Any]) -> dict[str, Any]:
         kw["scaler"] = {"consecutive_overflow_steps": int(x.get("consecutive_overflow_steps", 0)),
                         "loss_scale_at_minimum": bool(x.get("loss_scale_at_minimum", 0))}
     return kw
+
+
+# the loss-analysis parts (distgrad/record_loss.py), registered here so that every record reads them
+from distgrad.record_loss import LossComponents, LossTrend, RankStats, TokenLossStats  # noqa: E402
+
+_PARTS.update(ranks=RankStats, loss_components=LossComponents, token_loss=TokenLossStats, loss_trend=LossTrend)

@@ -80,7 +80,7 @@ def agree(inst: Any, err: BaseException | None = None) -> None:
                 f"ranks disagree on distgrad settings that decide its collectives (this rank, "
                 f"{inst.global_rank}: enabled={c.enabled}, sampling.interval={c.sampling.interval}, "
                 f"statistics.replica_check={c.statistics.replica_check}, update_ratio={c.statistics.update_ratio}, "
-                f"async_records={c.statistics.async_records}): every rank must call "
+                f"async_records={c.statistics.async_records}, loss.sources={c.loss.sources}): every rank must call "
                 "distgrad.instrument() with the same config (enabled: false on every rank or none), or "
                 "the job would deadlock at the first sampled step")
     if err is not None:
@@ -95,7 +95,8 @@ def collective_settings_hash(inst: Any) -> int:
 
     c = inst.config
     st = c.statistics
-    key = repr((c.enabled, c.sampling.interval, st.replica_check, st.update_ratio, inst.async_records)).encode()
+    key = repr((c.enabled, c.sampling.interval, st.replica_check, st.update_ratio, inst.async_records,
+                tuple(c.loss.sources))).encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:6], "big")
 
 

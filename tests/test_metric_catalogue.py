@@ -17,7 +17,8 @@ from distgrad.config import DistgradConfig
 from distgrad.detectors import DETECTOR_LABELS
 from distgrad.diagnostics import Diagnostics
 from distgrad.loss import rank_stats
-from distgrad.record import ParamStats, RankCount, ScalerState, StepRecord
+from distgrad.record import LossComponents, ParamStats, RankCount, ScalerState, StepRecord, TokenLossStats
+from distgrad.token_loss import EDGES
 from distgrad.sinks.prometheus import PrometheusSink
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
@@ -63,6 +64,13 @@ def _sink(features: set[str]) -> PrometheusSink:
     loss = "loss" in f
     rec.ranks = rank_stats(np.array([[2.0 * loss, float(loss), 2.5 * loss, 0.0, 0.5, 0.1 if "data_time" in f else np.nan, 0],
                                      [2.0 * loss, float(loss), 1.5 * loss, 0.0, 0.5, 0.2 if "data_time" in f else np.nan, 0]]))
+    if "components" in f:
+        rec.loss_components = LossComponents(["aux", "lm"], [0.5, 2.0], [0.01, 1.0], [0.0025, 0.9975], [4, 4])
+    if "tokens" in f:
+        rec.token_loss = TokenLossStats(tokens=10.0, mean=2.0, perplexity=float(np.exp(2.0)), above_fraction=0.1,
+                                        threshold=10.0, edges=list(EDGES), hist=[1.0] * 10 + [0.0] * 6, max=12.0,
+                                        sources={"web": {"mean": 1.0, "above_fraction": 0.0},
+                                                 "other": {"mean": 3.0, "above_fraction": 0.2}})
     diag.on_record(rec)
     sink.write(rec)
     return sink

@@ -80,7 +80,7 @@ def test_interval_one_adds_nothing_to_the_collective():
     src = Mixed()
     inst = Instrument(src, DistgradConfig(prometheus=False, interval=1))
     host = inst.collect(0)
-    base = inst.layout.sum_size + inst.loss.block_size + inst.layout.max_size  # + the per-rank loss block
+    base = inst.layout.sum_size + inst.layout.max_size + inst.loss.sum_size + inst.loss.max_size  # + the loss parts
     assert host.size == base
     inst3 = Instrument(src, DistgradConfig(prometheus=False, interval=3))
     assert inst3.collect(0).size == base + 2 * 2

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from distgrad.config.errors import ConfigError, describe
 from distgrad.config.sections import (
-    SECTIONS, ClipConfig, ExporterConfig, FlightRecorderConfig, HealthConfig, JsonlConfig, NamingConfig,
+    SECTIONS, ClipConfig, ExporterConfig, FlightRecorderConfig, HealthConfig, JsonlConfig, LossConfig, NamingConfig,
     NamingRule, SamplingConfig, Section, SinksConfig, SpikesConfig, StatisticsConfig, TensorBoardConfig,
     TracerConfig,
 )
@@ -164,6 +164,7 @@ class DistgradConfig(BaseModel):
     tracer: TracerConfig = Field(default_factory=TracerConfig, description=TracerConfig.__doc__)
     sinks: SinksConfig = Field(default_factory=SinksConfig, description=SinksConfig.__doc__)
     naming: NamingConfig = Field(default_factory=NamingConfig, description=NamingConfig.__doc__)
+    loss: LossConfig = Field(default_factory=LossConfig, description=LossConfig.__doc__)
 
     def __init__(self, **data: Any) -> None:
         nested, legacy = _normalise(data) if data else ({}, {})
@@ -270,5 +271,5 @@ def key_label(path: str) -> str:
 __all__ = [
     "ConfigError", "DistgradConfig", "FLAT_KEYS", "key_label", "SECTIONS", "Section", "SamplingConfig",
     "ExporterConfig", "StatisticsConfig", "SpikesConfig", "HealthConfig", "ClipConfig", "FlightRecorderConfig", "TracerConfig",
-    "SinksConfig", "JsonlConfig", "TensorBoardConfig", "NamingConfig", "NamingRule",
+    "SinksConfig", "JsonlConfig", "TensorBoardConfig", "NamingConfig", "NamingRule", "LossConfig",
 ]

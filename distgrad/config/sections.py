@@ -178,6 +178,33 @@ class FlightRecorderConfig(Section):
         "Directory for flight-recorder reports (rank 0); null: nothing is written."))
 
 
+def _sources(v: Any) -> Any:
+    if isinstance(v, tuple):
+        v = list(v)
+    if isinstance(v, list) and (len(v) > 8 or len(set(v)) != len(v) or "other" in v
+                                or not all(isinstance(x, str) and x for x in v)):
+        raise ValueError("must hold at most 8 distinct non-empty labels, not 'other' (tokens of sequences "
+                         "without a listed label are counted as 'other')")
+    return v
+
+
+class LossConfig(Section):
+    """Loss analysis: per-token loss distribution by data source, and the loss trend."""
+
+    section_key: ClassVar[str] = "loss"
+    sources: Annotated[list[str], BeforeValidator(_sources)] = Field(
+        default_factory=list, examples=[["web", "code", "books"]], description=(
+            "Data-source labels the loop may pass per sequence with per-token losses (at most 8; "
+            "others count as 'other'). The same on every rank: it sizes the step's collective."))
+    token_threshold: float = Field(10.0, ge=0, description=(
+        "Tokens whose loss exceeds this many nats are counted in distgrad_token_loss_above_ratio."))
+    trend_window: int = Field(1000, ge=3, description=(
+        "Optimizer steps over which the loss trend (least-squares slope per 1000 steps) is fitted."))
+    plateau_z: float = Field(2.0, gt=0, description=(
+        "The loss is on a plateau when |slope| <= plateau_z * its standard error over a covered "
+        "trend_window."))
+
+
 class TracerConfig(Section):
     """Forward-pass tracing after a non-finite step."""
 
@@ -279,5 +306,5 @@ SECTIONS: dict[str, type[Section]] = {
     "sampling": SamplingConfig, "exporter": ExporterConfig, "statistics": StatisticsConfig,
     "spikes": SpikesConfig, "health": HealthConfig, "clip": ClipConfig,
     "flight_recorder": FlightRecorderConfig, "tracer": TracerConfig, "sinks": SinksConfig,
-    "naming": NamingConfig,
+    "naming": NamingConfig, "loss": LossConfig,
 }

@@ -32,6 +32,7 @@ from distgrad.detectors import SpikeMonitor
 from distgrad.diagnostics.base import REGISTRY, Diagnostic, DiagnosticContext, register
 from distgrad.diagnostics.builtin import (AggregatesDiagnostic, ClipDiagnostic, HealthDiagnostic,
                                           ProvenanceDiagnostic, SpikeDiagnostic, TracerDiagnostic)
+from distgrad.diagnostics.loss import ComponentSpikeDiagnostic, LossTrendDiagnostic  # noqa: F401  (registers them)
 from distgrad.record import StepRecord
 from distgrad.sinks.base import SinkError
 

@@ -284,7 +284,7 @@ def attach_deepspeed(inst: Any, engine: Any, source: DeepSpeedSource) -> None:
         return out
 
     def _backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
-        inst.observe_loss(loss)
+        inst.observe_loss(loss, automatic=True)  # ignored once the user observes losses
         out = backward(loss, *args, **kwargs)
         inst.after_micro_batch()
         return out

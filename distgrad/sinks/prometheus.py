@@ -211,6 +211,7 @@ def _record_metrics(rec: StepRecord) -> Iterable[Metric]:
         if v is not None:
             yield metrics.family(name, value=float(v))
     yield from _rank_metrics(rec)
+    yield from _loss_metrics(rec)
 
     selected = rec.aggregates.exported_params if rec.aggregates is not None else None
     # parameters without a gradient anywhere this step (unused; numel 0 after the reduction)
@@ -266,6 +267,46 @@ def _rank_metrics(rec: StepRecord) -> Iterable[Metric]:
         yield metrics.family("distgrad_straggler_rank", value=float(r.straggler_rank))
         if r.straggler_ratio is not None:
             yield metrics.family("distgrad_straggler_ratio", value=float(r.straggler_ratio))
+
+
+def _loss_metrics(rec: StepRecord) -> Iterable[Metric]:
+    """Loss components, the per-token loss distribution and the loss trend of the record."""
+    c = rec.loss_components
+    if c is not None and c.names:
+        for name, vals in (("distgrad_loss_component", c.mean), ("distgrad_loss_component_weight", c.weight),
+                           ("distgrad_loss_component_share", c.share)):
+            fam = metrics.family(name)
+            for n, v in zip(c.names, vals):
+                fam.add_metric([n], float(v))
+            yield fam
+        if c.spikes_total:
+            fam = metrics.family("distgrad_loss_component_spikes_total")
+            for n, per in c.spikes_total.items():
+                for det, v in per.items():
+                    fam.add_metric([n, det], float(v))
+            yield fam
+    t = rec.token_loss
+    if t is not None and t.tokens > 0:
+        for name, v in (("distgrad_token_loss_mean", t.mean), ("distgrad_perplexity", t.perplexity),
+                        ("distgrad_token_loss_above_ratio", t.above_fraction), ("distgrad_token_loss_max", t.max)):
+            yield metrics.family(name, value=float(v))
+        fam = metrics.family("distgrad_token_loss_cumulative_ratio")
+        cum = 0.0
+        for le, n in zip(metrics.LABELS["le"].values or (), t.hist):
+            cum += n
+            fam.add_metric([le], cum / t.tokens)
+        yield fam
+        for name, key in (("distgrad_source_token_loss_mean", "mean"),
+                          ("distgrad_source_token_loss_above_ratio", "above_fraction")):
+            fam = metrics.family(name)
+            for src, d in t.sources.items():
+                fam.add_metric([src], float(d[key]))
+            yield fam
+    tr = rec.loss_trend
+    if tr is not None:
+        yield metrics.family("distgrad_loss_trend_slope", value=tr.slope_per_1k)
+        yield metrics.family("distgrad_loss_trend_stderr", value=tr.stderr_per_1k)
+        yield metrics.family("distgrad_loss_plateau", value=float(tr.plateau))
 
 
 def check_port_free(host: str, port: int) -> None:

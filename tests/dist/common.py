@@ -123,33 +123,8 @@ def loss_attribution_loop(inst, rank: int, forward, backward, step, report_data:
 
     import torch.distributed as dist
 
-    records, losses, counts = [], [], []
-    names = [fn for fn in ("all_reduce", "all_gather_into_tensor", "all_gather_single", "all_gather", "broadcast",
-                           "reduce_scatter_tensor", "barrier") if hasattr(dist, fn)]
-    originals = {fn: getattr(dist, fn) for fn in names}
-    state = {"on": False, "collectives": 0}
-    syncs = HostSyncs()
-
-    def counting(fn):
-        def call(*a, **kw):
-            if state["on"]:
-                state["collectives"] += 1
-            return originals[fn](*a, **kw)
-        return call
-
-    for meth in ("collect", "finish", "skip", "watch"):
-        bound = getattr(inst, meth)
-
-        def timed(*a, __m=bound, **kw):
-            state["on"] = True
-            try:
-                with syncs:
-                    return __m(*a, **kw)
-            finally:
-                state["on"] = False
-        setattr(inst, meth, timed)
-    for fn in names:
-        setattr(dist, fn, counting(fn))
+    records, losses = [], []
+    counter = BoundaryCounter(inst)
     try:
         for s in range(ATTR_STEPS):
             for micro in range(ATTR_GAS):
@@ -169,15 +144,140 @@ def loss_attribution_loop(inst, rank: int, forward, backward, step, report_data:
                 if explicit_samples:
                     inst.observe_loss(loss, samples=ids)
                 backward(loss, micro)
-            state["collectives"], syncs.n = 0, 0
-            step()
-            counts.append({"collectives": state["collectives"], "syncs": syncs.n})
+            counter.around(step)
             records.append(inst.last_record.to_dict() if inst.last_record is not None else None)
     finally:
-        for fn, f in originals.items():
-            setattr(dist, fn, f)
-        for meth in ("collect", "finish", "skip", "watch"):
-            vars(inst).pop(meth, None)
+        counter.restore()
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, losses)
-    return {"records": records, "losses": gathered, "counts": counts}
+    return {"records": records, "losses": gathered, "counts": counter.counts}
+
+
+class BoundaryCounter:
+    """Counts the collectives (torch.distributed calls) and host syncs (:class:`HostSyncs`) made
+    inside the instrument's boundary methods (collect, finish, skip, watch) during each call of
+    :meth:`around`; :meth:`restore` undoes the wrapping."""
+
+    NAMES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "all_gather", "broadcast",
+             "reduce_scatter_tensor", "barrier")
+
+    def __init__(self, inst) -> None:
+        import torch.distributed as dist
+
+        self.inst, self.dist = inst, dist
+        self.counts: list[dict] = []
+        self.originals = {fn: getattr(dist, fn) for fn in self.NAMES if hasattr(dist, fn)}
+        self.on, self.n = False, 0
+        self.syncs = HostSyncs()
+        for meth in ("collect", "finish", "skip", "watch"):
+            bound = getattr(inst, meth)
+
+            def timed(*a, __m=bound, **kw):
+                self.on = True
+                try:
+                    with self.syncs:
+                        return __m(*a, **kw)
+                finally:
+                    self.on = False
+            setattr(inst, meth, timed)
+        for fn, orig in self.originals.items():
+            setattr(dist, fn, self._counting(orig))
+
+    def _counting(self, orig):
+        def call(*a, **kw):
+            if self.on:
+                self.n += 1
+            return orig(*a, **kw)
+        return call
+
+    def around(self, fn) -> None:
+        self.n, self.syncs.n = 0, 0
+        fn()
+        self.counts.append({"collectives": self.n, "syncs": self.syncs.n})
+
+    def restore(self) -> None:
+        for fn, f in self.originals.items():
+            setattr(self.dist, fn, f)
+        for meth in ("collect", "finish", "skip", "watch"):
+            vars(self.inst).pop(meth, None)
+
+
+class TinyLM(nn.Module):
+    """Token model for the loss-analysis runs: embedding -> linear head over 13 classes. Input
+    tokens [B, T] (int64); ``forward`` returns logits [B, T, 13]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(13, 8)
+        self.head = nn.Linear(8, 13)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(tokens))
+
+
+#: the loss-analysis run: optimizer steps, micro-batches, data sources configured, z-loss weight
+LA_STEPS, LA_GAS, LA_SOURCES, LA_ZW = 12, 2, ["web", "code"], 0.01
+
+
+def lm_batch(step: int, micro: int, rank: int, b: int = 3, t: int = 5):
+    """Deterministic tokens [b, t], labels [b, t] (some -100: ignored) and one source label per
+    sequence ("web", "code" or "books": an unconfigured source, counted as "other")."""
+    g = torch.Generator().manual_seed(7_000 * step + 70 * micro + rank)
+    tokens = torch.randint(0, 13, (b, t), generator=g)
+    labels = torch.randint(0, 13, (b, t), generator=g)
+    labels[torch.rand(b, t, generator=g) < 0.2] = -100
+    sources = [("web", "code", "books")[(step + micro + rank + i) % 3] for i in range(b)]
+    return tokens, labels, sources
+
+
+def lm_losses(logits: torch.Tensor, labels: torch.Tensor):
+    """(loss, components, per-token losses [B, T], mask): cross-entropy over the counted tokens
+    plus LA_ZW x z-loss (mean squared log-partition, as PaLM's auxiliary z-loss)."""
+    import torch.nn.functional as F
+
+    v = logits.shape[-1]
+    tok = F.cross_entropy(logits.reshape(-1, v).float(), labels.reshape(-1), reduction="none",
+                          ignore_index=-100).reshape(labels.shape)
+    mask = labels != -100
+    ce = tok[mask].mean()
+    z = torch.logsumexp(logits.float(), dim=-1)[mask].pow(2).mean()
+    return ce + LA_ZW * z, {"lm": ce, "z": z}, tok, mask
+
+
+def loss_analysis_loop(inst, rank: int, forward, backward, step, use_logits: bool) -> dict:
+    """LA_STEPS optimizer steps of LA_GAS micro-batches of TinyLM; each micro-batch's loss is
+    observed with its components (weights: z-loss LA_ZW), per-token losses (``logits=`` and
+    ``labels=`` when ``use_logits``, else ``token_losses=`` and ``token_mask=``) and per-sequence
+    sources. ``forward(tokens, micro) -> logits``, ``backward(loss, micro)``, ``step()``.
+    Returns the records (rank 0) and, gathered from every rank, each micro-batch's loss,
+    components and float64 per-token losses recomputed from the logits with their sources."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    records, seen = [], []
+    counter = BoundaryCounter(inst)
+    for s in range(LA_STEPS):
+        for micro in range(LA_GAS):
+            tokens, labels, sources = lm_batch(s, micro, rank)
+            logits = forward(tokens, micro)
+            loss, comps, tok, mask = lm_losses(logits, labels)
+            if use_logits:
+                inst.observe_loss(loss, components=comps, weights={"z": LA_ZW}, logits=logits, labels=labels,
+                                  sources=sources)
+            else:
+                inst.observe_loss(loss, components=comps, weights={"z": LA_ZW}, token_losses=tok, token_mask=mask,
+                                  sources=sources)
+            ref_tok = F.cross_entropy(logits.detach().double().reshape(-1, 13), labels.reshape(-1), reduction="none",
+                                      ignore_index=-100).reshape(labels.shape) if use_logits else tok.detach().double()
+            seen.append({"step": s, "loss": float(loss.detach().double()),
+                         "comps": {k: float(v.detach().double()) for k, v in comps.items()},
+                         "tokens": [[float(ref_tok[i, j]) for j in range(labels.shape[1]) if mask[i, j]]
+                                    for i in range(labels.shape[0])],
+                         "sources": sources})
+            backward(loss, micro)
+        counter.around(step)
+        records.append(inst.last_record.to_dict() if inst.last_record is not None else None)
+    counter.restore()
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, seen)
+    return {"records": records, "seen": gathered, "counts": counter.counts}

@@ -32,8 +32,8 @@ from deepspeed.utils import safe_get_full_grad
 import distgrad
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import (ATTR_GAS, TinyModel, batch_for, full_stats, loss_attribution_loop,  # noqa: E402
-                    reference_b)
+from common import (ATTR_GAS, LA_GAS, LA_SOURCES, TinyLM, TinyModel, batch_for, full_stats,  # noqa: E402
+                    loss_analysis_loop, loss_attribution_loop, reference_b)
 
 
 def ds_config(stage: int, dtype: str, gas: int) -> dict:
@@ -180,6 +180,28 @@ def loss_attribution_case(rank: int, tmp: str) -> dict:
     out = loss_attribution_loop(inst, rank, lambda x, y, micro: engine(x, y), backward, engine.step,
                                 report_data=False, explicit_samples=False)
     out["dir"] = tmp
+    inst.close()
+    return out
+
+
+def loss_analysis_case(rank: int) -> dict:
+    """ZeRO-1 fp32, 2 micro-batches per step, TinyLM: loss components, per-token losses given as
+    ``token_losses`` / ``token_mask`` with per-sequence sources, and the trend; the explicit
+    ``observe_loss`` turns DeepSpeed's own capture in ``engine.backward`` off (never counted
+    twice). See common.loss_analysis_loop."""
+    torch.manual_seed(11)
+    model = TinyLM()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
+                                      config=ds_config(1, "fp32", LA_GAS))
+    inst = distgrad.instrument(engine, prometheus=False, loss={"sources": LA_SOURCES})
+
+    def backward(loss, micro):
+        engine.backward(loss)
+        if micro < LA_GAS - 1:
+            engine.step()
+
+    out = loss_analysis_loop(inst, rank, lambda tokens, micro: engine(tokens), backward, engine.step,
+                             use_logits=False)
     inst.close()
     return out
 
@@ -379,6 +401,7 @@ def special_cases(rank: int, world: int, tmp: str) -> dict:
     tdist.all_gather_object(msgs, msg)
     out["disabled_on_one_rank"] = msgs
     out["loss_attribution"] = loss_attribution_case(rank, tmp)
+    out["loss_analysis"] = loss_analysis_case(rank)
     out["update_ratio"] = {f"z{st}-{dt}": update_ratio_case(st, dt, rank)
                            for st, dt in ((0, "fp32"), (1, "fp32"), (2, "bf16"), (3, "fp32"), (3, "bf16"))}
     return out

@@ -51,7 +51,8 @@ import distgrad
 from distgrad import stats
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import ATTR_GAS, TinyModel, batch_for, full_stats, loss_attribution_loop, reference_b  # noqa: E402
+from common import (ATTR_GAS, LA_GAS, LA_SOURCES, TinyLM, TinyModel, batch_for, full_stats,  # noqa: E402
+                    loss_analysis_loop, loss_attribution_loop, reference_b)
 
 ENGINES = ("ddp", "fsdp1-orig-full", "fsdp1-orig-sgo", "fsdp1-flat-full", "fsdp1-flat-sgo", "fsdp2")
 CPU = torch.device("cpu")
@@ -434,6 +435,32 @@ def run_loss_attribution(rank: int, tmp: str) -> dict:
     return out
 
 
+def run_loss_analysis(rank: int) -> dict:
+    """FSDP2 fp32 TinyLM, 2 micro-batches per step (no gradient sync on the first): loss
+    components, per-token losses from ``logits=`` / ``labels=`` with per-sequence sources, and
+    the trend. See common.loss_analysis_loop."""
+    torch.manual_seed(11)
+    model = TinyLM()
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    inst = distgrad.instrument(model, optimizer=opt, prometheus=False, loss={"sources": LA_SOURCES})
+
+    def forward(tokens, micro):
+        model.set_requires_gradient_sync(micro == LA_GAS - 1)
+        return model(tokens)
+
+    def backward(loss, micro):
+        (loss / LA_GAS).backward()
+
+    def step():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    out = loss_analysis_loop(inst, rank, forward, backward, step, use_logits=True)
+    inst.close()
+    return out
+
+
 def all_cases() -> list[tuple[str, str, str, int, bool]]:
     cases = []
     for engine in ENGINES:
@@ -469,6 +496,7 @@ def main() -> None:
     jobs.append(("errors", functools.partial(run_errors, rank)))
     jobs.append(("unsampled-nonfinite", functools.partial(run_unsampled_nonfinite, rank, world)))
     jobs.append(("refused", functools.partial(run_refused, rank, world)))
+    jobs.append(("loss-analysis-fsdp2", functools.partial(run_loss_analysis, rank)))
     jobs.append(("loss-attribution-fsdp2", functools.partial(run_loss_attribution, rank,
                                                              os.path.join(os.path.dirname(args.out), "flightrec"))))
     results, t0 = {}, time.time()
