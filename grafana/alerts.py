@@ -218,6 +218,27 @@ def _groups() -> dict[str, Any]:
             "names the fix once; the runbook lists it per reason.",
         ),
     ]
+    strag = a["DistgradStragglingRank"]["threshold"]
+    training += [
+        _rule(
+            "DistgradStragglingRank",
+            f"distgrad_straggler_ratio{sel()} > {strag}",
+            "A rank is holding back {{ $labels.job }}.",
+            f"In {WHO} every rank has been waiting for one: the sampled steps take {{{{ $value | printf \"%.2f\" }}}} "
+            f"times what they would at the median rank's data time (threshold {strag}, for "
+            f"{a['DistgradStragglingRank']['for']}). Straggler at the last sampled step: rank "
+            f"{tvalue('distgrad_straggler_rank')}; step time {tvalue('distgrad_step_time_seconds', '%.3g')} s.",
+        ),
+        _rule(
+            "DistgradLossPlateau",
+            f"distgrad_loss_plateau{sel()} == 1",
+            "The training loss of {{ $labels.job }} has plateaued.",
+            f"The loss of {WHO} has not moved distinguishably from flat for {a['DistgradLossPlateau']['for']}: "
+            f"slope {tvalue('distgrad_loss_trend_slope', '%.3g')} +- {tvalue('distgrad_loss_trend_stderr', '%.2g')} "
+            f"per 1000 steps over the trend window; loss {tvalue('distgrad_loss', '%.4g')} at step "
+            f"{tvalue('distgrad_optimizer_step')}.",
+        ),
+    ]
     exporter = [
         _rule(
             "DistgradExporterDown",

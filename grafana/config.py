@@ -47,6 +47,11 @@ ALERTS: dict[str, dict[str, Any]] = {
     # sampled steps distgrad refused to export (gradients read in the wrong order, clipped
     # before distgrad read them, or no backward since the last step): the loop needs a fix
     "DistgradRefusedSteps": {"severity": "warning", "for": "0s", "window": "10m"},
+    # a rank the others keep waiting for: the step's wall time over what it would be at the
+    # median rank's data time (distgrad_straggler_ratio) above the threshold for 10 minutes
+    "DistgradStragglingRank": {"severity": "warning", "for": "10m", "threshold": 1.2},
+    # the loss slope over loss.trend_window steps is within loss.plateau_z standard errors of 0
+    "DistgradLossPlateau": {"severity": "warning", "for": "30m"},
 }
 
 #: Dashboard settings shared by every dashboard.

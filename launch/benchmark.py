@@ -339,6 +339,33 @@ def worker(args: argparse.Namespace) -> None:
             out[n] = full.norm().item() if full is not None else None
         return out
 
+    # --- the loss analysis (issue #16): one micro-batch's observe_loss, plain and with components
+    # and per-token losses (from the logits: a cross-entropy recomputed in bounded chunks; or
+    # given), and a sampled step that carries them (the same 2 collectives + 1 copy)
+    vocab = 256
+    logits = torch.randn(1, 128, vocab, generator=g).to(engine.device)
+    tok_losses = torch.nn.functional.cross_entropy(logits.view(-1, vocab), y.view(-1), reduction="none").view(1, 128)
+    loss_t = loss.detach()
+
+    def observe_plain() -> None:
+        inst.observe_loss(loss_t)
+        inst.loss.drop()
+
+    def observe_parts(from_logits: bool) -> Callable[[], None]:
+        def fn() -> None:
+            comps = {"lm": loss_t, "aux": loss_t * 0.01}
+            if from_logits:
+                inst.observe_loss(loss_t, components=comps, logits=logits, labels=y, sources=["web"])
+            else:
+                inst.observe_loss(loss_t, components=comps, token_losses=tok_losses, sources=["web"])
+            inst.loss.drop()
+        return fn
+
+    def sampled_step_loss() -> None:
+        inst.observe_loss(loss_t, components={"lm": loss_t, "aux": loss_t * 0.01}, token_losses=tok_losses,
+                          sources=["web"])
+        sampled_step()
+
     rows: list[tuple[str, str, Callable[[], Any]]] = [
         ("floor", "floor: torch._foreach_norm over the local gradient pieces", lambda: torch._foreach_norm(present)),
     ]
@@ -365,6 +392,13 @@ def worker(args: argparse.Namespace) -> None:
         ("composer_all", "baseline: the same per-metric loop over distgrad's 7 statistics", composer("distgrad")),
         ("wandb", "baseline: wandb.watch histograms (clone + histc + copy to host, 64 bins)", wandb_watch),
         ("ds_full_grad", "baseline: DeepSpeed safe_get_full_grad + norm().item() per parameter", ds_full_grad_norms),
+        ("observe_loss", "loss: observe_loss(loss), per micro-batch", observe_plain),
+        ("observe_loss_tokens", "loss: observe_loss with 2 components + per-token losses [1, 128] + source, "
+         "per micro-batch", observe_parts(False)),
+        ("observe_loss_logits", f"loss: the same from logits [1, 128, {vocab}] and labels (cross-entropy "
+         "recomputed in chunks), per micro-batch", observe_parts(True)),
+        ("sampled_step_loss", "distgrad full sampled step with components + token losses observed",
+         sampled_step_loss),
     ]
     # warm-up (compiles the native kernel and, if listed, the torch.compile kernel)
     t_warm = {}

@@ -179,3 +179,45 @@ def test_bad_components_and_token_inputs_are_counted_and_the_loss_still_counts(c
     assert len(errors) == 2, errors  # one per kind (components, token inputs), not one per call
     assert any("declared at first use" in m for m in errors) and any("token_mask" in m for m in errors)
     assert inst.counters["internal_errors"] == 4  # micro-batch 1 twice, 2 and 3 once each
+
+
+def test_report_shows_components_token_distribution_and_trend(tmp_path):
+    """One process, TinyLM, 30 steps logged to JSONL: the report's loss analysis equals what the
+    records hold (histogram summed over the run, last components and trend), its summary names
+    them and the page embeds the loss-analysis plot."""
+    import torch
+
+    import distgrad
+    from common import TinyLM, lm_batch, lm_losses
+    from distgrad.report import analyze, write_report
+    from distgrad.sinks.jsonl import read_jsonl
+
+    pytest.importorskip("matplotlib")
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    log = tmp_path / "run.jsonl"
+    inst = distgrad.instrument(model, optimizer=opt, prometheus=False, sinks={"jsonl": {"path": str(log)}},
+                               loss={"sources": LA_SOURCES, "trend_window": 20})
+    for s in range(30):
+        tokens, labels, sources = lm_batch(s, 0, 0)
+        loss, comps, tok, mask = lm_losses(model(tokens), labels)
+        inst.observe_loss(loss, components=comps, weights={"z": LA_ZW}, token_losses=tok, token_mask=mask,
+                          sources=sources)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    inst.close()
+    recs = list(read_jsonl(log))
+    assert len(recs) == 30
+    rep = analyze(log).loss
+    assert rep.tokens == sum(r.token_loss.tokens for r in recs)
+    assert rep.token_hist == np.sum([r.token_loss.hist for r in recs], axis=0).tolist()
+    assert rep.components == ["lm", "z"]
+    np.testing.assert_allclose(rep.component_share.last[-1], recs[-1].loss_components.share, rtol=1e-12)
+    assert rep.trend["slope_per_1k"] == recs[-1].loss_trend.slope_per_1k
+    res = write_report(log, tmp_path / "report")
+    text = (tmp_path / "report" / "summary.txt").read_text()
+    assert "loss trend at step 29" in text and "loss components" in text and "token losses" in text
+    assert "source web" in text and "source other" in text
+    assert any(p.name == "loss_analysis.png" for p in res.pngs)

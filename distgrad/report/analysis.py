@@ -13,6 +13,7 @@ import numpy as np
 from distgrad.record import StepRecord
 from distgrad.report.downsample import Downsampled, Downsampler
 from distgrad.report.layers import LayerIndex, layer_of, layer_sort_key
+from distgrad.report.loss import LossAccumulator, LossReport
 from distgrad.report.spikes import RollingMadSpikes, _to_float
 from distgrad.watch import step_ranges
 
@@ -106,6 +107,7 @@ class RunAnalysis:
     update_ratio: Downsampled | None
     spikes: list[tuple[int, str, float]]
     spikes_source: str
+    loss: LossReport | None = None  #: components, token losses, trend, per-rank attribution
 
     @property
     def healthy(self) -> bool:
@@ -185,6 +187,7 @@ class RunAnalyzer:
         self._prev_sampled: int | None = None
         self._gaps: list[tuple[int, int, int]] = []  # (last step before, first step after, records)
         self._bad_lines: list[tuple[int | None, str]] = []
+        self._loss = LossAccumulator(max_points)
 
     def _grow(self) -> None:
         L = len(self._li.layers)
@@ -258,6 +261,7 @@ class RunAnalyzer:
         when it grows by more than one between consecutive records of one run (the step going
         forward), the records in between were lost (a ``missing_records`` problem)."""
         step = int(r.step)
+        self._loss.add(r)
         sampled = r.counters.get("sampled_steps") if isinstance(r.counters, dict) else None
         sampled = int(sampled) if isinstance(sampled, (int, float)) and not isinstance(sampled, bool) else None
         if sampled is not None and self._prev_sampled is not None and self._last is not None \
@@ -463,6 +467,7 @@ class RunAnalyzer:
             update_ratio=upd,
             spikes=list(spikes),
             spikes_source=src,
+            loss=self._loss.result(),
         )
 
 

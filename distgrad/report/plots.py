@@ -12,6 +12,7 @@ import numpy as np
 
 from distgrad.report.analysis import RunAnalysis
 from distgrad.report.downsample import Downsampled
+from distgrad.report.loss import render as render_loss
 
 def _log10(a: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -188,4 +189,9 @@ def render_plots(a: RunAnalysis, out: Path) -> tuple[list[tuple[str, str, bytes]
                            "for Adam at a sane learning rate).", _save(fig, out / "update_ratio.png")))
         else:
             notes.append("No update-to-weight ratios in the records: plot omitted.")
+
+        # 6. loss analysis: components, token-loss distribution, trend
+        got = render_loss(a.loss, subplots) if getattr(a, "loss", None) is not None else None
+        if got is not None:
+            images.append(("loss_analysis.png", got[1], _save(got[0], out / "loss_analysis.png")))
     return images, notes

@@ -7,6 +7,7 @@ import math
 from typing import Any, Iterable, Sequence
 
 from distgrad.report.analysis import ANOMALY_LABELS, RunAnalysis
+from distgrad.report.loss import summary_lines
 
 def _fmt(v: Any) -> str:
     if v is None:
@@ -61,6 +62,9 @@ def format_summary(a: RunAnalysis, top: int = 10) -> str:
     out += _table(("anomaly", "count", "first step"), rows)
     out.append(f"(spikes: {'from the records' if a.spikes_source == 'record' else 'rolling median/MAD rule'})")
     out.append("")
+    loss_lines = summary_lines(a.loss) if getattr(a, "loss", None) is not None else []
+    if loss_lines:
+        out += loss_lines + [""]
     idx = worst_layers(a, top)
     out.append(f"worst layers (of {len(a.layers)}) by non-finite steps, then max grad norm")
     out += _table(("layer", "max norm", "at step", "last norm", "non-finite elems", "non-finite steps"),

@@ -52,6 +52,26 @@ def build() -> Dashboard:
         ts("Time since last sample", f"Seconds since the last optimizer step; the red band starts at the DistgradTrainingStalled threshold ({stall} s).",
            queries((f"time() - distgrad_last_step_timestamp_seconds{{{S}}}", "{{instance}}")), 12, 8, min_=0,
            th=stall_th, threshold_lines=True),
+        row("Loss analysis"),
+        ts("Loss trend (slope per 1000 steps)", "Least-squares slope of the loss over the last loss.trend_window steps, "
+           "with a band of two standard errors; DistgradLossPlateau fires when the plateau flag stays 1 for "
+           f"{a['DistgradLossPlateau']['for']}.",
+           queries((f"distgrad_loss_trend_slope{{{S}}}", "slope {{instance}}"),
+                   (f"distgrad_loss_trend_slope{{{S}}} + 2 * distgrad_loss_trend_stderr{{{S}}}", "+2 se {{instance}}"),
+                   (f"distgrad_loss_trend_slope{{{S}}} - 2 * distgrad_loss_trend_stderr{{{S}}}", "-2 se {{instance}}"),
+                   (f"distgrad_loss_plateau{{{S}}}", "plateau {{instance}}")), 12, 8),
+        ts("Loss components: share of the total", "sum(weight x component) / sum(loss) per component.",
+           queries((f"distgrad_loss_component_share{{{S}}}", "{{component}} {{instance}}")), 12, 8, min_=0),
+        ts("Per-token loss", "Token-weighted mean per-token loss, overall and per data source (nats).",
+           queries((f"distgrad_token_loss_mean{{{S}}}", "all {{instance}}"),
+                   (f"distgrad_source_token_loss_mean{{{S}}}", "{{source}} {{instance}}")), 8, 8),
+        ts("Straggler ratio", "The step's wall time over what it would be at the median rank's data time; "
+           f"DistgradStragglingRank fires above {a['DistgradStragglingRank']['threshold']}.",
+           queries((f"distgrad_straggler_ratio{{{S}}}", "{{instance}}")), 8, 8),
+        ts("Highest-loss and straggler rank", "The rank whose batch had the highest loss, and the rank the others "
+           "waited for.",
+           queries((f"distgrad_loss_max_rank{{{S}}}", "highest loss {{instance}}"),
+                   (f"distgrad_straggler_rank{{{S}}}", "straggler {{instance}}")), 8, 8, min_=0),
         row("Spikes"),
         ts("Spike z-scores", "Per detector.",
            queries((f"distgrad_grad_norm_zscore{{{S}}}", "grad norm {{detector}} {{instance}}"),
