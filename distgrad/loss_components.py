@@ -26,6 +26,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from distgrad.token_loss import to_device
+
 #: at most this many components (bounded label set of ``distgrad_loss_component{component}``)
 MAX_COMPONENTS = 8
 COMP_COLS = ("sum", "count", "weighted_sum", "weight_sum")
@@ -40,14 +42,15 @@ def _fingerprint(names: list[str]) -> float:
     return float(int(hashlib.sha1("\0".join(names).encode()).hexdigest()[:13], 16))
 
 
-def _scalar(v: Any, what: str) -> torch.Tensor:
+def _scalar(v: Any, what: str, device: torch.device) -> torch.Tensor:
+    """0-d float64 on ``device``; a Python number is filled in on the device (no copy)."""
     if isinstance(v, torch.Tensor):
         if v.numel() != 1 or v.is_complex():
             raise ComponentError(f"{what} is a tensor of shape {list(v.shape)}: pass one value per component "
                                  "(e.g. its .mean())")
-        return v.detach().reshape(()).to(torch.float64)
+        return v.detach().reshape(()).to(device=device, dtype=torch.float64)
     try:
-        return torch.tensor(float(v), dtype=torch.float64)
+        return torch.full((), float(v), dtype=torch.float64, device=device)
     except (TypeError, ValueError):
         raise ComponentError(f"{what} is a {type(v).__name__}: pass a number or a 0-d tensor") from None
 
@@ -86,9 +89,9 @@ class LossComponents:
         dev = loss.device
         comp = {str(k): v for k, v in components.items()}
         w = {str(k): v for k, v in w.items()}
-        vals = torch.stack([_scalar(comp[n], f"component {n!r}").to(dev) for n in names])
+        vals = torch.stack([_scalar(comp[n], f"component {n!r}", dev) for n in names])
         try:
-            wts = torch.tensor([float(w.get(n, 1.0)) for n in names], dtype=torch.float64, device=dev)
+            wts = to_device([float(w.get(n, 1.0)) for n in names], torch.float64, dev)
         except (TypeError, ValueError):
             raise ComponentError(f"weights {w} must be numbers") from None
         block = torch.zeros(self.sum_size, dtype=torch.float64, device=dev)

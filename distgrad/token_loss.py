@@ -42,6 +42,16 @@ CHUNK_ELEMENTS = 1 << 22
 OTHER = "other"
 
 
+def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on ``device`` without waiting for the device: on CUDA
+    through pinned memory and a non-blocking copy (the caching host allocator keeps the pinned
+    buffer until the copy has run); elsewhere the host tensor itself."""
+    t = torch.tensor(list(values), dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 class TokenLossError(ValueError):
     """observe_loss got token inputs it cannot use (message: what and the fix)."""
 
@@ -119,28 +129,31 @@ class TokenLoss:
                                  "token losses [batch, tokens] and one label per sequence")
         dev = t.device
         x = t.to(torch.float64).reshape(-1)
-        keep = None if mask is None else mask.to(dev).reshape(-1).bool()
-        nb, ncol = len(EDGES) + 1, len(TOKEN_COLS)
+        n, S, nb = x.numel(), len(self.sources), len(EDGES) + 1
         if sources is not None:
-            src = torch.tensor([self.index.get(s, len(self.sources) - 1) for s in sources], device=dev)
-            src = src.repeat_interleave(t.shape[1])
+            src = to_device([self.index.get(s, S - 1) for s in sources], torch.long, dev)
+            src = src.repeat_interleave(int(t.shape[1]))
         else:
-            src = torch.full((x.numel(),), len(self.sources) - 1 if self.index else 0, dtype=torch.long, device=dev)
-        if keep is not None:
-            x, src = x[keep], src[keep]
+            src = torch.full((n,), S - 1, dtype=torch.long, device=dev)
+        keep = (torch.ones(n, dtype=torch.bool, device=dev) if mask is None
+                else mask.detach().reshape(-1).to(device=dev, dtype=torch.bool))
         nan = torch.isnan(x)
-        xb = torch.where(nan, torch.zeros_like(x), x)
-        bins = torch.bucketize(xb, self._edges_on(dev), right=False)
-        S = len(self.sources)
-        block = torch.zeros((S, ncol), dtype=torch.float64, device=dev)
-        flat_bins = torch.where(nan, torch.full_like(bins, -1), src * nb + bins)
-        valid = flat_bins >= 0
-        block[:, 4:] = torch.bincount(flat_bins[valid], minlength=S * nb).to(torch.float64)[: S * nb].view(S, nb)
-        block[:, 0] = torch.bincount(src, minlength=S).to(torch.float64)[:S]
-        block[:, 1].index_add_(0, src, x)
-        block[:, 2] = torch.bincount(src, weights=(x > self.threshold).to(torch.float64), minlength=S)[:S]
-        block[:, 3] = torch.bincount(src, weights=nan.to(torch.float64), minlength=S)[:S]
-        mx = x.max() if x.numel() else torch.full((), -math.inf, dtype=torch.float64, device=dev)
+        # no boolean indexing and no torch.bincount (both wait for the device on CUDA): tokens
+        # left out go to a trash slot of index_add_
+        slot = torch.where(keep, src, torch.full_like(src, S))
+        bins = torch.bucketize(torch.where(nan, torch.zeros_like(x), x), self._edges_on(dev), right=False)
+        flat = torch.where(keep & ~nan, src * nb + bins, torch.full_like(bins, S * nb))
+        one = torch.ones(n, dtype=torch.float64, device=dev)
+        block = torch.zeros((S + 1, len(TOKEN_COLS)), dtype=torch.float64, device=dev)
+        block[:, 0].index_add_(0, slot, one)
+        block[:, 1].index_add_(0, slot, torch.where(keep, x, torch.zeros_like(x)))
+        block[:, 2].index_add_(0, slot, ((x > self.threshold) & keep).to(torch.float64))
+        block[:, 3].index_add_(0, slot, (nan & keep).to(torch.float64))
+        hist = torch.zeros(S * nb + 1, dtype=torch.float64, device=dev).index_add_(0, flat, one)
+        block[:S, 4:] = hist[: S * nb].view(S, nb)
+        block = block[:S]
+        mx = (torch.where(keep, x, torch.full_like(x, -math.inf)).max() if n
+              else torch.full((), -math.inf, dtype=torch.float64, device=dev))
         if self.block is None:
             self.block, self.max = block, mx
         else:

@@ -221,3 +221,36 @@ def test_report_shows_components_token_distribution_and_trend(tmp_path):
     assert "loss trend at step 29" in text and "loss components" in text and "token losses" in text
     assert "source web" in text and "source other" in text
     assert any(p.name == "loss_analysis.png" for p in res.pngs)
+
+
+def test_token_loss_keeps_no_token_memory_and_counts_nan_and_masked_tokens():
+    """TokenLoss keeps only its histogram block (no reference to the token losses), leaves masked
+    tokens out entirely (a masked NaN does not poison the sum), counts kept NaN tokens apart and
+    lets them make the sum NaN; reference: numpy over the kept tokens."""
+    import gc
+    import weakref
+
+    import torch
+
+    from distgrad.token_loss import TOKEN_COLS, TokenLoss
+
+    tl = TokenLoss(["a"], threshold=1.0)
+    vals = [[0.005, 0.3, float("nan"), 25.0], [2.0, 1.5, 0.5, float("nan")]]
+    keep = [[True, True, True, False], [True, True, False, False]]
+    x = torch.tensor(vals, dtype=torch.float32)
+    ref = weakref.ref(x)
+    tl.add(x, torch.tensor(keep), ["a", "not-configured"])
+    del x
+    gc.collect()
+    assert ref() is None  # nothing per-token is kept
+    assert tl.block.shape == (2, len(TOKEN_COLS))
+    s, m = tl.take(torch.device("cpu"))
+    b = tl.unpack(s.numpy(), m.numpy())
+    assert b.sources == ["a", "other"]
+    for row, seq in zip(b.rows, range(2)):
+        kept = np.array([np.float32(v) for v, k in zip(vals[seq], keep[seq]) if k], dtype=np.float64)
+        fin = kept[~np.isnan(kept)]
+        assert row[0] == len(kept) and row[3] == np.isnan(kept).sum() and row[2] == (fin > 1.0).sum()
+        assert (math.isnan(row[1]) and np.isnan(kept).any()) or row[1] == pytest.approx(kept.sum(), rel=1e-15)
+        assert row[4:].tolist() == _hist(fin).tolist()
+    assert math.isnan(b.max_token_loss)  # a kept NaN token
