@@ -68,7 +68,8 @@ class Instrument:
 
     Engine boundaries and integrations (Hugging Face Trainer, Lightning callbacks) drive it only
     through its public boundary API: :meth:`start`, :meth:`begin_step` / :meth:`end_step`,
-    :meth:`observe_loss`, :meth:`after_micro_batch`, :meth:`on_close` and :meth:`count_error`
+    :meth:`observe_loss`, :meth:`forward_started`, :meth:`after_micro_batch`, :meth:`on_close` and
+    :meth:`count_error`
     (table and rules in ``docs/engines.md``, "Writing a boundary").
 
     Attributes:
@@ -209,7 +210,7 @@ class Instrument:
                 automatic losses of the current step, so the two are never mixed.
             samples: optional indices (or ids) of the micro-batch's samples: a sequence or a 1-D
                 integer tensor, kept by reference and read only when this rank's batch caused a
-                loss spike (then written to ``flight_recorder_dir``, see
+                loss spike (then written to ``flight_recorder.dir``, see
                 :meth:`distgrad.loss.LossTracker.report_spike`).
             components: ``{name: value}`` (0-d tensors or floats), the loss's components; the
                 set of names is declared by the first call (at most 8); see
@@ -221,9 +222,9 @@ class Instrument:
                 out padding. Or ``logits`` ``[..., V]`` with ``labels`` ``[...]`` (aligned as
                 your loss uses them; ``ignore_index`` left out): the per-token cross-entropy is
                 computed in bounded chunks. ``sources``: one data-source label per sequence (B,
-                needs ``[B, T]`` token losses; labels from config ``loss_sources``, others count
+                needs ``[B, T]`` token losses; labels from config ``loss.sources``, others count
                 as ``"other"``). Exported: a fixed-bin histogram, the fraction above
-                ``token_loss_threshold``, perplexity, per source (:mod:`distgrad.token_loss`).
+                ``loss.token_threshold``, perplexity, per source (:mod:`distgrad.token_loss`).
 
         Bad components or token inputs are ignored the same way (the loss itself still counts).
 

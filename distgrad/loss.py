@@ -81,8 +81,8 @@ class LossTracker:
 
     Args:
         world_size: W, ranks in the instrument's process group.
-        sources: configured data-source labels of per-token losses (config ``loss_sources``).
-        threshold: token-loss threshold in nats (config ``token_loss_threshold``).
+        sources: configured data-source labels of per-token losses (config ``loss.sources``).
+        threshold: token-loss threshold in nats (config ``loss.token_threshold``).
     """
 
     def __init__(self, world_size: int, sources: Sequence[str] = (), threshold: float = 10.0) -> None:

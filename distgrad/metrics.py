@@ -68,7 +68,7 @@ LABELS: dict[str, Label] = {lab.name: lab for lab in (
     Label("version", "distgrad version"),
     Label("component", "loss component, as passed to `observe_loss(components=...)` (declared at first use, at "
                        "most 8)"),
-    Label("source", "data source of per-token losses: the configured `loss_sources` (at most 8) and `other`"),
+    Label("source", "data source of per-token losses: the configured `loss.sources` (at most 8) and `other`"),
     Label("le", "upper edge of a fixed token-loss bin, in nats (`distgrad.token_loss.EDGES`)",
           ("0.01", "0.05", "0.1", "0.25", "0.5", "1", "2", "3", "4", "5", "6", "8", "10", "15", "20")),
 )}
@@ -217,14 +217,14 @@ CATALOGUE: tuple[Metric, ...] = (
     _g("distgrad_token_loss_mean", "nats", "Token-weighted mean per-token loss of the step over all ranks.", "tokens"),
     _g("distgrad_perplexity", "1", "exp(mean per-token loss) of the step over all ranks.", "tokens"),
     _g("distgrad_token_loss_above_ratio", "ratio", "Fraction of the step's tokens whose loss exceeds "
-       "token_loss_threshold.", "tokens"),
+       "loss.token_threshold.", "tokens"),
     _g("distgrad_token_loss_max", "nats", "Largest per-token loss of the step over all ranks.", "tokens"),
     _g("distgrad_token_loss_cumulative_ratio", "ratio", "Fraction of the step's tokens whose loss is <= le (fixed "
        "bins; a cumulative histogram).", "tokens", ("le",)),
     _g("distgrad_source_token_loss_mean", "nats", "Token-weighted mean per-token loss of one data source.", "tokens",
        ("source",), max_series=9),
     _g("distgrad_source_token_loss_above_ratio", "ratio", "Fraction of one data source's tokens whose loss exceeds "
-       "token_loss_threshold.", "tokens", ("source",), max_series=9),
+       "loss.token_threshold.", "tokens", ("source",), max_series=9),
     _g("distgrad_loss_trend_slope", "loss", "Least-squares slope of the loss over the last trend_window steps, per "
        "1000 steps.", "loss",
        doc="least-squares slope of the loss against the step over the last `trend_window` optimizer steps, in loss "

@@ -88,7 +88,7 @@ class TokenLossStats(_Part):
         nan_tokens: tokens whose loss was NaN (they make ``mean`` NaN).
         edges: the fixed bin upper edges (nats); hist: counts per bin (``len(edges) + 1``).
         max: the largest token loss (nats).
-        sources: per data source with tokens this step (configured ``loss_sources`` and
+        sources: per data source with tokens this step (configured ``loss.sources`` and
             ``"other"``): ``{"tokens", "mean", "perplexity", "above_fraction", "nan_tokens",
             "hist"}``.
     """

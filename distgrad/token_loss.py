@@ -6,7 +6,7 @@ Input (``Instrument.observe_loss(loss, token_losses=..., ...)``, one micro-batch
 losses in nats (``[B, T]`` or ``[N]``, any float dtype, any device; e.g.
 ``F.cross_entropy(..., reduction="none")``), an optional mask of the tokens that count (padding
 and ignored labels out), and optional per-sequence source labels (``B`` strings from the
-configured ``loss_sources``; a label not in it, or None, counts as ``"other"``). Or logits and
+configured ``loss.sources``; a label not in it, or None, counts as ``"other"``). Or logits and
 labels: the per-token cross-entropy is computed in row chunks of at most :data:`CHUNK_ELEMENTS`
 float32 logits (never a copy of the whole logits), labels equal to ``ignore_index`` left out.
 
