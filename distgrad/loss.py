@@ -68,6 +68,7 @@ class StepLoss:
         self.argmax: torch.Tensor | None = None  # 0-d float64, its micro-batch index
         self.count = 0
         self.samples: dict[int, Any] = {}  # micro-batch index -> the sample indices the loop passed
+        self.sources: dict[int, Any] = {}  # micro-batch index -> the per-sequence data sources passed
         self.first_forward: float | None = None  # perf_counter of the step's first forward
         self.data_reported: float | None = None  # seconds reported by the loop
         self.step_time = float("nan")
@@ -204,8 +205,8 @@ class LossTracker:
         """On a loss spike (``"loss"`` in the record's flagged spikes) or a non-finite loss, the
         rank named by ``rec.ranks.loss_max_rank`` writes
         ``<directory>/lossspike-step{step}-rank{rank}.json``: its micro-batch with the largest
-        loss, that loss, and the sample indices the loop passed for it (``samples=`` of
-        :meth:`~distgrad.Instrument.observe_loss`). Returns the path, or None (not this rank, no
+        loss, that loss, the sample indices the loop passed for it (``samples=`` of
+        :meth:`~distgrad.Instrument.observe_loss`) and its sequences' data sources (``sources=``). Returns the path, or None (not this rank, no
         directory, nothing flagged). Raises OSError when the file cannot be written."""
         ranks = getattr(rec, "ranks", None)
         if ranks is None or ranks.loss_max_rank != rank or not directory or s is None:
@@ -219,6 +220,7 @@ class LossTracker:
         doc = {"step": rec.step, "rank": rank, "reason": "loss_spike" if flagged else "nonfinite_loss",
                "loss": rec.loss, "rank_loss_mean": ranks.loss_mean[rank], "rank_loss_max": ranks.loss_max[rank],
                "micro_batch": micro, "samples": _indices(samples),
+               "sources": [str(x) for x in s.sources[micro]] if micro in s.sources else None,
                "samples_by_micro_batch": {str(k): _indices(v) for k, v in sorted(s.samples.items())}}
         path = Path(directory) / f"lossspike-step{rec.step}-rank{rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -270,6 +272,8 @@ def observe(inst: Any, loss: Any, automatic: bool, samples: Any, components: Any
         return
     if components is not None:
         _guarded(inst, lambda: inst.loss.components.add(t, components, weights))
+    if sources is not None and inst.loss.cur.count:
+        inst.loss.cur.sources[inst.loss.cur.count - 1] = sources  # for a loss-spike report
     if token_losses is not None or logits is not None or labels is not None:
         _guarded(inst, lambda: _tokens(inst.loss.tokens, token_losses, token_mask, logits, labels, ignore_index,
                                        sources))

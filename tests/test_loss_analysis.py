@@ -254,3 +254,36 @@ def test_token_loss_keeps_no_token_memory_and_counts_nan_and_masked_tokens():
         assert (math.isnan(row[1]) and np.isnan(kept).any()) or row[1] == pytest.approx(kept.sum(), rel=1e-15)
         assert row[4:].tolist() == _hist(fin).tolist()
     assert math.isnan(b.max_token_loss)  # a kept NaN token
+
+
+def test_loss_spike_report_names_the_batch_samples_and_sources(tmp_path):
+    """One process: a batch whose logits are scaled 40x at step 6 is a loss spike; the report
+    written next to the flight-recorder reports holds the micro-batch's sample indices and its
+    sequences' data sources as the loop passed them, and no other step writes one."""
+    import json
+
+    import torch
+
+    import distgrad
+    from common import TinyLM, lm_batch, lm_losses
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False},
+                               **{"flight_recorder.dir": str(tmp_path), "spikes.ema_warmup": 3,
+                                  "spikes.ema_z": 10.0, "loss.sources": LA_SOURCES})
+    for s in range(8):
+        tokens, labels, sources = lm_batch(s, 0, 0)
+        logits = model(tokens) * (40.0 if s == 6 else 1.0)
+        loss, comps, tok, mask = lm_losses(logits, labels)
+        inst.observe_loss(loss, samples=[10 * s + i for i in range(3)], token_losses=tok, token_mask=mask,
+                          sources=sources)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    inst.close()
+    files = sorted(p.name for p in tmp_path.glob("lossspike-*.json"))
+    assert files == ["lossspike-step6-rank0.json"]
+    doc = json.loads((tmp_path / files[0]).read_text())
+    assert doc["samples"] == [60, 61, 62] and doc["sources"] == lm_batch(6, 0, 0)[2] and doc["micro_batch"] == 0
