@@ -99,6 +99,8 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
             # torch loops clip in user code (clip_grad_norm_): the clip ratio uses config.clip.max_grad_norm
             inst.attach_diagnostics(source.user_module(engine), None)
             inst.boundary = attach_torch(inst, source, engine, optimizer, scaler)
+            if cfg.statistics.culprit_grad_check and source.engine_name in ("ddp", "torch"):
+                inst.attach_local_grad_check(source.user_module(engine))
             _mark(inst, engine, optimizer)
     except BaseException:
         inst.close()

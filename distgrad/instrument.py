@@ -41,8 +41,9 @@ from distgrad.record import ScalerState, StepRecord, UnsampledNonfinite
 from distgrad.sinks.base import Sink, SinkError
 from distgrad.step import StepOutcome, StepToken
 from distgrad.step_collectives import provenance, update_ratio_sums, update_ratio_values, weight_pieces
+from distgrad.culprit import LocalGradCheck, culprit_flags, decode
 from distgrad.stats import (RANK_COLS, SUM_COLS, HostCopy, Layout, error_blocks, global_norm, pack_local,
-                            reduce_blocks, reduce_blocks_async, replica_outliers, unpack)
+                            reduce_blocks, reduce_blocks_async, replica_checksum, replica_outliers, unpack)
 from distgrad.watch import UnsampledWatch, step_ranges
 
 log = logging.getLogger("distgrad")
@@ -135,6 +136,7 @@ class Instrument:
         mode = config.statistics.async_records
         self.async_records = mode == "on" or (mode == "auto" and self._device_type() == "cuda")
         self._parked: dict[str, Any] | None = None  # the sampled step waiting for its host copy
+        self.local_grad_check: LocalGradCheck | None = None  # culprit rank: local grads before reduction
 
     def _device_type(self) -> str:
         try:
@@ -151,6 +153,14 @@ class Instrument:
                 "world_size": self.world_size, "config": self.config.to_dict(), "version": __version__}
         self.diagnostics = Diagnostics(self.config, self.names, self.global_rank, max_norm, model, info,
                                        on_error=self.count_error, on_sink_error=self._sink_error)
+
+    def attach_local_grad_check(self, module: Any) -> None:
+        """Install :class:`~distgrad.culprit.LocalGradCheck` on ``module``'s trainable
+        parameters (removed at :meth:`close`): a NaN/Inf in a gradient this rank computes
+        before the reduction marks it as a culprit of the step (DDP, plain modules)."""
+        check = LocalGradCheck(p for p in module.parameters() if p.requires_grad)
+        self.local_grad_check = check
+        self.on_close(check.remove)
 
     # ----------------------------------------------------------------------------------
     # set-up
@@ -399,19 +409,20 @@ class Instrument:
         self._drain(collectives=True)
         device = self.source.device()
         self._loss_step = step_loss = self.loss.arrive()
+        grad_flag = None
         try:
+            if self.local_grad_check is not None:  # taken (and reset) on every sampled step
+                grad_flag = self.local_grad_check.take(device)
             if refuse is not None:
                 raise _Refused(refuse)
             pieces = self.pieces(self.source.local_pieces())
             fingerprint = None
             if self.own.groups and self.config.statistics.replica_check and self.world_size > 1:
-                present = [p for p, c in zip(pieces, self.own.check) if c and p is not None and p.numel()]
-                fingerprint = (torch.stack([torch.dot(p.float(), p.float()).double() for p in present]).sum()
-                               if present else torch.zeros((), dtype=torch.float64, device=device))
+                fingerprint = replica_checksum([p for p, c in zip(pieces, self.own.check) if c], device)
             pieces = self.own.take(pieces)
             count = step_loss.count if self.loss_reduction == "mean" else min(step_loss.count, 1)
             sum_block, max_block = pack_local(pieces, self.layout, self.rank, device, fingerprint,
-                                              step_loss.sum, count)
+                                              step_loss.sum, count, culprit_flags(step_loss.sum, grad_flag, device))
             loss_sum, loss_max = self.loss.block(step_loss, self.rank, device, self.loss_reduction)
             sum_block, max_block = torch.cat([sum_block, loss_sum]), torch.cat([max_block, loss_max])
         except _Refused:  # join the collectives with the "refused" flag: every rank drops the step
@@ -457,6 +468,8 @@ class Instrument:
         sync); the next sampled step's record counts the flagged steps
         (``nonfinite_unsampled_steps``, ``nonfinite_loss_steps``) and names them
         (``StepRecord.unsampled_nonfinite``). Never raises (a failure is counted)."""
+        if self.local_grad_check is not None:
+            self.local_grad_check.reset()  # the culprit flags are carried by sampled steps only
         if not self.config.enabled or self.config.sampling.interval < 2 or step % self.config.sampling.interval == 0:
             return
         try:
@@ -621,7 +634,7 @@ class Instrument:
         mismatched: list[int] = []
         if self.own.groups and self.config.statistics.replica_check and self.world_size > 1:
             for members in self.own.groups:  # ranks that must hold identical replicated pieces
-                sub = replica_outliers(red.fingerprints[members], self.config.statistics.replica_check_rtol)
+                sub = replica_outliers(red.fingerprints[members], 0.0)  # exact checksums: no tolerance
                 mismatched += [members[j] for j in sub]
             mismatched.sort()
             if mismatched:
@@ -636,6 +649,7 @@ class Instrument:
         bad = (red.rank_nonfinite > 0) | ~np.isfinite(red.fingerprints)
         nonfinite_ranks = [int(r) for r in np.nonzero(bad)[0]]
         scaler = None
+        culprits = decode(red.rank_culprit)
         if loss_scale is not None:
             mn = self.source.min_loss_scale()
             scaler = ScalerState(self._consecutive_overflow, bool(mn is not None and loss_scale <= mn))
@@ -651,7 +665,7 @@ class Instrument:
             step=int(step), micro_step=int(micro_step), timestamp=time.time(), world_size=self.world_size,
             params=stats, grad_norm=gnorm, loss=loss, loss_scale=loss_scale, overflow=overflow,
             step_applied=bool(step_applied), replica_mismatch_ranks=mismatched,
-            nonfinite_ranks=nonfinite_ranks,
+            nonfinite_ranks=nonfinite_ranks, culprits=culprits,
             grad_dtype=_DTYPE_NAMES.get(self.source.grad_dtype, str(self.source.grad_dtype)),
             grad_scale=grad_scale, headroom=headroom, replica_mismatch_rank=mismatch_rank, scaler=scaler,
             unsampled_nonfinite=(None if self._unsampled is None else UnsampledNonfinite(

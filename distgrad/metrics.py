@@ -57,6 +57,8 @@ LABELS: dict[str, Label] = {lab.name: lab for lab in (
                          "taken by `nan`/`inf`)"),
     Label("detector", "spike detector", ("ema", "window")),
     Label("rank", "rank in [0, world size)"),
+    Label("source", "what of a culprit rank's own contribution was non-finite before the reduction: its "
+                    "observed `loss`, or a `grad`ient its backward produced", ("loss", "grad")),
     Label("sink", "sink name (`flight_recorder`: its reports)", ("prometheus", "jsonl", "tensorboard",
                                                                   "flight_recorder")),
     Label("reason", "why a rank could not vouch for its gradients: `closure` (read before the step's "
@@ -286,10 +288,21 @@ CATALOGUE: tuple[Metric, ...] = (
        labels=("module_kind",)),
     # --- non-finite events ----------------------------------------------------------------------
     _g("distgrad_nonfinite_params", "elements",
-       "First step of the last non-finite streak: NaN/Inf elements per (param, rank shard).", "nonfinite",
+       "First step of the last non-finite streak: NaN/Inf elements per (param, rank shard of the reduced "
+       "gradient): where the NaN landed, not where it came from (see distgrad_nonfinite_culprit).", "nonfinite",
        ("param", "rank"), max_series=20,
        doc="first step of the last non-finite streak (where it started, before it spread): NaN+Inf "
-           "elements per (param, rank shard); at most 20 series"),
+           "elements per (param, rank shard). This is the *shard view*: `rank` is whose shard of the "
+           "reduced gradient held them (after an all-reduce: every rank), not who produced them; "
+           "`distgrad_nonfinite_culprit` names that. At most 20 series"),
+    _g("distgrad_nonfinite_culprit", "1",
+       "First step of the last non-finite streak: 1 for each rank whose own loss or gradient was NaN/Inf "
+       "before the cross-rank reduction (the culprit rank).", "nonfinite", ("rank", "source"), max_series=20,
+       doc="the *culprit view* of the first step of the last non-finite streak: 1 per rank whose own "
+           "contribution was NaN/Inf *before* the reduction spread it: `source=\"loss\"` its observed loss "
+           "(every engine), `source=\"grad\"` a gradient its backward produced (DDP and a plain module: "
+           "a tensor hook per parameter, `statistics.culprit_grad_check`); no series when no rank's own "
+           "contribution was non-finite (e.g. a NaN made by the reduction or the optimizer). At most 20 series"),
     _g("distgrad_nonfinite_origin_step", "steps",
        "Optimizer step where the last non-finite streak started, labelled with its probable origin "
        "(the non-finite parameter last in forward order).", "nonfinite", ("param", "layer"), max_series=1),

@@ -266,6 +266,23 @@ class UnsampledNonfinite(_Part):
 
 
 @dataclass
+class Culprit(_Part):
+    """A culprit rank of a step: its own contribution was NaN/Inf before the cross-rank
+    reduction (:mod:`distgrad.culprit`).
+
+    Attributes:
+        rank: the rank (in the instrument's process group).
+        loss: the loss it observed since the last boundary was NaN/Inf.
+        grad: a gradient its backward produced was NaN/Inf before the reduction (engines with
+            the local gradient check: DDP, a plain module).
+    """
+
+    rank: int
+    loss: bool = False
+    grad: bool = False
+
+
+@dataclass
 class RankCount(_Part):
     """Non-finite gradient elements of one parameter in one rank's local shard."""
 
@@ -316,18 +333,21 @@ class NonfiniteEvent(_Part):
     described by its first step (later steps of the streak show it spreading).
 
     Attributes:
-        step: first step of the streak; rows: its per-rank counts (at most 20);
-        provenance: its :class:`Provenance`.
+        step: first step of the streak; rows: its per-rank counts of the reduced gradient's
+        shards (at most 20, the shard view); provenance: its :class:`Provenance`;
+        culprits: the ranks whose own contribution was non-finite before the reduction on
+        that step (:class:`Culprit`, the culprit view).
     """
 
-    _nested = {"rows": RankCount, "provenance": Provenance}
+    _nested = {"rows": RankCount, "provenance": Provenance, "culprits": Culprit}
     step: int
     rows: list[RankCount] = field(default_factory=list)
     provenance: Provenance | None = None
+    culprits: list[Culprit] = field(default_factory=list)
 
 
 #: record field -> part class of its value (a list of parts when the value is a list)
-_PARTS: dict[str, type] = {"spikes": Spikes, "health": Health, "clip": Clip, "aggregates": Aggregates,
+_PARTS: dict[str, type] = {"culprits": Culprit, "spikes": Spikes, "health": Health, "clip": Clip, "aggregates": Aggregates,
                            "scaler": ScalerState, "nonfinite_params": RankCount, "provenance": Provenance,
                            "nonfinite_event": NonfiniteEvent,
                            "unsampled_nonfinite": UnsampledNonfinite}
@@ -358,7 +378,13 @@ class StepRecord:
             ``replica_mismatch``, ``internal_errors``, ``sampled_steps``, ``samples``.
         replica_mismatch_ranks: ranks whose replicated gradient fingerprint disagreed with the
             majority on this step (empty when consistent or not replicated).
-        nonfinite_ranks: ranks whose local shards held NaN/Inf on this step.
+        nonfinite_ranks: the shard view: ranks whose shard of the *reduced* gradient (their
+            1/W slice on replicated engines) held NaN/Inf on this step; after an all-reduce
+            that says where the NaN landed, not where it came from (see ``culprits``).
+        culprits: the culprit view: one :class:`Culprit` per rank whose own contribution was
+            NaN/Inf before the reduction (its observed loss; a gradient its backward produced,
+            on engines with the local gradient check), in rank order; empty when none was
+            (see :mod:`distgrad.culprit`).
         grad_dtype: dtype of the gradients read (``"fp32"``, ``"bf16"``, ``"fp16"``, ...).
         grad_scale: factor the engine's gradients were divided by to give ``params`` (the fp16
             loss scale where the engine reads scaled gradients, else 1.0).
@@ -399,6 +425,7 @@ class StepRecord:
     counters: dict[str, int] = field(default_factory=dict)
     replica_mismatch_ranks: list[int] = field(default_factory=list)
     nonfinite_ranks: list[int] = field(default_factory=list)
+    culprits: list[Culprit] = field(default_factory=list)
     grad_dtype: str | None = None
     grad_scale: float | None = None
     headroom: list[float] | None = None

@@ -94,13 +94,20 @@ def _nonfinite_rule() -> dict[str, Any]:
             ),
         ),
     )
+    culprits = tlist(
+        "sum by (rank) (distgrad_nonfinite_culprit{job=%q,instance=%q})",
+        "{{ $s.Labels.rank }}",
+        "rank",
+        "none seen (no rank had a non-finite loss or gradient of its own before the reduction)",
+    )
     return _rule(
         "DistgradNonFiniteGradients",
         expr,
         "NaN/Inf gradients in {{ $labels.job }}.",
         f"{WHO} had sampled optimizer steps with NaN/Inf gradients in the last {w}{note}. "
         f"Last sampled step: {tvalue('distgrad_optimizer_step')}. "
-        f"Non-finite parameters: {params}.",
+        f"Culprit rank(s), whose own loss or gradient was non-finite before the reduction: {culprits}. "
+        f"Non-finite parameters (by rank shard of the reduced gradient): {params}.",
     )
 
 

@@ -17,7 +17,7 @@ from distgrad.config import DistgradConfig
 from distgrad.detectors import DETECTOR_LABELS
 from distgrad.diagnostics import Diagnostics
 from distgrad.loss import rank_stats
-from distgrad.record import LossComponents, ParamStats, RankCount, ScalerState, StepRecord, TokenLossStats
+from distgrad.record import Culprit, LossComponents, ParamStats, RankCount, ScalerState, StepRecord, TokenLossStats
 from distgrad.token_loss import EDGES
 from distgrad.sinks.prometheus import PrometheusSink
 
@@ -56,6 +56,7 @@ def _sink(features: set[str]) -> PrometheusSink:
         parts["scaler"] = ScalerState(consecutive_overflow_steps=0, loss_scale_at_minimum=False)
     if bad:
         parts["nonfinite_params"] = [RankCount(param=NAMES[1], rank=1, nan=1, inf=0, count=1)]
+        parts["culprits"] = [Culprit(rank=1, loss=True, grad=True)]  # rank 1 made it
     rec = StepRecord(3, 3, 1.0, 2, p, float(np.sqrt(p.sumsq.sum())), loss=2.0 if "loss" in f else None,
                      loss_scale=1024.0 if "loss_scaler" in f else None,
                      overflow=False if "loss_scaler" in f else None,

@@ -107,11 +107,21 @@ class StatisticsConfig(Section):
         "parameters by norm (non-finite ones always kept) when the bound would be exceeded."))
     replica_check: bool = Field(True, description=(
         "On engines whose reduced gradients are replicated on every rank (DDP, ZeRO-0), compare a "
-        "per-rank fingerprint (the sum of squares of the rank's whole copy, carried in the same "
-        "SUM collective) and count mismatches. Costs one extra read of the local gradient per "
-        "sampled step, since each rank otherwise reads only its 1/W slice."))
+        "per-rank fingerprint (an integer checksum of the bit patterns of the rank's whole copy, "
+        "carried in the same SUM collective: any changed element, a sign flip, a swap, one flipped "
+        "bit, is caught except with probability about 2**-40; healthy replicas always agree "
+        "exactly) and count mismatches, naming the ranks outside the majority. Costs one extra read "
+        "of the local gradient per sampled step (about a dozen integer operations per element), "
+        "since each rank otherwise reads only its 1/W slice."))
     replica_check_rtol: float = Field(1e-6, gt=0, description=(
-        "Relative tolerance of the replica fingerprint comparison."))
+        "Accepted for compatibility and ignored: the replica fingerprint is an exact checksum, "
+        "compared exactly (the all-reduce gives every replica the same bits)."))
+    culprit_grad_check: bool = Field(True, description=(
+        "DDP and a plain module: flag a NaN/Inf in a gradient this rank computed, before the "
+        "all-reduce, with a tensor hook per trainable parameter (one float64 sum of each incoming "
+        "gradient per micro-batch, on the device, no host sync), so that a non-finite step names "
+        "the rank it came from (distgrad_nonfinite_culprit). The loss check is always on, under "
+        "every engine."))
     update_ratio: bool = Field(False, description=(
         "Compute the update-to-weight ratio ||dw||/||w|| per parameter (keeps one copy of the "
         "local parameter shard)."))
@@ -138,6 +148,26 @@ class SpikesConfig(Section):
     window_sigma: float = Field(6.0, gt=0, description=(
         "Rolling-window detector: a sample more than this many standard deviations from the "
         "window's mean is a spike."))
+    robust_window: int = Field(24, ge=3, description=(
+        "Robust jump detector (the paging one; distgrad.robust_spike): previous samples whose "
+        "Theil-Sen trend and median absolute deviation, on the log of the series, form the reference."))
+    robust_warmup: int = Field(8, ge=3, description=(
+        "Robust jump detector: samples before the first test (at most robust_window)."))
+    robust_k: float = Field(6.0, gt=0, description=(
+        "Robust jump detector: a sample this many robust standard deviations above the trend "
+        "(and at least the ratio below above it) is a spike."))
+    robust_loss_ratio: float = Field(1.5, gt=1, description=(
+        "Robust jump detector: the loss must also be at least this many times the trend's prediction."))
+    robust_grad_norm_ratio: float = Field(2.0, gt=1, description=(
+        "Robust jump detector: the gradient norm must also be at least this many times the trend's "
+        "prediction (healthy gradient norms are heavier-tailed than the loss)."))
+
+    @model_validator(mode="after")
+    def _robust_warmup(self) -> "SpikesConfig":
+        if self.robust_warmup > self.robust_window:
+            raise SettingError("robust_warmup", f"must be at most spikes.robust_window ({self.robust_window})",
+                               self.robust_warmup)
+        return self
 
 
 class HealthConfig(Section):

@@ -233,12 +233,15 @@ class ProvenanceDiagnostic(Diagnostic):
             prov.first_layer = classify(prov.first_param, self.ctx.rules).layer
         rec.provenance = prov
         if self._event is None:  # first step of a streak: this is the event (logged once)
-            self._event = NonfiniteEvent(rec.step, list(rows[:_LIST_CAP]), prov)
+            self._event = NonfiniteEvent(rec.step, list(rows[:_LIST_CAP]), prov, list(rec.culprits[:_LIST_CAP]))
             if self.ctx.global_rank == 0 and not rec.overflow:  # fp16 overflows are routine: counted, not logged
                 n = len(prov.params)
-                log.warning("distgrad: step %d: non-finite gradients in %d parameter(s); probable origin %s "
-                            "(layer %s; the non-finite parameter last in forward order); %s%s", rec.step, n,
-                            prov.first_param, prov.first_layer,
+                who = ", ".join(f"{c.rank} ({'+'.join(k for k in ('loss', 'grad') if getattr(c, k))})"
+                                for c in rec.culprits[:_LIST_CAP]) or "none seen"
+                log.warning("distgrad: step %d: non-finite gradients in %d parameter(s); culprit rank(s), whose own "
+                            "loss / gradient was non-finite before the reduction: %s; probable origin %s "
+                            "(layer %s; the non-finite parameter last in forward order); by rank shard of the "
+                            "reduced gradient: %s%s", rec.step, n, who, prov.first_param, prov.first_layer,
                             "; ".join(f"{r.name}: {r.nan} NaN, {r.inf} Inf, ranks {r.ranks}"
                                       for r in prov.params[:5]), f"; and {n - 5} more" if n > 5 else "")
         rec.nonfinite_event = self._event

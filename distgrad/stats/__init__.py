@@ -45,9 +45,11 @@ from distgrad.stats.host_copy import HostCopy  # noqa: F401
 from distgrad.stats.eager import _piece_stats_eager, sum_of_squares  # noqa: F401
 from distgrad.stats.kernels import (_KERNELS, kernel_use, piece_stats, set_stats_kernel,  # noqa: F401
                                     stats_kernel, stats_table)
-from distgrad.stats.layout import MAX_COLS, RANK_COLS, SUM_COLS, TAIL_COLS, Layout  # noqa: F401
+from distgrad.stats.layout import (CULPRIT_GRAD, CULPRIT_LOSS, MAX_COLS, RANK_COLS, SUM_COLS,  # noqa: F401
+                                   TAIL_COLS, Layout)
+from distgrad.stats.checksum import replica_checksum  # noqa: F401
 from distgrad.stats.native import _call_native, _native  # noqa: F401
 
-__all__ = ["SUM_COLS", "MAX_COLS", "RANK_COLS", "TAIL_COLS", "Layout", "Reduced", "sum_of_squares",
+__all__ = ["SUM_COLS", "MAX_COLS", "RANK_COLS", "TAIL_COLS", "CULPRIT_LOSS", "CULPRIT_GRAD", "replica_checksum", "Layout", "Reduced", "sum_of_squares",
            "piece_stats", "stats_table", "set_stats_kernel", "stats_kernel", "kernel_use", "pack_local", "error_blocks",
            "reduce_blocks", "reduce_blocks_async", "HostCopy", "unpack", "global_norm", "replica_outliers"]

@@ -18,7 +18,7 @@ from distgrad.stats.layout import MAX_COLS, RANK_COLS, SUM_COLS, TAIL_COLS, Layo
 
 def pack_local(pieces: Sequence[torch.Tensor | None], layout: Layout, rank: int, device: torch.device,
                fingerprint: torch.Tensor | None = None, loss_sum: torch.Tensor | None = None,
-               loss_count: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+               loss_count: float = 0.0, culprit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Compute and pack this rank's contribution.
 
     Args:
@@ -26,10 +26,12 @@ def pack_local(pieces: Sequence[torch.Tensor | None], layout: Layout, rank: int,
         layout: sizes; ``layout.n_params == len(pieces)``.
         rank: this rank's index in the process group (its slot in the per-rank block).
         device: device of the packed tensors (the gradients' device; CUDA under NCCL).
-        fingerprint: 0-d tensor, sum of squares of the rank's full replicated gradient (DDP,
-            ZeRO-0) or None.
+        fingerprint: 0-d tensor, :func:`~distgrad.stats.checksum.replica_checksum` of the rank's
+            full replicated gradient (DDP, ZeRO-0) or None.
         loss_sum: 0-d tensor, sum of losses observed on this rank since the last boundary.
         loss_count: number of losses in ``loss_sum``.
+        culprit: 0-d tensor of culprit flags (:data:`~distgrad.stats.layout.CULPRIT_LOSS` |
+            :data:`~distgrad.stats.layout.CULPRIT_GRAD`) of this rank's own contribution, or None.
 
     Returns:
         ``(sum_block, max_block)``, float64 tensors of ``layout.sum_size`` and
@@ -45,6 +47,8 @@ def pack_local(pieces: Sequence[torch.Tensor | None], layout: Layout, rank: int,
     if fingerprint is not None:
         ranks[rank, 0] = fingerprint.to(device=device, dtype=torch.float64)
     ranks[rank, 1] = per_sum[:, 3].sum() + per_sum[:, 4].sum()
+    if culprit is not None:
+        ranks[rank, 3] = culprit.to(device=device, dtype=torch.float64)
     tail = torch.zeros(len(TAIL_COLS), dtype=torch.float64, device=device)
     if loss_sum is not None and loss_count:
         tail[0] = loss_sum.detach().to(device=device, dtype=torch.float64)
@@ -97,6 +101,7 @@ class Reduced:
     fingerprints: np.ndarray  # [W]
     rank_nonfinite: np.ndarray  # [W]
     rank_error: np.ndarray  # [W]
+    rank_culprit: np.ndarray  # [W] culprit flags (CULPRIT_LOSS | CULPRIT_GRAD)
     loss_sum: float
     loss_count: float
 
@@ -126,7 +131,7 @@ def unpack(host: np.ndarray, layout: Layout, names: Sequence[str], scale: float 
     stats = ParamStats(
         names=list(names), numel=per[:, 0], sum=per[:, 1] / scale, sumsq=per[:, 2] / (scale * scale),
         nan=nan, inf=per[:, 4], zeros=per[:, 5], min=vmin, max=vmax)
-    return Reduced(stats, ranks[:, 0].copy(), ranks[:, 1].copy(), ranks[:, 2].copy(),
+    return Reduced(stats, ranks[:, 0].copy(), ranks[:, 1].copy(), ranks[:, 2].copy(), ranks[:, 3].copy(),
                    float(tail[0]), float(tail[1]))
 
 
@@ -140,8 +145,10 @@ def replica_outliers(fingerprints: np.ndarray, rtol: float) -> list[int]:
 
     The reference is the value shared (within ``rtol``) by the most ranks; ties go to the
     group containing the lowest rank, so with two ranks a mismatch is attributed to rank 1
-    (with two copies there is no majority: document this when alerting). Non-finite
-    fingerprints compare equal only to identical non-finite values.
+    (with two copies there is no majority: document this when alerting); with three or more
+    the ranks outside the majority are named. Non-finite fingerprints compare equal only to
+    identical non-finite values. The instrument passes ``rtol=0``: its fingerprints are exact
+    integer checksums (:mod:`distgrad.stats.checksum`).
     """
     fp = np.asarray(fingerprints, dtype=np.float64)
     w = len(fp)

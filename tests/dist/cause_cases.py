@@ -1,0 +1,249 @@
+"""Multi-rank driver for tests/test_causes.py (one torchrun launch, 3 gloo CPU ranks): realistic
+failures made with a model and training loop of its own (no injection into distgrad's view),
+and whether distgrad names their cause.
+
+Model (:class:`CauseModel`): ``feat_norm`` (an RMS normalisation of the input features without
+epsilon, as hand-written normalisations often are) -> ``inp`` -> 2 MLP blocks -> ``head``;
+a fixed teacher labels random inputs, so the loss falls smoothly on a healthy run.
+
+Cases (each returns JSON-able records of rank 0 and per-rank facts):
+  nan:  DDP; at step 4 rank 1's batch holds an all-zero sample (a zero-padded row): 0/0 in
+        ``feat_norm`` makes the loss and every gradient of rank 1 NaN; the all-reduce then
+        spreads it to every rank.
+  flip: DDP with a comm hook that, after the all-reduce, flips the sign of one element of
+        the reduced gradient on rank 2 at step 3 and one low mantissa bit on rank 0 at step 5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distgrad
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import HostSyncs  # noqa: E402
+
+D_IN, D, CLASSES, BATCH = 8, 16, 5, 16
+
+
+class RMSNormNoEps(nn.Module):
+    """``x / sqrt(mean(x^2))`` with a learned gain and no epsilon: NaN (0/0) for an all-zero row."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x / x.pow(2).mean(-1, keepdim=True).sqrt()
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class CauseModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.feat_norm = RMSNormNoEps(D_IN)
+        self.inp = nn.Linear(D_IN, D)
+        self.layers = nn.ModuleList([Block(D) for _ in range(2)])
+        self.head = nn.Linear(D, CLASSES)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(self.feat_norm(x))
+        for b in self.layers:
+            h = b(h)
+        return F.cross_entropy(self.head(h), y)
+
+
+_TEACHER = torch.Generator().manual_seed(99)
+TEACHER = torch.randn(D_IN, CLASSES, generator=_TEACHER)
+
+
+def batch(step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1_000_003 * step + 1009 * rank + micro)
+    x = torch.randn(BATCH, D_IN, generator=g)
+    return x, (x @ TEACHER).argmax(-1)
+
+
+def _slim(rec) -> dict:
+    return {"step": rec.step, "grad_norm": rec.grad_norm, "loss": rec.loss, "counters": dict(rec.counters),
+            "nonfinite": rec.nonfinite, "nonfinite_ranks": rec.nonfinite_ranks, "culprits": [c.to_dict() for c in rec.culprits],
+            "replica_mismatch_ranks": rec.replica_mismatch_ranks, "step_applied": rec.step_applied}
+
+
+def _ddp(seed: int = 0, **kw) -> tuple[DDP, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = DDP(CauseModel(), **kw)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast",
+               "reduce_scatter_tensor", "all_gather_object", "all_to_all_single", "reduce")
+
+
+class Counting:
+    """Counts torch.distributed collectives and host syncs made inside the instrument's
+    ``collect`` / ``finish`` (the sampled step's work) and host syncs during backward."""
+
+    def __init__(self, inst) -> None:
+        self.state = {"in": False, "collectives": 0, "syncs": 0}
+        self.originals = {fn: getattr(dist, fn) for fn in COLLECTIVES if hasattr(dist, fn)}
+        for name in ("collect", "finish"):
+            setattr(inst, name, self._window(getattr(inst, name)))
+        for fn in self.originals:
+            setattr(dist, fn, self._counting(fn))
+
+    def _counting(self, fn):
+        def call(*a, **kw):
+            if self.state["in"]:
+                self.state["collectives"] += 1
+            return self.originals[fn](*a, **kw)
+        return call
+
+    def _window(self, method):
+        def call(*a, **kw):
+            self.state["in"] = True
+            with HostSyncs() as m:
+                try:
+                    return method(*a, **kw)
+                finally:
+                    self.state["in"] = False
+                    self.state["syncs"] += m.n
+        return call
+
+    def take(self) -> dict:
+        out = {k: self.state[k] for k in ("collectives", "syncs")}
+        self.state["collectives"] = self.state["syncs"] = 0
+        return out
+
+    def restore(self) -> None:
+        for fn, f in self.originals.items():
+            setattr(dist, fn, f)
+
+
+def nan_case(rank: int, world: int) -> dict:
+    model, opt = _ddp()
+    inst = distgrad.instrument(model, optimizer=opt, port=0, host="127.0.0.1")
+    count = Counting(inst)
+    recs, local_loss, counts, backward_syncs = [], [], [], []
+    try:
+        for step in range(7):
+            x, y = batch(step, rank)
+            if step == 4 and rank == 1:
+                x[0] = 0.0  # a zero-padded sample
+            loss = model(x, y)
+            local_loss.append(loss.item())
+            inst.observe_loss(loss)
+            with HostSyncs() as m:
+                loss.backward()
+            backward_syncs.append(m.n)
+            count.take()
+            opt.step()
+            counts.append(count.take())
+            opt.zero_grad()
+            recs.append(_slim(inst.last_record))
+    finally:
+        count.restore()
+    served = ""
+    if inst.prometheus is not None:
+        from prometheus_client import generate_latest
+
+        served = "\n".join(ln for ln in generate_latest(inst.prometheus.registry).decode().splitlines()
+                           if ln.startswith(("distgrad_nonfinite_culprit", "distgrad_nonfinite_params")))
+    inst.close()
+    return {"records": recs, "local_loss": local_loss, "counts": counts, "backward_syncs": backward_syncs,
+            "served": served}
+
+
+def flip_case(rank: int, world: int) -> dict:
+    model, opt = _ddp()
+    state = {"step": 0}
+    changed = []
+
+    def hook(st, bucket):
+        fut = dist.all_reduce(bucket.buffer().div_(world), async_op=True).get_future()
+
+        def then(f):
+            t = f.value()[0]
+            if rank == 2 and st["step"] == 3:
+                t[3] = -t[3]
+                changed.append((st["step"], "sign"))
+            if rank == 0 and st["step"] == 5:
+                t.view(torch.int32)[7] ^= 1  # lowest mantissa bit
+                changed.append((st["step"], "bit"))
+            return t
+        return fut.then(then)
+
+    model.register_comm_hook(state, hook)
+    inst = distgrad.instrument(model, optimizer=opt, prometheus=False)
+    recs, old_fp = [], []
+    for step in range(7):
+        state["step"] = step
+        x, y = batch(step, rank)
+        loss = model(x, y)
+        loss.backward()
+        # the previous fingerprint (sum of squares of the whole copy), for the record
+        grads = [p.grad.reshape(-1) for p in model.parameters()]
+        ss = torch.tensor([sum(float(torch.dot(g.double(), g.double())) for g in grads)], dtype=torch.float64)
+        all_ss = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(all_ss, ss)
+        old_fp.append([float(t) for t in all_ss])
+        opt.step()
+        opt.zero_grad()
+        recs.append(_slim(inst.last_record))
+    inst.close()
+    return {"records": recs, "old_fingerprints": old_fp, "changed": changed}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cases", default="all")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    jobs = [("nan", nan_case), ("flip", flip_case)]
+    want = None if args.cases == "all" else set(args.cases.split(","))
+    results, t0 = {}, time.time()
+    for key, fn in jobs:
+        if want is not None and key not in want:
+            continue
+        t = time.time()
+        try:
+            res = fn(rank, world)
+        except Exception as e:  # noqa: BLE001 - reported per case by the pytest side
+            res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, res)
+        results[key] = {"ranks": per_rank}
+        if rank == 0:
+            print(f"[cause_cases] {key}: {time.time() - t:.2f}s", flush=True)
+    if rank == 0:
+        print(f"[cause_cases] total {time.time() - t0:.1f}s", flush=True)
+        with open(args.out, "w") as f:
+            json.dump({"world_size": world, "cases": results}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

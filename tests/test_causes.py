@@ -1,0 +1,167 @@
+"""Does distgrad name the cause of a failure, not only its symptom? Realistic failures on 3 gloo
+CPU ranks (tests/dist/cause_cases.py, one launch), plus single-process checks of the replica
+checksum."""
+
+from __future__ import annotations
+
+import math
+import random
+import struct
+
+import pytest
+import torch
+
+from conftest import launch
+from distgrad.stats import replica_outliers
+from distgrad.stats.checksum import checksum_reference, replica_checksum
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def causes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("causes") / "causes.json"
+    return launch("cause_cases.py", out, nproc=3)["cases"]
+
+
+def _rank0(causes, key):
+    r0 = causes[key]["ranks"][0]
+    assert "error" not in r0, r0.get("traceback")
+    return r0
+
+
+# ---------------------------------------------------------------------------- culprit rank
+@pytest.mark.multirank
+def test_nan_from_one_ranks_batch_names_that_rank(causes):
+    """A zero-padded sample on rank 1 at step 4 makes 0/0 in ``feat_norm``: rank 1's own loss
+    and gradients are NaN (its local loss says so: checked against the loop's own value), the
+    all-reduce spreads it, so every rank's shard of the reduced gradient holds NaN (the shard
+    view names ranks 0, 1, 2) while the culprit view names rank 1 alone, with both its loss
+    and its pre-reduction gradient flagged."""
+    c = _rank0(causes, "nan")
+    local = [causes["nan"]["ranks"][r]["local_loss"] for r in range(3)]
+    for step, rec in enumerate(c["records"][:5]):
+        bad = [r for r in range(3) if not math.isfinite(local[r][step])]
+        assert bad == ([1] if step == 4 else [])
+        assert rec["nonfinite"] == (step == 4)
+        if step < 4:
+            assert rec["culprits"] == [] and rec["nonfinite_ranks"] == []
+    rec = c["records"][4]
+    assert rec["nonfinite_ranks"] == [0, 1, 2]  # the shard view: where the NaN landed
+    assert rec["culprits"] == [{"rank": 1, "loss": True, "grad": True}]  # where it came from
+    # the optimizer applied the NaN step: from step 5 every rank makes NaN itself
+    assert [x["rank"] for x in c["records"][5]["culprits"]] == [0, 1, 2]
+    # served: the culprit view of the event's first step, and the shard view named as such
+    served = c["served"].splitlines()
+    assert sorted(ln for ln in served if ln.startswith("distgrad_nonfinite_culprit{")) == [
+        'distgrad_nonfinite_culprit{rank="1",source="grad"} 1.0',
+        'distgrad_nonfinite_culprit{rank="1",source="loss"} 1.0']
+    shard_ranks = {ln.split('rank="')[1].split('"')[0] for ln in served if ln.startswith("distgrad_nonfinite_params{")}
+    # (20 series at most, in rank order: rank 0's shards fill most of them; that view cannot
+    # say who made the NaN, which is why the culprit view exists)
+    assert "0" in shard_ranks and shard_ranks <= {"0", "1", "2"}
+
+
+@pytest.mark.multirank
+def test_culprit_flags_ride_in_the_two_collectives_without_host_syncs(causes):
+    """With the local gradient check on (DDP default), a healthy sampled step still makes 2
+    collectives and 1 host copy in distgrad's work (counted as tests/dist/layout_cases.py does), and the backward pass (where the check's
+    hooks run) makes no host sync; the non-finite step adds only the provenance all-gather
+    (and its host read)."""
+    for r in range(3):
+        c = causes["nan"]["ranks"][r]
+        assert "error" not in c, c.get("traceback")
+        assert c["backward_syncs"] == [0] * 7
+        # (step 0 also pays the statistics kernel's one-time self-check against float64)
+        assert c["counts"][1:4] == [{"collectives": 2, "syncs": 1}] * 3
+        assert c["counts"][4] == {"collectives": 3, "syncs": 2}
+
+
+# ---------------------------------------------------------------------------- replica fingerprint
+@pytest.mark.multirank
+def test_sign_flip_and_bit_flip_of_one_reduced_element_on_one_of_three_ranks(causes):
+    """A comm hook corrupts the reduced gradient after the all-reduce: the sign of one element
+    on rank 2 at step 3, the lowest mantissa bit of one element on rank 0 at step 5. The
+    majority of 3 names the corrupted rank on exactly those steps. The previous fingerprint
+    (sum of squares, relative tolerance 1e-6; recomputed by the driver from the gradients) is
+    blind to both: equal on all ranks for the sign flip, within 1e-9 for the bit flip."""
+    c = _rank0(causes, "flip")
+    assert causes["flip"]["ranks"][2]["changed"] == [[3, "sign"]]
+    assert c["changed"] == [[5, "bit"]]
+    got = {rec["step"]: rec["replica_mismatch_ranks"] for rec in c["records"]}
+    assert got == {0: [], 1: [], 2: [], 3: [2], 4: [], 5: [0], 6: []}
+    assert c["records"][-1]["counters"]["replica_mismatch"] == 2
+    old = c["old_fingerprints"]
+    assert old[3][0] == old[3][1] == old[3][2]
+    assert replica_outliers(old[5], 1e-6) == [] and old[5][0] != old[5][1]
+
+
+def test_checksum_matches_its_pure_python_definition():
+    """The device implementation (int64 tensors, wrapping multiplication) against the
+    definition in Python integers, for every supported dtype and a piece spanning chunks."""
+    import distgrad.stats.checksum as ck
+
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        pieces = [torch.randn(300, generator=gen).to(dtype), None, torch.zeros(0, dtype=dtype),
+                  torch.randn(41, generator=gen).to(dtype)]
+        want = ck.checksum_reference([p.tolist() if p is not None else [] for p in pieces], dtype)
+        assert replica_checksum(pieces, CPU).item() == float(want), dtype
+    old, ck._CHUNK = ck._CHUNK, 64  # several chunks per piece: the same integer
+    try:
+        p = [torch.randn(300, generator=gen)]
+        assert replica_checksum(p, CPU).item() == float(checksum_reference([p[0].tolist()], torch.float32))
+    finally:
+        ck._CHUNK = old
+
+
+def _bitflip(x: float, bit: int) -> float:
+    (i,) = struct.unpack("<I", struct.pack("<f", x))
+    return struct.unpack("<f", struct.pack("<I", i ^ (1 << bit)))[0]
+
+
+def test_checksum_catches_every_single_element_change_and_is_order_free():
+    """Every sign flip, every single-bit flip of a few elements, swaps of two elements
+    (including +a/-a pairs, invisible to any sum of squares) and -0.0 for 0.0 change the
+    checksum; the same bits always give the same value."""
+    rnd = random.Random(5)
+    base = [rnd.gauss(0, 1) for _ in range(64)] + [0.0]
+    t = torch.tensor(base)
+    ref = replica_checksum([t], CPU).item()
+    assert replica_checksum([t.clone()], CPU).item() == ref
+    seen = 0
+    for i in range(len(base)):
+        u = t.clone()
+        u[i] = -u[i]
+        assert replica_checksum([u], CPU).item() != ref, i
+        seen += 1
+    for i in (0, 17, 63):
+        for bit in range(32):
+            u = t.clone()
+            u[i] = _bitflip(base[i], bit)
+            if math.isfinite(u[i].item()):
+                assert replica_checksum([u], CPU).item() != ref, (i, bit)
+                seen += 1
+    pm = torch.tensor([0.5, -0.5, 1.0])
+    assert replica_checksum([pm], CPU).item() != replica_checksum([pm[[1, 0, 2]]], CPU).item()
+    for i, j in ((0, 1), (5, 40), (10, 64)):
+        u = t.clone()
+        u[i], u[j] = t[j], t[i]
+        assert replica_checksum([u], CPU).item() != ref
+    # the split into pieces does not matter, the positions do
+    assert replica_checksum([t[:10], t[10:]], CPU).item() == ref
+    assert seen > 150
+
+
+def test_checksum_of_a_nonfinite_copy_is_nan():
+    assert math.isnan(replica_checksum([torch.tensor([1.0, float("inf")])], CPU).item())
+    assert math.isnan(replica_checksum([torch.tensor([float("nan")], dtype=torch.bfloat16)], CPU).item())
+
+
+def test_majority_attribution_with_exact_checksums():
+    """rtol 0 (what the instrument passes): the ranks outside the majority; a two-way tie goes
+    against the higher ranks."""
+    assert replica_outliers([7.0, 7.0, 9.0], 0.0) == [2]
+    assert replica_outliers([9.0, 7.0, 7.0, 7.0], 0.0) == [0]
+    assert replica_outliers([7.0, 7.0 + 2 ** -40, 7.0], 0.0) == [1]
+    assert replica_outliers([7.0, 9.0], 0.0) == [1]
