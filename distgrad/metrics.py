@@ -297,12 +297,13 @@ CATALOGUE: tuple[Metric, ...] = (
            "`distgrad_nonfinite_culprit` names that. At most 20 series"),
     _g("distgrad_nonfinite_culprit", "1",
        "First step of the last non-finite streak: 1 for each rank whose own loss or gradient was NaN/Inf "
-       "before the cross-rank reduction (the culprit rank).", "nonfinite", ("rank", "source"), max_series=20,
+       "before the cross-rank reduction (the culprit rank).", "nonfinite", ("rank", "source"), max_series=8,
        doc="the *culprit view* of the first step of the last non-finite streak: 1 per rank whose own "
            "contribution was NaN/Inf *before* the reduction spread it: `source=\"loss\"` its observed loss "
            "(every engine), `source=\"grad\"` a gradient its backward produced (DDP and a plain module: "
            "a tensor hook per parameter, `statistics.culprit_grad_check`); no series when no rank's own "
-           "contribution was non-finite (e.g. a NaN made by the reduction or the optimizer). At most 20 series"),
+           "contribution was non-finite (e.g. a NaN made by the reduction or the optimizer). At most 8 series "
+           "(the lowest ranks; more culprits than that is a problem of every rank, not of one)"),
     _g("distgrad_nonfinite_origin_step", "steps",
        "Optimizer step where the last non-finite streak started, labelled with its probable origin "
        "(the non-finite parameter last in forward order).", "nonfinite", ("param", "layer"), max_series=1),
@@ -320,7 +321,14 @@ CATALOGUE: tuple[Metric, ...] = (
        doc="spike score of the last loss (NaN while no loss is observed)"),
     _c("distgrad_grad_norm_spikes_total", "spikes", "Detected grad_norm spikes.", "sample", ("detector",)),
     _c("distgrad_loss_spikes_total", "spikes", "Detected loss spikes.", "sample", ("detector",)),
-    _g("distgrad_vanishing_params", "params", "Parameters currently flagged as vanishing."),
+    _g("distgrad_vanishing_params", "params", "Parameters currently flagged as vanishing (parameters without "
+       "any gradient count as zero gradients)."),
+    _g("distgrad_params_without_grad", "params", "Trainable parameters that received no gradient at all in the "
+       "last sampled step (.grad None on every rank).",
+       doc="trainable parameters (`requires_grad=True`) that received no gradient at all in the last sampled "
+           "step: `.grad` None on every rank (a detached branch; a module DDP `find_unused_parameters=True` "
+           "skipped; FSDP2). Engines that write zeros instead (DeepSpeed) show the same bug as exact zeros: "
+           "both are fed to the vanishing test (`distgrad_vanishing_params`) as a zero gradient"),
     _g("distgrad_exploding_params", "params", "Parameters currently flagged as exploding."),
 )
 

@@ -182,12 +182,20 @@ class Health(_Part):
         n_exploding: parameters flagged exploding, exact count, ``distgrad_exploding_params``.
         vanishing: names of the flagged vanishing parameters, in parameter order, at most 20.
         exploding: names of the flagged exploding parameters, at most 20.
+        n_no_grad: trainable parameters that received no gradient at all on this step (the
+            engine left ``.grad`` None on every rank: a detached branch, an unused module
+            under DDP ``find_unused_parameters=True``, FSDP2), exact count,
+            ``distgrad_params_without_grad``. They are fed to the vanishing test with norm 0,
+            like the exact zeros other engines (DeepSpeed) write for the same bug.
+        no_grad: their names, in parameter order, at most 20.
     """
 
     n_vanishing: int = 0
     n_exploding: int = 0
     vanishing: list[str] = field(default_factory=list)
     exploding: list[str] = field(default_factory=list)
+    n_no_grad: int = 0
+    no_grad: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -77,6 +77,23 @@ def test_culprit_flags_ride_in_the_two_collectives_without_host_syncs(causes):
         assert c["counts"][4] == {"collectives": 3, "syncs": 2}
 
 
+# ---------------------------------------------------------------------------- no gradient
+@pytest.mark.multirank
+def test_detached_layer_under_ddp_is_counted_and_flagged_every_step(causes):
+    """A stray ``.detach()`` on an adapter under DDP ``find_unused_parameters=True``: its
+    gradients stay None on every rank (checked in the loop). distgrad keeps the parameters in
+    the record, counts them on every sampled step and flags them vanishing from the
+    ``health.patience``-th (3rd) step on, like the exact zeros DeepSpeed writes for the same bug."""
+    c = _rank0(causes, "detached")
+    adapter = ["adapter.bias", "adapter.weight"]
+    for r in range(3):
+        assert causes["detached"]["ranks"][r]["none_grads"] == [adapter] * 5
+    for i, rec in enumerate(c["records"]):
+        assert {"adapter.weight", "adapter.bias"} <= set(rec["names"])
+        assert rec["n_no_grad"] == 2 and sorted(rec["no_grad"]) == adapter
+        assert sorted(rec["vanishing"]) == (adapter if i >= 2 else [])
+
+
 # ---------------------------------------------------------------------------- replica fingerprint
 @pytest.mark.multirank
 def test_sign_flip_and_bit_flip_of_one_reduced_element_on_one_of_three_ranks(causes):

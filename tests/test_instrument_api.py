@@ -84,17 +84,29 @@ def test_unwritable_paths_fail_at_instrument_time_naming_the_key(tmp_path, key):
         distgrad.instrument(m, optimizer=opt, port=0, **{key: str(blocker / "sub" / "x")})
 
 
-def test_parameter_without_gradient_has_no_series_and_is_not_vanishing(caplog):
+def test_parameter_without_gradient_has_no_series_and_is_a_finding(caplog):
+    """Issue 13 ("no gradient is a finding"; before it, such parameters were left out of the
+    vanishing test): a trainable parameter whose ``.grad`` stays None has no per-parameter
+    series (nothing to measure), is counted on every sampled step
+    (``distgrad_params_without_grad``, ``rec.health.no_grad``) and is flagged vanishing after
+    ``health.patience`` (3) steps like an exactly-zero gradient, logged once."""
     m = Net()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     dg = distgrad.instrument(m, optimizer=opt, port=0)
+    seen = []
+    dg.add_hook(lambda rec: seen.append((rec.health.n_no_grad, list(rec.health.vanishing))))
     try:
         with caplog.at_level(logging.WARNING, logger="distgrad"):
             _train(m, opt, 5)
         text = _text(dg)
         assert 'distgrad_param_grad_norm{param="used.weight"}' in text
         assert "unused." not in text.split("distgrad_param_grad_norm", 1)[1]
-        assert dg.last_record.health.vanishing == [] and not any("vanishing [" in r for r in caplog.messages)
+        assert "distgrad_params_without_grad 2.0" in text
+        unused = ["unused.weight", "unused.bias"]
+        assert seen == [(2, [])] * 2 + [(2, unused)] * 3
+        assert dg.last_record.health.no_grad == unused
+        assert sum("vanishing [" in r and "without any gradient: ['unused.bias', 'unused.weight']" in r
+                   for r in caplog.messages) == 1
         assert "distgrad_samples_total" not in text  # this engine does not count samples
     finally:
         dg.close()

@@ -80,17 +80,21 @@ class HealthDiagnostic(Diagnostic):
         self._flagged: set[str] = set()
 
     def on_record(self, rec: StepRecord) -> None:
-        # a parameter with no gradient element anywhere (unused this step) is not "vanishing":
-        # it is left out, which also resets its streaks
-        has = rec.params.numel > 0
-        rep = self.health.update([n for n, h in zip(rec.params.names, has) if h], rec.params.norm[has])
+        # no gradient is a finding: a trainable parameter without a gradient element on any rank
+        # (.grad None everywhere: a detached branch, an unused module) counts as a zero gradient,
+        # as the exact zeros DeepSpeed writes for the same bug do
+        none = rec.params.numel == 0
+        norms = np.where(none, 0.0, rec.params.norm)
+        rep = self.health.update(list(rec.params.names), norms)
+        no_grad = [n for n, z in zip(rec.params.names, none) if z]
         rec.health = Health(rep.n_vanishing, rep.n_exploding, list(rep.vanishing[:_LIST_CAP]),
-                            list(rep.exploding[:_LIST_CAP]))
+                            list(rep.exploding[:_LIST_CAP]), len(no_grad), no_grad[:_LIST_CAP])
         flagged = set(rep.vanishing) | set(rep.exploding)
         new = flagged - self._flagged
         if new and self.ctx.global_rank == 0:
-            log.warning("distgrad: step %d: vanishing %s, exploding %s", rec.step,
-                        sorted(new & set(rep.vanishing))[:_LIST_CAP], sorted(new & set(rep.exploding))[:_LIST_CAP])
+            log.warning("distgrad: step %d: vanishing %s (of which without any gradient: %s), exploding %s", rec.step,
+                        sorted(new & set(rep.vanishing))[:_LIST_CAP], sorted(new & set(no_grad))[:_LIST_CAP],
+                        sorted(new & set(rep.exploding))[:_LIST_CAP])
         self._flagged = flagged
 
     def state_dict(self) -> dict[str, Any]:

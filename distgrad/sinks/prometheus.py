@@ -58,6 +58,7 @@ _PART_GAUGES: dict[str, Callable[[StepRecord], Any]] = {
     "distgrad_loss_scale_at_minimum": lambda r: r.scaler.loss_scale_at_minimum if r.scaler else None,
     "distgrad_consecutive_overflow_steps": lambda r: r.scaler.consecutive_overflow_steps if r.scaler else None,
     "distgrad_vanishing_params": lambda r: r.health.n_vanishing if r.health else None,
+    "distgrad_params_without_grad": lambda r: r.health.n_no_grad if r.health else None,
     "distgrad_exploding_params": lambda r: r.health.n_exploding if r.health else None,
 }
 #: ``{label value: number}`` dicts of the record's typed parts with one label

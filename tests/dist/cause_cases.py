@@ -10,6 +10,8 @@ Cases (each returns JSON-able records of rank 0 and per-rank facts):
   nan:  DDP; at step 4 rank 1's batch holds an all-zero sample (a zero-padded row): 0/0 in
         ``feat_norm`` makes the loss and every gradient of rank 1 NaN; the all-reduce then
         spreads it to every rank.
+  detached: DDP(find_unused_parameters=True) with an adapter added through a stray .detach():
+        its parameters' gradients stay None on every rank.
   flip: DDP with a comm hook that, after the all-reduce, flips the sign of one element of
         the reduced gradient on rank 2 at step 3 and one low mantissa bit on rank 0 at step 5.
 """
@@ -60,17 +62,23 @@ class Block(nn.Module):
 
 
 class CauseModel(nn.Module):
-    def __init__(self) -> None:
+    """``detached_adapter``: an extra ``adapter`` (Linear) whose output is added with a stray
+    ``.detach()`` -- a classic bug: its parameters never receive a gradient."""
+
+    def __init__(self, detached_adapter: bool = False) -> None:
         super().__init__()
         self.feat_norm = RMSNormNoEps(D_IN)
         self.inp = nn.Linear(D_IN, D)
         self.layers = nn.ModuleList([Block(D) for _ in range(2)])
+        self.adapter = nn.Linear(D, D) if detached_adapter else None
         self.head = nn.Linear(D, CLASSES)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.inp(self.feat_norm(x))
         for b in self.layers:
             h = b(h)
+        if self.adapter is not None:
+            h = h + self.adapter(h).detach()
         return F.cross_entropy(self.head(h), y)
 
 
@@ -90,9 +98,9 @@ def _slim(rec) -> dict:
             "replica_mismatch_ranks": rec.replica_mismatch_ranks, "step_applied": rec.step_applied}
 
 
-def _ddp(seed: int = 0, **kw) -> tuple[DDP, torch.optim.Optimizer]:
+def _ddp(seed: int = 0, detached_adapter: bool = False, **kw) -> tuple[DDP, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = DDP(CauseModel(), **kw)
+    model = DDP(CauseModel(detached_adapter), **kw)
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
@@ -214,6 +222,24 @@ def flip_case(rank: int, world: int) -> dict:
     return {"records": recs, "old_fingerprints": old_fp, "changed": changed}
 
 
+def detached_case(rank: int, world: int) -> dict:
+    """DDP(find_unused_parameters=True) over a model whose adapter output is detached."""
+    model, opt = _ddp(detached_adapter=True, find_unused_parameters=True)
+    inst = distgrad.instrument(model, optimizer=opt, prometheus=False)
+    recs, none_grads = [], []
+    for step in range(5):
+        x, y = batch(step, rank)
+        model(x, y).backward()
+        none_grads.append(sorted(n for n, p in model.module.named_parameters() if p.grad is None))
+        opt.step()
+        opt.zero_grad()
+        h = inst.last_record.health
+        recs.append({"step": inst.last_record.step, "n_no_grad": h.n_no_grad, "no_grad": h.no_grad,
+                     "vanishing": h.vanishing, "names": list(inst.last_record.params.names)})
+    inst.close()
+    return {"records": recs, "none_grads": none_grads}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -221,7 +247,7 @@ def main() -> None:
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    jobs = [("nan", nan_case), ("flip", flip_case)]
+    jobs = [("nan", nan_case), ("flip", flip_case), ("detached", detached_case)]
     want = None if args.cases == "all" else set(args.cases.split(","))
     results, t0 = {}, time.time()
     for key, fn in jobs:
