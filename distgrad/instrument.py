@@ -670,7 +670,7 @@ class Instrument:
             grad_scale=grad_scale, headroom=headroom, replica_mismatch_rank=mismatch_rank, scaler=scaler,
             unsampled_nonfinite=(None if self._unsampled is None else UnsampledNonfinite(
                 list(self._unsampled["grad"]), list(self._unsampled["loss"]))))
-        if rec.nonfinite:
+        if rec.nonfinite and not overflow:  # an fp16 overflow the scaler skipped: overflow_steps
             self.counters["nonfinite_steps"] += 1
             if local_nonfinite is not None:
                 rec.nonfinite_params = provenance(self, stats.names, local_nonfinite)

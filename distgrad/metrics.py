@@ -235,7 +235,11 @@ CATALOGUE: tuple[Metric, ...] = (
     _g("distgrad_loss_plateau", "1", "1 when the loss slope over a covered trend_window is within plateau_z "
        "standard errors of 0.", "loss"),
     # --- counters ---------------------------------------------------------------------------
-    _c("distgrad_nonfinite_steps_total", "steps", "Sampled optimizer steps with any NaN/Inf gradient element."),
+    _c("distgrad_nonfinite_steps_total", "steps", "Sampled optimizer steps with any NaN/Inf gradient element "
+       "(fp16 overflow steps the loss scaler skipped are not counted here: distgrad_overflow_steps_total).",
+       doc="sampled optimizer steps with any NaN/Inf gradient element that were *not* fp16 overflows skipped by "
+           "the loss scaler (those count in `distgrad_overflow_steps_total` only, under torch `GradScaler` and "
+           "DeepSpeed fp16 alike)"),
     _c("distgrad_nonfinite_unsampled_steps_total", "steps",
        "Unsampled optimizer steps (interval > 1) with any NaN/Inf gradient element, counted at the next "
        "sampled step (steps the fp16 loss scaler skips are not counted here).",
@@ -313,6 +317,13 @@ CATALOGUE: tuple[Metric, ...] = (
     _g("distgrad_loss_scale", "1", "fp16 dynamic loss scale.", "loss_scaler"),
     _g("distgrad_loss_scale_at_minimum", "1", "1 when the loss scale sits at its minimum.", "loss_scaler"),
     _g("distgrad_consecutive_overflow_steps", "steps", "Current fp16 overflow streak.", "loss_scaler"),
+    _g("distgrad_loss_scale_drop_factor", "1", "Largest loss scale of an applied step in the collapse window "
+       "over the current loss scale (>= 1).", "loss_scaler",
+       doc="largest loss scale at which a step was applied within the last `loss_scale.collapse_window` "
+           "optimizer steps (else the last such scale seen) over the current loss scale (>= 1; NaN before any "
+           "step was applied); needs no configured minimum, so it works for torch `GradScaler`"),
+    _g("distgrad_loss_scale_collapsed", "1", "1 when the loss scale fell by at least loss_scale.collapse_factor "
+       "below the scale training last worked at (see distgrad_loss_scale_drop_factor).", "loss_scaler"),
     _g("distgrad_clip_ratio", "ratio", "min(1, max_norm / grad_norm).", "clip"),
     _g("distgrad_post_clip_norm", "grad", "Global grad norm after clipping.", "clip"),
     # --- diagnostics ------------------------------------------------------------------------------

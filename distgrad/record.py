@@ -251,10 +251,18 @@ class ScalerState(_Part):
             scaler skipped for overflow, ``distgrad_consecutive_overflow_steps``.
         loss_scale_at_minimum: the loss scale sits at the scaler's floor (further overflows
             cannot lower it), ``distgrad_loss_scale_at_minimum``.
+        loss_scale_drop_factor: the largest loss scale of an applied step within the last
+            ``loss_scale.collapse_window`` optimizer steps (else the last one seen) over this
+            step's loss scale (>= 1; None before any step was applied),
+            ``distgrad_loss_scale_drop_factor`` (see :mod:`distgrad.loss_scale`).
+        loss_scale_collapsed: ``loss_scale_drop_factor >= loss_scale.collapse_factor``: the
+            scale collapsed (no configured minimum needed), ``distgrad_loss_scale_collapsed``.
     """
 
     consecutive_overflow_steps: int = 0
     loss_scale_at_minimum: bool = False
+    loss_scale_drop_factor: float | None = None
+    loss_scale_collapsed: bool = False
 
 
 @dataclass

@@ -65,19 +65,11 @@ def _rule(name: str, expr: str, summary: str, description: str) -> dict[str, Any
 def _nonfinite_rule() -> dict[str, Any]:
     c = config.ALERTS["DistgradNonFiniteGradients"]
     w = c["window"]
-    nonfinite = f"increase(distgrad_nonfinite_steps_total{sel()}[{w}])"
-    if c["exclude_fp16_overflow"]:
-        # Both counters come from the same scrape (same sample times, both exported at 0), so
-        # increase() extrapolates them alike and the difference counts non-overflow steps.
-        # "or 0 * ..." stands in for runs without an fp16 scaler, which lack the overflow series.
-        expr = (
-            f"(\n  {nonfinite}\n  -\n"
-            f"  (increase(distgrad_overflow_steps_total{sel()}[{w}]) or 0 * {nonfinite})\n) > 0\n"
-        )
-        note = " (fp16 overflow steps, which the loss scaler skips, are not counted)"
-    else:
-        expr = f"{nonfinite} > 0"
-        note = ""
+    # fp16 overflow steps the loss scaler skips are not in distgrad_nonfinite_steps_total (they
+    # count in distgrad_overflow_steps_total; persistent fp16 trouble pages through
+    # DistgradRepeatedOverflow and DistgradLossScaleCollapsed), so nothing is subtracted here.
+    expr = f"increase(distgrad_nonfinite_steps_total{sel()}[{w}]) > 0"
+    note = " (fp16 overflow steps, which the loss scaler skips, are not counted)"
     params = tlist(
         "topk(5, distgrad_nonfinite_params{job=%q,instance=%q} > 0)",
         '{{ $s.Labels.param }} (rank {{ $s.Labels.rank }}: {{ $s.Value | printf "%.0f" }} elements)',
@@ -184,10 +176,12 @@ def _groups() -> dict[str, Any]:
     fp16 = [
         _rule(
             "DistgradLossScaleCollapsed",
-            f"distgrad_loss_scale_at_minimum{sel()} == 1",
-            "fp16 loss scale stuck at its minimum in {{ $labels.job }}.",
-            f"The dynamic loss scale of {WHO} has sat at its configured minimum for "
-            f"{a['DistgradLossScaleCollapsed']['for']} (now {tvalue('distgrad_loss_scale', '%g')}); "
+            # at_minimum needs a configured floor (DeepSpeed); collapsed needs none (torch GradScaler)
+            f"distgrad_loss_scale_at_minimum{sel()} == 1\nor distgrad_loss_scale_collapsed{sel()} == 1\n",
+            "fp16 loss scale collapsed in {{ $labels.job }}.",
+            f"The dynamic loss scale of {WHO} has collapsed for {a['DistgradLossScaleCollapsed']['for']} "
+            f"(now {tvalue('distgrad_loss_scale', '%g')}, {tvalue('distgrad_loss_scale_drop_factor', '%.0f')} "
+            "times below the scale training last worked at, or at the scaler's configured minimum); "
             "overflowing steps can no longer be rescued by lowering it.",
         ),
         _rule(

@@ -23,13 +23,10 @@ RUNBOOK_URL = "https://github.com/distgrad/distgrad/blob/main/docs/runbook.md"
 #: Per alert: ``severity`` (critical pages, warning tickets), ``for`` (how long the condition
 #: must hold), and the alert's own windows and thresholds.
 ALERTS: dict[str, dict[str, Any]] = {
-    # NaN/Inf gradient elements on a sampled step. With exclude_fp16_overflow, steps counted by
-    # distgrad_overflow_steps_total (fp16 overflows the loss scaler handles by skipping the
-    # step) are subtracted; persistent fp16 trouble is caught by DistgradRepeatedOverflow and
-    # DistgradLossScaleCollapsed instead.
-    "DistgradNonFiniteGradients": {
-        "severity": "critical", "for": "0s", "window": "5m", "exclude_fp16_overflow": True,
-    },
+    # NaN/Inf gradient elements on a sampled step (distgrad_nonfinite_steps_total leaves out the
+    # fp16 overflows the loss scaler skips; persistent fp16 trouble is caught by
+    # DistgradRepeatedOverflow and DistgradLossScaleCollapsed instead).
+    "DistgradNonFiniteGradients": {"severity": "critical", "for": "0s", "window": "5m"},
     "DistgradNaNLoss": {"severity": "critical", "for": "0s"},
     # detectors that page: OLMo's windowed 6-sigma score. ZClip's EMA z-score at its default
     # z = 2.5 flags ~1-2% of samples of a noisy but healthy series (tests/test_detectors.py),

@@ -232,6 +232,7 @@ def test_grad_scaler_overflow_step_is_recorded_and_skipped(torch_results, mode):
     nxt = StepRecord.from_dict(steps[k + 1]["record"])
     assert nxt.loss_scale == 512.0 and nxt.overflow is False and nxt.step_applied is True
     assert c["counters"]["overflow_steps"] == 1 and c["counters"]["skipped_steps"] == 1
+    assert c["counters"]["nonfinite_steps"] == 0  # an overflow the scaler skipped, not a non-finite step
     assert c["counters"]["sampled_steps"] == 3 and c["counters"]["internal_errors"] == 0
 
 
@@ -352,6 +353,7 @@ def test_grad_scaler_single_process_overflow():
     _check_against(records[2], refs[1], rtol=1e-5, exact=True)
     assert records[1].params.nan[records[1].params.index("inp.weight")] == 1
     assert inst.counters["overflow_steps"] == 1 and inst.counters["skipped_steps"] == 1
+    assert inst.counters["nonfinite_steps"] == 0
     inst.close()
     assert "step" not in vars(scaler)  # the instance wrapper is gone
 

@@ -27,7 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from distgrad.config.errors import ConfigError, describe
 from distgrad.config.sections import (
-    SECTIONS, ClipConfig, ExporterConfig, FlightRecorderConfig, HealthConfig, JsonlConfig, LossConfig, NamingConfig,
+    SECTIONS, ClipConfig, ExporterConfig, FlightRecorderConfig, HealthConfig, JsonlConfig, LossConfig,
+    LossScaleConfig, NamingConfig,
     NamingRule, SamplingConfig, Section, SinksConfig, SpikesConfig, StatisticsConfig, TensorBoardConfig,
     TracerConfig,
 )
@@ -158,6 +159,7 @@ class DistgradConfig(BaseModel):
     statistics: StatisticsConfig = Field(default_factory=StatisticsConfig, description=StatisticsConfig.__doc__)
     spikes: SpikesConfig = Field(default_factory=SpikesConfig, description=SpikesConfig.__doc__)
     health: HealthConfig = Field(default_factory=HealthConfig, description=HealthConfig.__doc__)
+    loss_scale: LossScaleConfig = Field(default_factory=LossScaleConfig, description=LossScaleConfig.__doc__)
     clip: ClipConfig = Field(default_factory=ClipConfig, description=ClipConfig.__doc__)
     flight_recorder: FlightRecorderConfig = Field(default_factory=FlightRecorderConfig,
                                                   description=FlightRecorderConfig.__doc__)

@@ -189,6 +189,20 @@ class HealthConfig(Section):
         return self
 
 
+class LossScaleConfig(Section):
+    """fp16 dynamic loss scale collapse (``distgrad_loss_scale_collapsed``), for any scaler: no
+    configured minimum needed (torch ``GradScaler`` has none)."""
+
+    section_key: ClassVar[str] = "loss_scale"
+    collapse_factor: float = Field(1024.0, gt=1, description=(
+        "The loss scale is collapsed when the largest scale at which a step was applied within the last "
+        "collapse_window optimizer steps is at least this many times the current scale (1024: ten net "
+        "halvings; a healthy run loses one halving per occasional overflow and grows it back)."))
+    collapse_window: int = Field(1000, ge=1, description=(
+        "Optimizer steps looked back for the scale at which training last worked (the signal clears this "
+        "many steps after training works again at the lower scale)."))
+
+
 class ClipConfig(Section):
     """Gradient clipping, as seen by the clip ratio."""
 
@@ -334,7 +348,7 @@ class NamingConfig(Section):
 #: the sections of DistgradConfig, in the order of the generated files
 SECTIONS: dict[str, type[Section]] = {
     "sampling": SamplingConfig, "exporter": ExporterConfig, "statistics": StatisticsConfig,
-    "spikes": SpikesConfig, "health": HealthConfig, "clip": ClipConfig,
+    "spikes": SpikesConfig, "health": HealthConfig, "loss_scale": LossScaleConfig, "clip": ClipConfig,
     "flight_recorder": FlightRecorderConfig, "tracer": TracerConfig, "sinks": SinksConfig,
     "naming": NamingConfig, "loss": LossConfig,
 }

@@ -33,12 +33,13 @@ from distgrad.diagnostics.base import REGISTRY, Diagnostic, DiagnosticContext, r
 from distgrad.diagnostics.builtin import (AggregatesDiagnostic, ClipDiagnostic, HealthDiagnostic,
                                           ProvenanceDiagnostic, SpikeDiagnostic, TracerDiagnostic)
 from distgrad.diagnostics.loss import ComponentSpikeDiagnostic, LossTrendDiagnostic  # noqa: F401  (registers them)
+from distgrad.diagnostics.loss_scale import LossScaleDiagnostic
 from distgrad.record import StepRecord
 from distgrad.sinks.base import SinkError
 
 __all__ = ["Diagnostics", "Diagnostic", "DiagnosticContext", "REGISTRY", "register", "STATE_VERSION",
            "SpikeDiagnostic", "HealthDiagnostic", "ClipDiagnostic", "AggregatesDiagnostic",
-           "ProvenanceDiagnostic", "TracerDiagnostic"]
+           "ProvenanceDiagnostic", "TracerDiagnostic", "LossScaleDiagnostic"]
 
 log = logging.getLogger("distgrad")
 

@@ -57,6 +57,10 @@ _PART_GAUGES: dict[str, Callable[[StepRecord], Any]] = {
     "distgrad_post_clip_norm": lambda r: r.clip.post_clip_norm if r.clip else None,
     "distgrad_loss_scale_at_minimum": lambda r: r.scaler.loss_scale_at_minimum if r.scaler else None,
     "distgrad_consecutive_overflow_steps": lambda r: r.scaler.consecutive_overflow_steps if r.scaler else None,
+    "distgrad_loss_scale_drop_factor": lambda r: (
+        (math.nan if r.scaler.loss_scale_drop_factor is None else r.scaler.loss_scale_drop_factor)
+        if r.scaler else None),
+    "distgrad_loss_scale_collapsed": lambda r: r.scaler.loss_scale_collapsed if r.scaler else None,
     "distgrad_vanishing_params": lambda r: r.health.n_vanishing if r.health else None,
     "distgrad_params_without_grad": lambda r: r.health.n_no_grad if r.health else None,
     "distgrad_exploding_params": lambda r: r.health.n_exploding if r.health else None,
