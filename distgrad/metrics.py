@@ -235,8 +235,8 @@ CATALOGUE: tuple[Metric, ...] = (
     _g("distgrad_loss_plateau", "1", "1 when the loss slope over a covered trend_window is within plateau_z "
        "standard errors of 0.", "loss"),
     # --- counters ---------------------------------------------------------------------------
-    _c("distgrad_nonfinite_steps_total", "steps", "Sampled optimizer steps with any NaN/Inf gradient element "
-       "(fp16 overflow steps the loss scaler skipped are not counted here: distgrad_overflow_steps_total).",
+    _c("distgrad_nonfinite_steps_total", "steps", "Sampled optimizer steps with any NaN/Inf gradient element, "
+       "other than the fp16 steps a dynamic loss scaler skipped.",
        doc="sampled optimizer steps with any NaN/Inf gradient element that were *not* fp16 overflows skipped by "
            "the loss scaler (those count in `distgrad_overflow_steps_total` only, under torch `GradScaler` and "
            "DeepSpeed fp16 alike)"),

@@ -37,7 +37,11 @@ Problems (the verdict names the first one, in file order):
 * ``nonfinite_unsampled``: a NaN/Inf gradient on a step that was not sampled (``interval`` > 1),
   flagged by the instrument in the next sampled step's record;
 * ``missing_records``: records lost from the log (the detail names each gap);
-* ``malformed_lines``: a torn or otherwise malformed line (skipped).
+* ``malformed_lines``: a torn or otherwise malformed line (skipped);
+* training health, judged by :mod:`~distgrad.report.verdict`: ``divergence``, ``loss_spike``,
+  ``grad_norm_spike``, ``dead_adapter``, ``never_updated``, ``vanishing``, ``stall``,
+  ``no_progress``, ``loss_scale_collapse`` (each names its step, what to do and its section of
+  docs/runbook.md).
 
 Modules: :mod:`~distgrad.report.layers` (name -> layer), :mod:`~distgrad.report.downsample`,
 :mod:`~distgrad.report.spikes`, :mod:`~distgrad.report.analysis` (the streaming pass),

@@ -15,6 +15,7 @@ from distgrad.report.downsample import Downsampled, Downsampler
 from distgrad.report.layers import LayerIndex, layer_of, layer_sort_key
 from distgrad.report.loss import LossAccumulator, LossReport
 from distgrad.report.spikes import RollingMadSpikes, _to_float
+from distgrad.report.verdict import VerdictChecks
 from distgrad.watch import step_ranges
 
 #: At most this many spike markers / example steps are kept (the first ones); counts stay exact.
@@ -27,7 +28,10 @@ class Problem:
 
     Attributes:
         kind: ``nonfinite_grad``, ``nonfinite_loss``, ``nonfinite_unsampled``,
-            ``replica_mismatch``, ``overflow_streak``, ``missing_records`` or ``malformed_lines``.
+            ``replica_mismatch``, ``overflow_streak``, ``missing_records``, ``malformed_lines``,
+            or one of :mod:`distgrad.report.verdict`'s (``divergence``, ``loss_spike``,
+            ``grad_norm_spike``, ``dead_adapter``, ``never_updated``, ``vanishing``, ``stall``,
+            ``no_progress``, ``loss_scale_collapse``).
         step: optimizer step where it (first) happened.
         param: parameter name, when one is implicated (else None).
         layer: that parameter's layer label (else None).
@@ -130,7 +134,8 @@ class RunAnalysis:
                 notes.append(f"{c[k]} {ANOMALY_LABELS[k]}")
         if self.healthy:
             tail = ("; noted: " + ", ".join(notes)) if notes else ""
-            return f"HEALTHY: {span}, no non-finite gradient or loss, no replica mismatch{tail}"
+            return (f"HEALTHY: {span}, no non-finite gradient or loss, no replica mismatch, no divergence, "
+                    f"large spike, vanishing, dead or never-updated parameter, stall or loss-scale collapse{tail}")
         p = self.problems[0]
         text = f"PROBLEM at step {p.step}: {p.detail}"
         if len(self.problems) > 1:
@@ -188,6 +193,7 @@ class RunAnalyzer:
         self._gaps: list[tuple[int, int, int]] = []  # (last step before, first step after, records)
         self._bad_lines: list[tuple[int | None, str]] = []
         self._loss = LossAccumulator(max_points)
+        self._checks = VerdictChecks()
 
     def _grow(self) -> None:
         L = len(self._li.layers)
@@ -269,6 +275,7 @@ class RunAnalyzer:
             self._missing(int(self._last.step), step, sampled - self._prev_sampled - 1)
         self._prev_sampled = sampled
         self._unsampled(r, step)
+        self._checks.add(r)
         if self._first_step is None:
             self._first_step = step
         self._n += 1
@@ -438,6 +445,8 @@ class RunAnalyzer:
             s = next((st for st, mm, _ in spikes if mm == m), None)
             if s is not None:
                 first_of[f"{m}_spikes"] = s
+        for kind, st, detail in self._checks.findings(self._first_step or 0):
+            self._problem(Problem(kind, st, detail=detail))
         r = self._last
         problems = sorted(self._problems.values(), key=lambda q: (q.step, list(self._problems).index(q.kind)))
         return RunAnalysis(
