@@ -87,6 +87,10 @@ def test_fp16_overflow_counted_skipped_and_scale_dropped(diag_results):
     assert (r[2]["loss_scale_at_minimum"], r[3]["loss_scale_at_minimum"]) == (0, 1)
     # the overflow step is counted as an overflow (above), not as a non-finite step
     assert c["counters"]["nonfinite_steps"] == 0
+    # the collapse signal from DeepSpeed's own loss scale (collapse_factor 2 in this case): the
+    # largest applied scale (2, step 2) over the step's scale
+    assert [r[s]["loss_scale_drop_factor"] for s in (2, 3, 4)] == [1.0, 2.0, 2.0]
+    assert [r[s]["loss_scale_collapsed"] for s in (2, 3, 4)] == [0, 1, 1]
 
 
 def test_bf16_nonfinite_counted_without_loss_scale_wording(diag_results):

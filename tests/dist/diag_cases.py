@@ -60,7 +60,9 @@ def _slim(rec) -> dict:
             # the record's fields that are set (not None)
             "set_fields": sorted(k for k, v in rec.to_dict().items() if v is not None),
             "consecutive_overflow_steps": sc.consecutive_overflow_steps if sc else None,
-            "loss_scale_at_minimum": int(sc.loss_scale_at_minimum) if sc else None}
+            "loss_scale_at_minimum": int(sc.loss_scale_at_minimum) if sc else None,
+            "loss_scale_drop_factor": sc.loss_scale_drop_factor if sc else None,
+            "loss_scale_collapsed": int(sc.loss_scale_collapsed) if sc else None}
 
 
 def faults_case(rank: int, out_dir: str) -> dict:
@@ -107,7 +109,8 @@ def faults_case(rank: int, out_dir: str) -> dict:
 def fp16_case(rank: int) -> dict:
     # scale 2**1 with floor 1: the overflow halves it onto its minimum
     engine = _engine(2, "fp16", fp16={"hysteresis": 1, "initial_scale_power": 1, "min_loss_scale": 1})
-    inst = distgrad.instrument(engine, prometheus=False)
+    # collapse_factor 2: one halving below the last applied scale is a "collapse" here
+    inst = distgrad.instrument(engine, prometheus=False, loss_scale={"collapse_factor": 2})
     target = dict(engine.module.named_parameters())["blocks.1.1.weight"]
     recs = []
     for step in range(6):
