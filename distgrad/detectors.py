@@ -15,7 +15,9 @@ float64 arithmetic, no randomness) and NaN-safe:
 
 :class:`SpikeMonitor` runs both on one named series and keeps spike counters per detector
 (the ``detector`` label of ``distgrad_{loss,grad_norm}_spikes_total`` /
-``distgrad_{loss,grad_norm}_zscore``, values in :data:`DETECTOR_LABELS`).
+``distgrad_{loss,grad_norm}_zscore``, values in :data:`DETECTOR_LABELS`), with a third, paging
+detector, :class:`distgrad.robust_spike.RobustJumpDetector` (``robust``: Theil-Sen detrended,
+MAD-scaled jumps of the log value, from the first tens of steps).
 
 Non-finite input (NaN, +/-Inf) is never added to any state: ``update`` returns
 ``DetectorResult(score=nan, is_spike=False)`` and counts it in ``n_nonfinite`` only. Non-finite
@@ -45,7 +47,7 @@ __all__ = [
 ]
 
 #: Values of the ``detector`` metric label, in the order :class:`SpikeMonitor` runs them.
-DETECTOR_LABELS = ("ema", "window")
+DETECTOR_LABELS = ("ema", "window", "robust")
 
 _NAN = float("nan")
 
@@ -445,6 +447,8 @@ class SpikeMonitor:
         name: series name, used as the key in :meth:`summary` (e.g. ``distgrad_<name>_zscore``).
         ema: an :class:`EmaZScoreDetector` (default-configured one when None).
         window: a :class:`WindowSpikeDetector` (default-configured one when None).
+        robust: a :class:`distgrad.robust_spike.RobustJumpDetector` (default-configured one
+            when None; False: none, the monitor then runs and reports ``ema`` and ``window`` only).
 
     Attributes:
         spikes: ``{"ema": int, "window": int}`` spikes detected since creation (the
@@ -460,15 +464,21 @@ class SpikeMonitor:
         name: str,
         ema: EmaZScoreDetector | None = None,
         window: WindowSpikeDetector | None = None,
+        robust: Any = None,
     ) -> None:
+        from distgrad.robust_spike import RobustJumpDetector  # imports this module
+
         self.name = str(name)
-        self.detectors: dict[str, EmaZScoreDetector | WindowSpikeDetector] = {
+        self.detectors: dict[str, Any] = {
             "ema": ema if ema is not None else EmaZScoreDetector(),
             "window": window if window is not None else WindowSpikeDetector(),
         }
-        self.spikes = {k: 0 for k in DETECTOR_LABELS}
-        self.last = {k: DetectorResult(_NAN, False) for k in DETECTOR_LABELS}
-        self.last_spike_step: dict[str, int | None] = {k: None for k in DETECTOR_LABELS}
+        if robust is not False:  # False: without the robust detector (e.g. loss components)
+            self.detectors["robust"] = robust if robust is not None else RobustJumpDetector()
+        self.labels = tuple(k for k in DETECTOR_LABELS if k in self.detectors)
+        self.spikes = {k: 0 for k in self.labels}
+        self.last = {k: DetectorResult(_NAN, False) for k in self.labels}
+        self.last_spike_step: dict[str, int | None] = {k: None for k in self.labels}
         self.n_updates = 0
         self.n_nonfinite = 0
 
@@ -488,7 +498,7 @@ class SpikeMonitor:
         if not math.isfinite(x):
             self.n_nonfinite += 1
         out: dict[str, DetectorResult] = {}
-        for label in DETECTOR_LABELS:
+        for label in self.labels:
             r = self.detectors[label].update(x)
             out[label] = r
             if r.is_spike:
@@ -507,10 +517,10 @@ class SpikeMonitor:
              "spike_score": {"ema": float, "window": float}}
         """
         return {
-            "zscore": {k: self.last[k].score for k in DETECTOR_LABELS},
-            "spike": {k: self.last[k].is_spike for k in DETECTOR_LABELS},
+            "zscore": {k: self.last[k].score for k in self.labels},
+            "spike": {k: self.last[k].is_spike for k in self.labels},
             "spikes_total": dict(self.spikes),
-            "spike_score": {k: self.detectors[k].spike_score for k in DETECTOR_LABELS},
+            "spike_score": {k: self.detectors[k].spike_score for k in self.labels},
         }
 
     def state_dict(self) -> dict[str, Any]:

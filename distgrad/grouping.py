@@ -47,8 +47,8 @@ metric; ``Metric.series()`` is the series of one metric per value of its scope l
   ``LAYER_SERIES = 4``: ``distgrad_layer_grad_{norm, nonfinite, zero_ratio, headroom_ratio}``;
 * ``K``: module-kind groups (kind-granularity keys); ``KIND_SERIES = 1``
   (``distgrad_module_kind_grad_norm``);
-* ``GLOBAL_SERIES = 159``: the catalogue's metrics of a fixed or capped series count (154 today:
-  unlabelled ones, the two-valued ``detector`` families, ``distgrad_sink_errors_total{sink}``
+* ``GLOBAL_SERIES = 165``: the catalogue's metrics of a fixed or capped series count (160 today:
+  unlabelled ones, the three-valued ``detector`` families, ``distgrad_sink_errors_total{sink}``
   for its 4 sinks, ``distgrad_refused_steps_total{reason}`` for its 3 reasons,
   ``distgrad_nonfinite_params`` capped at 20, ``distgrad_nonfinite_culprit`` capped at 8, the loss components (3 x 8, and 8 x 2 spike
   counters), the token-loss bins (15) and data sources (2 x 9)) plus :data:`GLOBAL_RESERVE`
@@ -57,10 +57,10 @@ metric; ``Metric.series()`` is the series of one metric per value of its scope l
 
 The default budget is :data:`DEFAULT_SERIES_BUDGET` ``= 2000`` and the default ``top_k`` is
 :data:`DEFAULT_TOP_K` ``= 100``. Example, LLaMA-70B (723 tensors, 80 blocks): L = 83 (80 blocks +
-embed, norm, head), K = 10, fixed part 4*83 + 10 + 159 = 501, so at most
-floor((2000 - 501) / 10) = 149 parameters can have per-parameter series; with the default
-top-k, 10*100 + 501 = 1501 series, and a step with many non-finite parameters is capped at
-10*149 + 501 = 1991.
+embed, norm, head), K = 10, fixed part 4*83 + 10 + 165 = 507, so at most
+floor((2000 - 507) / 10) = 149 parameters can have per-parameter series; with the default
+top-k, 10*100 + 507 = 1507 series, and a step with many non-finite parameters is capped at
+10*149 + 507 = 1997.
 """
 
 from __future__ import annotations

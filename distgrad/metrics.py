@@ -55,7 +55,9 @@ LABELS: dict[str, Label] = {lab.name: lab for lab in (
                    "adapters as `<layer>/lora_<role>`"),
     Label("module_kind", "a fixed canonical set (`attn_q`, `mlp_up`, ...; named so because `kind` is "
                          "taken by `nan`/`inf`)"),
-    Label("detector", "spike detector", ("ema", "window")),
+    Label("detector", "spike detector: `ema` (ZClip's EMA z-score), `window` (OLMo's 128-sample 6-sigma "
+                      "test), `robust` (Theil-Sen detrended MAD jump test of the log value, the paging one; "
+                      "loss components: ema and window only)", ("ema", "window", "robust")),
     Label("rank", "rank in [0, world size)"),
     Label("source", "what of a culprit rank's own contribution was non-finite before the reduction: its "
                     "observed `loss`, or a `grad`ient its backward produced", ("loss", "grad")),

@@ -165,11 +165,14 @@ class Spikes(_Part):
             :data:`distgrad.detectors.DETECTOR_LABELS`. ``distgrad_<series>_zscore``.
         total: ``{series: {detector: count}}``, spikes since the start of the run (carried
             over a checkpoint restore), ``distgrad_<series>_spikes_total``.
+        fired: ``{series: [detector, ...]}``: which detectors judged this step's value of
+            each flagged series a spike (the record of a spike names detector and series).
     """
 
     flagged: list[str] = field(default_factory=list)
     zscore: dict[str, dict[str, float]] = field(default_factory=dict)
     total: dict[str, dict[str, int]] = field(default_factory=dict)
+    fired: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass

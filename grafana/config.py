@@ -28,11 +28,13 @@ ALERTS: dict[str, dict[str, Any]] = {
     # DistgradRepeatedOverflow and DistgradLossScaleCollapsed instead).
     "DistgradNonFiniteGradients": {"severity": "critical", "for": "0s", "window": "5m"},
     "DistgradNaNLoss": {"severity": "critical", "for": "0s"},
-    # detectors that page: OLMo's windowed 6-sigma score. ZClip's EMA z-score at its default
+    # detectors that page: the robust jump test (distgrad.robust_spike: from the first tens of
+    # steps, a one-rank garbage batch doubling the loss, an lr blow-up; no alarm on healthy
+    # 300-step runs, tests/test_causes.py) and OLMo's windowed 6-sigma score. ZClip's EMA z-score at its default
     # z = 2.5 flags ~1-2% of samples of a noisy but healthy series (tests/test_detectors.py),
     # fine for a dashboard, too often for an alert; use "ema|window" to page on both.
-    "DistgradGradNormSpike": {"severity": "warning", "for": "0s", "window": "10m", "detectors": "window"},
-    "DistgradLossSpike": {"severity": "warning", "for": "0s", "window": "10m", "detectors": "window"},
+    "DistgradGradNormSpike": {"severity": "warning", "for": "0s", "window": "10m", "detectors": "robust|window"},
+    "DistgradLossSpike": {"severity": "warning", "for": "0s", "window": "10m", "detectors": "robust|window"},
     "DistgradLossScaleCollapsed": {"severity": "critical", "for": "2m"},
     "DistgradRepeatedOverflow": {"severity": "warning", "for": "0s", "threshold": 5},
     # seconds since the last sampled step; must exceed sample_every x step time

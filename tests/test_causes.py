@@ -182,3 +182,45 @@ def test_majority_attribution_with_exact_checksums():
     assert replica_outliers([9.0, 7.0, 7.0, 7.0], 0.0) == [0]
     assert replica_outliers([7.0, 7.0 + 2 ** -40, 7.0], 0.0) == [1]
     assert replica_outliers([7.0, 9.0], 0.0) == [1]
+
+
+# ---------------------------------------------------------------------------- spikes that page
+#: the detectors the spike alerts page on (grafana/config.py ALERTS[...]["detectors"])
+PAGING = ("robust", "window")
+
+
+@pytest.mark.multirank
+def test_healthy_300_step_run_pages_nothing(causes):
+    """300 healthy DDP steps on 3 ranks: no paging detector fires on the loss or the grad
+    norm (ZClip's EMA test, which does not page, may)."""
+    c = _rank0(causes, "spike-healthy")
+    assert len(c["records"]) == 300
+    for series in ("loss", "grad_norm"):
+        assert {d: c["totals"][series][d] for d in PAGING} == {"robust": 0, "window": 0}, series
+    assert not any(d in PAGING for r in c["records"] for ds in r["fired"].values() for d in ds)
+
+
+@pytest.mark.multirank
+def test_one_rank_garbage_batch_pages_on_its_step_and_names_the_rank(causes):
+    """A quarter of rank 1's labels are wrong at step 150: the global loss about doubles
+    (checked), the robust detector flags exactly that step on the loss series (OLMo's window
+    test, inflated by the early descent in its window, does not), and the per-rank loss
+    (distgrad_loss_max_rank) names rank 1 on that step."""
+    c = _rank0(causes, "spike-garbage")
+    recs = {r["step"]: r for r in c["records"]}
+    assert 1.8 < recs[150]["loss"] / recs[149]["loss"] < 3.0
+    fired = {r["step"]: r["fired"] for r in c["records"] if r["fired"]}
+    assert fired == {150: {"loss": ["robust"]}}
+    assert recs[150]["loss_max_rank"] == 1
+    assert c["totals"]["loss"]["window"] == 0
+
+
+@pytest.mark.multirank
+def test_learning_rate_blow_up_pages_within_a_few_steps_early_in_a_run(causes):
+    """The learning rate is multiplied by 30 at step 20 (the window detector cannot test
+    before 128 samples): the robust detector flags the gradient norm within 5 steps, and not
+    before the blow-up."""
+    c = _rank0(causes, "spike-lr")
+    first = min(r["step"] for r in c["records"] if "robust" in r["fired"].get("grad_norm", []))
+    assert 20 <= first <= 25
+    assert not any(r["fired"] for r in c["records"] if r["step"] < 20)

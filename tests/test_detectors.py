@@ -83,8 +83,8 @@ def test_spike_injection_fires_once_at_the_step(seed):
         mon.update(v, step=1000 + i)
     assert ema_hits == [spike_at]
     assert win_hits == [spike_at]
-    assert mon.spikes == {"ema": 1, "window": 1}
-    assert mon.last_spike_step == {"ema": 1000 + spike_at, "window": 1000 + spike_at}
+    assert mon.spikes == {"ema": 1, "window": 1, "robust": 1}
+    assert mon.last_spike_step == {"ema": 1000 + spike_at, "window": 1000 + spike_at, "robust": 1000 + spike_at}
 
 
 def test_ema_spike_updates_with_boundary_value():

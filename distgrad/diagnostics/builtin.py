@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from distgrad.detectors import EmaZScoreDetector, SpikeMonitor, WindowSpikeDetector
+from distgrad.robust_spike import RobustJumpDetector
 from distgrad.diagnostics.base import Diagnostic, DiagnosticContext, register
 from distgrad.flight_recorder import FlightRecorder, provenance_from
 from distgrad.grouping import aggregate, group_keys, select_series, series_count
@@ -29,7 +30,8 @@ _LIST_CAP = 20
 
 @register
 class SpikeDiagnostic(Diagnostic):
-    """Spike detectors (:class:`SpikeMonitor`: ZClip's EMA z-score and OLMo's window test) on
+    """Spike detectors (:class:`SpikeMonitor`: ZClip's EMA z-score, OLMo's window test and the
+    robust jump test of :mod:`distgrad.robust_spike`, the one that pages) on
     the global grad norm and the loss; writes ``rec.spikes``. A skipped (fp16 overflow) step
     carries no usable value: it is never fed, so never re-reported."""
 
@@ -40,8 +42,10 @@ class SpikeDiagnostic(Diagnostic):
         super().__init__(ctx)
         c = ctx.config
         sp = c.spikes
+        ratio = {"grad_norm": sp.robust_grad_norm_ratio, "loss": sp.robust_loss_ratio}
         self.monitors = {s: SpikeMonitor(s, EmaZScoreDetector(sp.ema_alpha, sp.ema_z, sp.ema_warmup),
-                                         WindowSpikeDetector(sp.window, sp.window_sigma))
+                                         WindowSpikeDetector(sp.window, sp.window_sigma),
+                                         RobustJumpDetector(sp.robust_window, sp.robust_k, ratio[s], sp.robust_warmup))
                          for s in self.SERIES}
 
     def on_record(self, rec: StepRecord) -> None:
@@ -51,10 +55,12 @@ class SpikeDiagnostic(Diagnostic):
             res = mon.update(None if rec.overflow else value, step=rec.step)
             out.zscore[series] = {k: r.score for k, r in res.items()}
             out.total[series] = dict(mon.spikes)
-            if any(r.is_spike for r in res.values()):
+            fired = [k for k, r in res.items() if r.is_spike]
+            if fired:
                 out.flagged.append(series)
-                log.warning("distgrad: step %d: %s spike (%s = %.4g; z %s)", rec.step, series, series,
-                            value, {k: round(r.score, 2) for k, r in res.items()})
+                out.fired[series] = fired
+                log.warning("distgrad: step %d: %s spike (%s = %.4g; detector(s) %s; z %s)", rec.step, series, series,
+                            value, ", ".join(fired), {k: round(r.score, 2) for k, r in res.items()})
         rec.spikes = out
 
     def state_dict(self) -> dict[str, Any]:

@@ -52,7 +52,7 @@ class ComponentSpikeDiagnostic(Diagnostic):
         if m is None:
             sp = self.ctx.config.spikes
             m = self.monitors[name] = SpikeMonitor(name, EmaZScoreDetector(sp.ema_alpha, sp.ema_z, sp.ema_warmup),
-                                                   WindowSpikeDetector(sp.window, sp.window_sigma))
+                                                   WindowSpikeDetector(sp.window, sp.window_sigma), robust=False)
             if name in self._saved:
                 m.load_state_dict(self._saved.pop(name))
         return m

@@ -12,6 +12,8 @@ Cases (each returns JSON-able records of rank 0 and per-rank facts):
         spreads it to every rank.
   detached: DDP(find_unused_parameters=True) with an adapter added through a stray .detach():
         its parameters' gradients stay None on every rank.
+  spike-healthy / spike-garbage / spike-lr: 300 healthy steps; one rank's garbage batch at
+        step 150; a 30x learning-rate blow-up at step 20 (see :func:`spike_case`).
   flip: DDP with a comm hook that, after the all-reduce, flips the sign of one element of
         the reduced gradient on rank 2 at step 3 and one low mantissa bit on rank 0 at step 5.
 """
@@ -86,9 +88,9 @@ _TEACHER = torch.Generator().manual_seed(99)
 TEACHER = torch.randn(D_IN, CLASSES, generator=_TEACHER)
 
 
-def batch(step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, rank: int, micro: int = 0, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1_000_003 * step + 1009 * rank + micro)
-    x = torch.randn(BATCH, D_IN, generator=g)
+    x = torch.randn(size, D_IN, generator=g)
     return x, (x @ TEACHER).argmax(-1)
 
 
@@ -240,6 +242,35 @@ def detached_case(rank: int, world: int) -> dict:
     return {"records": recs, "none_grads": none_grads}
 
 
+def spike_case(mode: str, rank: int, world: int) -> dict:
+    """DDP, 64 samples per rank, SGD lr 0.05. ``healthy``: 300 steps. ``garbage``: at step 150
+    rank 1's batch has 16 of its 64 labels wrong (a corrupted shard: the global loss about
+    doubles). ``lr``: at step 20 the learning rate is multiplied by 30 (a scheduler bug)."""
+    model, opt = _ddp()
+    for g in opt.param_groups:
+        g["lr"] = 0.05
+    inst = distgrad.instrument(model, optimizer=opt, prometheus=False)
+    steps = {"healthy": 300, "garbage": 156, "lr": 30}[mode]
+    out = []
+    for step in range(steps):
+        if mode == "lr" and step == 20:
+            for g in opt.param_groups:
+                g["lr"] *= 30
+        x, y = batch(step, rank, size=64)
+        if mode == "garbage" and step == 150 and rank == 1:
+            y[:16] = (y[:16] + 2) % CLASSES
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        rec = inst.last_record
+        out.append({"step": rec.step, "loss": rec.loss, "grad_norm": rec.grad_norm, "fired": rec.spikes.fired,
+                    "loss_max_rank": rec.ranks.loss_max_rank if rec.ranks is not None else None})
+    totals = {s: dict(m.spikes) for s, m in inst.diagnostics.monitors.items()}
+    inst.close()
+    return {"records": out, "totals": totals}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -248,6 +279,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     jobs = [("nan", nan_case), ("flip", flip_case), ("detached", detached_case)]
+    jobs += [(f"spike-{m}", functools.partial(spike_case, m)) for m in ("healthy", "garbage", "lr")]
     want = None if args.cases == "all" else set(args.cases.split(","))
     results, t0 = {}, time.time()
     for key, fn in jobs:
