@@ -130,7 +130,7 @@ def test_dead_lora_adapters_zero_a_frozen(tmp_path):
     path = run(tmp_path, net=net, trainable=lambda n: n == "mid.lora_B")
     a = analyze(path)
     p = kinds(a)["dead_adapter"]
-    assert "mid.lora_B (no gradient)" in p.detail and "1 adapter parameter(s)" in p.detail
+    assert "mid.lora_B (zero gradient)" in p.detail and "1 adapter parameter(s)" in p.detail
     assert "what to do" in p.detail and "runbook.md#verdict-dead-adapter" in p.detail
 
 

@@ -119,6 +119,7 @@ class VerdictChecks:
         self._map = np.zeros(0, np.int64)
         self._seen = np.zeros(0, np.int64)           # records that listed the parameter
         self._had_grad = np.zeros(0, bool)           # a finite non-zero gradient at some step
+        self._present = np.zeros(0, bool)            # a gradient (not None) at some step
         self._quiet_since = np.zeros(0, np.int64)    # step the current no/vanishing-gradient run began, -1 none
         self._quiet_n = np.zeros(0, np.int64)
         self._ur_seen = np.zeros(0, np.int64)
@@ -142,6 +143,7 @@ class VerdictChecks:
             if grow:
                 self._seen = np.pad(self._seen, (0, grow))
                 self._had_grad = np.pad(self._had_grad, (0, grow))
+                self._present = np.pad(self._present, (0, grow))
                 self._quiet_since = np.pad(self._quiet_since, (0, grow), constant_values=-1)
                 self._quiet_n = np.pad(self._quiet_n, (0, grow))
                 self._ur_seen = np.pad(self._ur_seen, (0, grow))
@@ -225,6 +227,7 @@ class VerdictChecks:
         quiet = (numel == 0) | (finite & (norm <= self.vanish_threshold))
         self._seen[j] += 1
         self._had_grad[j] |= has
+        self._present[j] |= numel > 0
         qs = self._quiet_since[j]
         self._quiet_since[j] = np.where(quiet, np.where(qs < 0, step, qs), -1)
         self._quiet_n[j] = np.where(quiet, self._quiet_n[j] + 1, 0)
@@ -244,7 +247,8 @@ class VerdictChecks:
         adapter = np.array([bool(_ADAPTER.search(n)) for n in self._names], bool)
 
         def listing(sel: np.ndarray) -> str:
-            picked = [f"{n} ({'no update' if frozen[k] else 'no gradient'})" for k, n in zip(np.nonzero(sel)[0], names[sel])]
+            why = lambda k: "no update" if frozen[k] else "zero gradient" if self._present[k] else "no gradient"
+            picked = [f"{n} ({why(k)})" for k, n in zip(np.nonzero(sel)[0], names[sel])]
             more = f" and {len(picked) - 5} more" if len(picked) > 5 else ""
             return ", ".join(picked[:5]) + more
 
