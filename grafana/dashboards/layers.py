@@ -31,6 +31,9 @@ def build() -> Dashboard:
            queries((f"distgrad_layer_grad_nonfinite{{{L}}}", "{{layer}}")), 12, 8, bars=True, min_=0, th=RED_IF_ANY),
         table("Non-finite parameters (last non-finite step)", "Elements per (parameter, rank shard).",
               f"distgrad_nonfinite_params{{{S}}}", 12, 8),
+        table("Culprit ranks (last non-finite step)", "Ranks whose own loss or gradient was NaN/Inf before the "
+              "reduction (source loss / grad): where the NaN came from; the shard table shows where it landed.",
+              f"distgrad_nonfinite_culprit{{{S}}}", 12, 8),
         ts("Zero-gradient ratio per layer", "",
            queries((f"distgrad_layer_grad_zero_ratio{{{L}}}", "{{layer}}")), 12, 8, min_=0, max_=1),
         ts("Abs-max headroom per layer", "Largest |gradient| over the largest finite value of the training dtype; 100% = overflow.",
