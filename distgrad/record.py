@@ -494,7 +494,9 @@ class StepRecord:
         """
         kw = dict(d)
         if isinstance(kw.get("extra"), dict):
-            kw.update(_from_extra(kw.pop("extra")))
+            from distgrad.record_compat import from_extra
+
+            kw.update(from_extra(kw.pop("extra")))
         kw["params"] = ParamStats.from_dict(d["params"])
         for k, part in _PARTS.items():
             v = kw.get(k)
@@ -504,35 +506,6 @@ class StepRecord:
         return cls(**{k: v for k, v in kw.items() if k in names})
 
 
-_SERIES = ("grad_norm", "loss")
-_AGG_KEYS = ("layer_norm", "layer_nonfinite", "layer_zero_ratio", "layer_headroom", "module_kind_norm")
-
-
-def _from_extra(x: dict[str, Any]) -> dict[str, Any]:
-    """The typed fields (in their dict form) of a schema-1 record's ``extra`` object."""
-    kw: dict[str, Any] = {k: x[k] for k in ("grad_dtype", "grad_scale", "headroom", "replica_mismatch_rank",
-                                            "update_ratio", "nonfinite_params", "provenance",
-                                            "nonfinite_event", "flight_recorder_report", "unsampled_nonfinite")
-                                           if k in x}
-    if "spikes" in x or any(f"{s}_{k}" in x for s in _SERIES for k in ("zscore", "spikes_total")):
-        kw["spikes"] = {"flagged": list(x.get("spikes") or []),
-                        "zscore": {s: x[f"{s}_zscore"] for s in _SERIES if f"{s}_zscore" in x},
-                        "total": {s: x[f"{s}_spikes_total"] for s in _SERIES if f"{s}_spikes_total" in x}}
-    if any(k in x for k in ("vanishing_params", "exploding_params", "vanishing", "exploding")):
-        van, exp = list(x.get("vanishing") or []), list(x.get("exploding") or [])
-        kw["health"] = {"n_vanishing": int(x.get("vanishing_params", len(van))),
-                        "n_exploding": int(x.get("exploding_params", len(exp))), "vanishing": van, "exploding": exp}
-    if "clip_ratio" in x:
-        kw["clip"] = {"ratio": x["clip_ratio"], "post_clip_norm": x.get("post_clip_norm", float("nan"))}
-    if any(k in x for k in (*_AGG_KEYS, "exported_params")):
-        kw["aggregates"] = {**{k: x.get(k) or {} for k in _AGG_KEYS}, "exported_params": x.get("exported_params")}
-    if "consecutive_overflow_steps" in x or "loss_scale_at_minimum" in x:
-        kw["scaler"] = {"consecutive_overflow_steps": int(x.get("consecutive_overflow_steps", 0)),
-                        "loss_scale_at_minimum": bool(x.get("loss_scale_at_minimum", 0))}
-    return kw
-
-
-# the loss-analysis parts (distgrad/record_loss.py), registered here so that every record reads them
 from distgrad.record_loss import LossComponents, LossTrend, RankStats, TokenLossStats  # noqa: E402
 
 _PARTS.update(ranks=RankStats, loss_components=LossComponents, token_loss=TokenLossStats, loss_trend=LossTrend)

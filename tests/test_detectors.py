@@ -9,9 +9,9 @@ from distgrad.detectors import (
     DETECTOR_LABELS,
     DetectorResult,
     EmaZScoreDetector,
-    SpikeMonitor,
     WindowSpikeDetector,
 )
+from distgrad.spike_monitor import SpikeMonitor
 
 
 def healthy_series(seed: int, n: int = 400) -> np.ndarray:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from distgrad.config import DistgradConfig
-from distgrad.detectors import SpikeMonitor
+from distgrad.spike_monitor import SpikeMonitor
 from distgrad.diagnostics.base import REGISTRY, Diagnostic, DiagnosticContext, register
 from distgrad.diagnostics.builtin import (AggregatesDiagnostic, ClipDiagnostic, HealthDiagnostic,
                                           ProvenanceDiagnostic, SpikeDiagnostic, TracerDiagnostic)

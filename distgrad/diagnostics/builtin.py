@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from distgrad.detectors import EmaZScoreDetector, SpikeMonitor, WindowSpikeDetector
+from distgrad.detectors import EmaZScoreDetector, WindowSpikeDetector
+from distgrad.spike_monitor import SpikeMonitor
 from distgrad.robust_spike import RobustJumpDetector
 from distgrad.diagnostics.base import Diagnostic, DiagnosticContext, register
 from distgrad.flight_recorder import FlightRecorder, provenance_from

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from distgrad.detectors import EmaZScoreDetector, SpikeMonitor, WindowSpikeDetector
+from distgrad.detectors import EmaZScoreDetector, WindowSpikeDetector
+from distgrad.spike_monitor import SpikeMonitor
 from distgrad.diagnostics.base import Diagnostic, DiagnosticContext, register
 from distgrad.loss_trend import TrendTracker
 from distgrad.record import StepRecord
