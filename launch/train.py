@@ -286,25 +286,6 @@ class DeepSpeedRunner:
     def start(self) -> None:
         """Nothing to do: DeepSpeed clips inside its step, after distgrad has read."""
 
-    def _clip_tp(self) -> None:
-        """Global-norm clipping with parameters on the 2-D mesh and on its ``dp`` sub-mesh: each
-        local block's sum of squares divided by its number of copies (``Replicate`` dimensions,
-        and the ``tp`` ranks for sub-mesh parameters), one all-reduce, then scale in place."""
-        world = torch.distributed.get_world_size()
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        for g in grads:
-            mesh = g.device_mesh
-            copies = world // mesh.size()
-            for d, pl in enumerate(g.placements):
-                copies *= mesh.size(d) if pl.is_replicate() else 1
-            total += g.to_local().double().pow(2).sum() / copies
-        torch.distributed.all_reduce(total)
-        self.clip_norm = float(total.sqrt())  # printed beside distgrad's grad_norm (a cross-check)
-        coef = torch.clamp(self.clip / (total.sqrt() + 1e-6), max=1.0)
-        for g in grads:
-            g.to_local().mul_(coef.to(g.dtype))
-
     def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool) -> torch.Tensor:
         loss = self.engine(x, y)
         self.engine.backward(loss)
