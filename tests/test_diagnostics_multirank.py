@@ -47,9 +47,9 @@ def test_spike_fires_each_detector_once_and_nan_does_not_poison(diag_results):
     spiking = [s for s, rec in r.items() if rec["spikes"]]
     assert spiking == [145], spiking  # after the NaN (130) and Inf (135): detection still works
     assert r[145]["spikes"] == ["grad_norm"]  # the loss did not spike
-    assert r[144]["grad_norm_spikes_total"] == {"ema": 0, "window": 0}
-    assert r[159]["grad_norm_spikes_total"] == {"ema": 1, "window": 1}
-    assert r[159]["loss_spikes_total"] == {"ema": 0, "window": 0}
+    assert r[144]["grad_norm_spikes_total"] == {"ema": 0, "window": 0, "robust": 0}
+    assert r[159]["grad_norm_spikes_total"] == {"ema": 1, "window": 1, "robust": 1}  # the paging one too
+    assert r[159]["loss_spikes_total"] == {"ema": 0, "window": 0, "robust": 0}
     assert r[145]["grad_norm"] == pytest.approx(100 * r[144]["grad_norm"], rel=0.05)
 
 
