@@ -42,6 +42,18 @@ def batch_for(step: int, micro: int, rank: int, batch: int = 3) -> tuple[torch.T
     return x, y
 
 
+def pieces_match(full: dict, pieces, offsets, names) -> int:
+    """Number of parameters whose local piece is not ``full[name][start:start+numel]``."""
+    bad = 0
+    for name, piece, off in zip(names, pieces, offsets):
+        if off is None:
+            bad += int(piece is not None and piece.numel() > 0)
+        else:
+            s, n = off
+            bad += int(piece is None or piece.numel() != n or not torch.equal(full[name][s:s + n], piece.double()))
+    return bad
+
+
 def full_stats(grads: dict[str, torch.Tensor | None]) -> dict[str, dict[str, float]]:
     """Reference statistics of full gradients, each computed directly in float64 with torch
     (a different code path from distgrad's packed sufficient statistics)."""

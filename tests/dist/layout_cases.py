@@ -53,7 +53,7 @@ from distgrad import stats
 from distgrad.engines.base import Ownership
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import HostSyncs, TinyModel, batch_for, full_stats, reference_b  # noqa: E402
+from common import HostSyncs, TinyModel, batch_for, full_stats, pieces_match, reference_b  # noqa: E402
 
 CPU = torch.device("cpu")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast",
@@ -329,17 +329,6 @@ def wrap(layout: str, rank: int):
     return w, flat_gather, rank, 4, ref
 
 
-def _pieces_match(full, pieces, offsets, names) -> int:
-    bad = 0
-    for name, piece, off in zip(names, pieces, offsets):
-        if off is None:
-            bad += int(piece is not None and piece.numel() > 0)
-        else:
-            s, n = off
-            bad += int(piece is None or piece.numel() != n or not torch.equal(full[name][s:s + n], piece.double()))
-    return bad
-
-
 class _Log(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -408,7 +397,7 @@ def run_case(layout: str, rank: int) -> dict:
         full = gather()
         refs.append(full_stats(full))
         if not tp:
-            t = torch.tensor([_pieces_match(full, src.local_pieces(), src.local_offsets(), src.names)])
+            t = torch.tensor([pieces_match(full, src.local_pieces(), src.local_offsets(), src.names)])
             dist.all_reduce(t)
             offset_mismatches.append(int(t))
     opt.register_step_pre_hook(capture)

@@ -51,7 +51,7 @@ import distgrad
 from distgrad import stats
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import (ATTR_GAS, LA_GAS, LA_SOURCES, TinyLM, TinyModel, batch_for, full_stats,  # noqa: E402
+from common import (ATTR_GAS, LA_GAS, LA_SOURCES, TinyLM, TinyModel, batch_for, full_stats, pieces_match,  # noqa: E402
                     loss_analysis_loop, loss_attribution_loop, reference_b)
 
 ENGINES = ("ddp", "fsdp1-orig-full", "fsdp1-orig-sgo", "fsdp1-flat-full", "fsdp1-flat-sgo", "fsdp2")
@@ -133,18 +133,6 @@ def wrap(engine: str, model: TinyModel, dtype: str):
     raise ValueError(engine)
 
 
-def _pieces_match(full: dict, pieces, offsets, names) -> int:
-    """Number of parameters whose local piece is not ``full[name][start:start+numel]``."""
-    bad = 0
-    for name, piece, off in zip(names, pieces, offsets):
-        if off is None:
-            bad += int(piece is not None and piece.numel() > 0)
-        else:
-            s, n = off
-            bad += int(piece is None or piece.numel() != n or not torch.equal(full[name][s:s + n], piece.double()))
-    return bad
-
-
 def fresh_model(dtype: str) -> tuple[TinyModel, nn.Module]:
     torch.manual_seed(1234)
     model = TinyModel()
@@ -179,8 +167,8 @@ def run_case(engine: str, dtype: str, gas: int, sync: bool, rank: int, world: in
         weights_before.append(wfull)
         # every rank: its gradient and weight pieces are the full tensors at local_offsets()
         offs = src.local_offsets()
-        bad = _pieces_match(full, src.local_pieces(), offs, src.names)
-        bad += _pieces_match(wfull, src.local_param_pieces(), offs, src.names)
+        bad = pieces_match(full, src.local_pieces(), offs, src.names)
+        bad += pieces_match(wfull, src.local_param_pieces(), offs, src.names)
         t = torch.tensor([bad])
         dist.all_reduce(t)
         offset_mismatches.append(int(t))
