@@ -45,14 +45,16 @@ def instrument_state(inst: "Instrument") -> dict[str, Any]:
     Returns:
         ``{"format": "distgrad-instrument", "version": 1, "n_params": P, "counters": {name: int},
         "consecutive_overflow_steps": int, "replica_mismatch_rank": int, "diagnostics":
-        Diagnostics.state_dict() | None}``, JSON-serialisable (NaN as a float where a detector
+        Diagnostics.state_dict() | None, "signals": {signal name: state}}`` (the packed
+        signals' states, :mod:`distgrad.signals`), JSON-serialisable (NaN as a float where a detector
         has no statistics yet).
     """
     d = inst.diagnostics
     return {"format": FORMAT, "version": VERSION, "n_params": len(inst.names),
             "counters": dict(inst.counters), "consecutive_overflow_steps": inst._consecutive_overflow,
             "replica_mismatch_rank": inst._replica_mismatch_rank,
-            "diagnostics": d.state_dict() if d is not None else None}
+            "diagnostics": d.state_dict() if d is not None else None,
+            "signals": inst.signals.state_dict()}
 
 
 def load_instrument_state(inst: "Instrument", state: dict[str, Any]) -> None:
@@ -76,6 +78,7 @@ def load_instrument_state(inst: "Instrument", state: dict[str, Any]) -> None:
                          f"tensors, this one has {len(inst.names)}: restore it into the same model")
     if inst.diagnostics is not None and state.get("diagnostics"):
         inst.diagnostics.load_state_dict(state["diagnostics"])
+    inst.signals.load_state_dict(state.get("signals") or {})
     inst.counters.update({k: int(v) for k, v in state.get("counters", {}).items() if k in inst.counters})
     inst._consecutive_overflow = int(state.get("consecutive_overflow_steps", 0))
     inst._replica_mismatch_rank = int(state.get("replica_mismatch_rank", -1))

@@ -36,6 +36,7 @@ from distgrad.config import DistgradConfig
 from distgrad.engines.base import GradSource
 from distgrad.instrument_surface import InstrumentSurface
 from distgrad.loss import LossTracker, StepLoss, split as split_loss
+from distgrad.signals import SignalPack, build as build_signals
 from distgrad.record import ScalerState, StepRecord, UnsampledNonfinite
 from distgrad.sinks.base import Sink
 from distgrad.step import StepOutcome, StepToken
@@ -140,6 +141,9 @@ class Instrument(InstrumentSurface):
         self.async_records = mode == "on" or (mode == "auto" and self._device_type() == "cuda")
         self._parked: dict[str, Any] | None = None  # the sampled step waiting for its host copy
         self.local_grad_check: LocalGradCheck | None = None  # culprit rank: local grads before reduction
+        #: the packed signals (distgrad.signals) riding in the step's two collectives; decided
+        #: here from the configuration (same on every rank); raises a configuration error
+        self.signals = build_signals(self)
 
     def _device_type(self) -> str:
         try:
@@ -229,7 +233,9 @@ class Instrument(InstrumentSurface):
             sum_block, max_block = pack_local(pieces, self.layout, self.rank, device, fingerprint,
                                               step_loss.sum, count, culprit_flags(step_loss.sum, grad_flag, device))
             loss_sum, loss_max = self.loss.block(step_loss, self.rank, device, self.loss_reduction)
-            sum_block, max_block = torch.cat([sum_block, loss_sum]), torch.cat([max_block, loss_max])
+            sig_sum, sig_max = self.signals.block(self, pieces, device)
+            sum_block = torch.cat([sum_block, loss_sum, sig_sum])
+            max_block = torch.cat([max_block, loss_max, sig_max])
         except _Refused:  # join the collectives with the "refused" flag: every rank drops the step
             sum_block, max_block = self._error_blocks(device)
             code = REFUSAL_REASONS.index(refuse) if refuse in REFUSAL_REASONS else 0
@@ -256,10 +262,11 @@ class Instrument(InstrumentSurface):
             return None
 
     def _error_blocks(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """:func:`error_blocks` plus the identity of the per-rank loss block."""
+        """:func:`error_blocks` plus the identities of the per-rank loss block and the signals."""
         sum_block, max_block = error_blocks(self.layout, self.rank, device)
         loss_sum, loss_max = self.loss.block(None, self.rank, device, self.loss_reduction)
-        return torch.cat([sum_block, loss_sum]), torch.cat([max_block, loss_max])
+        sig_sum, sig_max = self.signals.block(self, None, device)
+        return torch.cat([sum_block, loss_sum, sig_sum]), torch.cat([max_block, loss_max, sig_max])
 
     def pieces(self, local: Any) -> list[torch.Tensor | None]:
         """The source's per-parameter pieces at the positions of :attr:`names` (the job view
@@ -305,6 +312,8 @@ class Instrument(InstrumentSurface):
         at the next boundary (returns None). Never raises."""
         try:
             self.account(overflow, step_applied, samples)
+            if self.signals:
+                self.signals.after_step(self, step_applied)
             if host is None:
                 self._publish_counters()
                 return None
@@ -348,6 +357,8 @@ class Instrument(InstrumentSurface):
         None to make that all-reduce now (synchronous)."""
         step, micro_step, grad_scale, loss_scale, overflow, step_applied = args
         host = self._fold_watch(step, host)  # sets self._unsampled for _build
+        host, sig_sum, sig_max = SignalPack.split(host, self.layout.sum_size + self.loss.sum_size,
+                                                  self.signals.sum_size, self.signals.max_size)
         host, loss_sum, loss_max = split_loss(host, self.layout.sum_size, self.loss.sum_size, self.loss.max_size)
         red = unpack(host, self.layout, self.names, grad_scale)
         if red.rank_error.sum():
@@ -365,6 +376,8 @@ class Instrument(InstrumentSurface):
         rec = self._build(step, micro_step, red, grad_scale, loss_scale, overflow, step_applied,
                           local_nonfinite if collectives else None)
         rec.ranks, rec.loss_components, rec.token_loss = self.loss.unpack(loss_sum, loss_max)
+        if self.signals:
+            self.signals.finish(self, rec, sig_sum, sig_max, grad_scale)
         if self.config.statistics.update_ratio:
             host_sums = (update_ratio_sums(self, len(rec.params.names)).cpu().numpy() if ratio is None
                          else ratio.wait())

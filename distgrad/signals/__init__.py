@@ -1,0 +1,229 @@
+"""Packed signals: statistics beyond the core per-parameter columns that ride in the sampled
+step's existing two collectives (the SUM and the MAX all-reduce) and its one host copy.
+
+A signal (:class:`PackedSignal`) contributes, on every rank and every sampled step, a float64
+SUM part and a float64 MAX part computed on the device from this rank's gradient pieces (and
+whatever else the rank holds next to them: optimizer state shards, a kept copy of the previous
+gradient); after the reduction it turns its reduced parts into a typed record part on the host.
+Sums of counts, sums and sums of products are exact under any sharding as long as each element
+is counted once, which the pieces handed to :meth:`PackedSignal.local` guarantee (this rank's
+owned share, :class:`~distgrad.engines.base.Ownership`).
+
+Every rank must build the same signals with the same sizes (they are decided once, at
+``instrument()``, from the configuration and the parameter list, never from rank-local state),
+so the packed tensors have the same length on every rank.
+
+A signal registers a factory with :func:`register`; :func:`build` calls every factory at
+``instrument()`` time. A factory returns None when the signal is switched off, and raises
+:class:`~distgrad.config.ConfigError` (or ``ValueError``) naming the key for a configuration it
+cannot serve (this is the "clear error at instrument() time" path).
+
+Failure handling: each signal's SUM part is prefixed by one failure slot. A rank whose
+:meth:`PackedSignal.local` raises contributes the identities (0 for SUM, -inf for MAX) with the
+slot set to 1 and counts an internal error; after the reduction a signal whose slot is non-zero
+is skipped for that step (its record part stays None: nothing is exported that a rank could not
+vouch for), on every rank alike.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+log = logging.getLogger("distgrad")
+
+__all__ = ["PackedSignal", "SignalPack", "register", "build", "FACTORIES"]
+
+
+class PackedSignal(abc.ABC):
+    """One statistic carried in the sampled step's two collectives.
+
+    Subclasses set :attr:`name` (short, snake_case; used in error messages and the
+    ``distgrad_internal_errors`` log) and the two sizes, fixed at construction.
+    """
+
+    #: short name, e.g. ``"grad_histogram"``
+    name: str = "signal"
+
+    @property
+    @abc.abstractmethod
+    def sum_size(self) -> int:
+        """Number of float64 elements of the SUM part (without the failure slot)."""
+
+    @property
+    def max_size(self) -> int:
+        """Number of float64 elements of the MAX part (default 0)."""
+        return 0
+
+    @abc.abstractmethod
+    def local(self, inst: Any, pieces: Sequence[torch.Tensor | None],
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's contribution, on ``device``, with no host synchronisation.
+
+        Args:
+            inst: the :class:`~distgrad.Instrument` (``inst.names``, ``inst.source``,
+                ``inst.own``, ``inst.config``, ``inst.rank``, ``inst.world_size``).
+            pieces: length ``len(inst.names)``; per parameter the 1-D piece of the (still
+                loss-scaled, see ``grad_scale`` in :meth:`finish`) gradient this rank counts,
+                or None.
+            device: the device of the packed tensors.
+
+        Returns:
+            ``(sum_part, max_part)``: float64 1-D tensors of :attr:`sum_size` and
+            :attr:`max_size` elements (``max_part`` may be None when ``max_size`` is 0).
+        Raises:
+            anything: caught by :class:`SignalPack` (counted; the step's signal is dropped).
+        """
+
+    def after_step(self, inst: Any, step_applied: bool) -> None:
+        """Called on every rank after the optimizer step of a sampled step (device work only,
+        no collective, no host sync), e.g. to keep a copy of the update. Default: nothing."""
+
+    @abc.abstractmethod
+    def finish(self, inst: Any, rec: Any, sum_part: np.ndarray, max_part: np.ndarray,
+               grad_scale: float) -> None:
+        """Host side: write the record part from the reduced parts (float64 numpy arrays of
+        :attr:`sum_size` / :attr:`max_size` elements). ``grad_scale``: the factor the reduced
+        gradient pieces still carried (the loss scale under fp16, else 1.0); divide by it."""
+
+    def state_dict(self) -> dict | None:
+        """JSON-serialisable state to checkpoint (e.g. an EMA), or None (default)."""
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+
+
+#: factory(inst) -> PackedSignal | None, in registration order (the order of the parts in the pack)
+FACTORIES: list[tuple[str, Callable[[Any], "PackedSignal | None"]]] = []
+
+
+def register(name: str) -> Callable[[Callable[[Any], "PackedSignal | None"]], Callable[[Any], "PackedSignal | None"]]:
+    """Decorator registering a signal factory under ``name`` (import the module in
+    ``distgrad/signals/builtin.py`` so it is registered)."""
+    def deco(fn: Callable[[Any], "PackedSignal | None"]) -> Callable[[Any], "PackedSignal | None"]:
+        if any(n == name for n, _ in FACTORIES):
+            raise ValueError(f"signal {name!r} registered twice")
+        FACTORIES.append((name, fn))
+        return fn
+    return deco
+
+
+class SignalPack:
+    """The signals of one :class:`~distgrad.Instrument`, and their place in the packed tensors.
+
+    SUM part: for each signal ``[failure slot, sum part...]``; MAX part: each signal's max part.
+    The pack is appended after the loss block (see :meth:`Instrument.collect`); :meth:`split`
+    takes it off the reduced host array again.
+    """
+
+    def __init__(self, signals: Sequence[PackedSignal]) -> None:
+        self.signals = list(signals)
+
+    @property
+    def sum_size(self) -> int:
+        return sum(1 + s.sum_size for s in self.signals)
+
+    @property
+    def max_size(self) -> int:
+        return sum(s.max_size for s in self.signals)
+
+    def __bool__(self) -> bool:
+        return bool(self.signals)
+
+    def block(self, inst: Any, pieces: Sequence[torch.Tensor | None] | None,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``(sum [sum_size], max [max_size])``; ``pieces`` None: identities without
+        failure flags (the step is refused or failed as a whole and dropped anyway)."""
+        sums: list[torch.Tensor] = []
+        maxes: list[torch.Tensor] = []
+        for sig in self.signals:
+            s = m = None
+            failed = False
+            if pieces is not None:
+                try:
+                    s, m = sig.local(inst, pieces, device)
+                    s = s.to(device=device, dtype=torch.float64).reshape(-1)
+                    m = (torch.zeros(0, dtype=torch.float64, device=device) if m is None
+                         else m.to(device=device, dtype=torch.float64).reshape(-1))
+                    if s.numel() != sig.sum_size or m.numel() != sig.max_size:
+                        raise ValueError(f"signal {sig.name}: parts of {s.numel()}/{m.numel()} elements, "
+                                         f"expected {sig.sum_size}/{sig.max_size}")
+                except Exception:  # noqa: BLE001 - counted; identities with the failure flag
+                    inst._internal_error(f"signal {sig.name}")
+                    s = m = None
+                    failed = True
+            if s is None:
+                s = torch.zeros(sig.sum_size, dtype=torch.float64, device=device)
+                m = torch.full((sig.max_size,), -float("inf"), dtype=torch.float64, device=device)
+            flag = torch.full((1,), 1.0 if failed else 0.0, dtype=torch.float64, device=device)
+            sums += [flag, s]
+            maxes.append(m)
+        empty = torch.zeros(0, dtype=torch.float64, device=device)
+        return (torch.cat(sums) if sums else empty), (torch.cat(maxes) if maxes else empty)
+
+    def after_step(self, inst: Any, step_applied: bool) -> None:
+        """:meth:`PackedSignal.after_step` of each signal; failures are counted, never raised."""
+        for sig in self.signals:
+            try:
+                sig.after_step(inst, step_applied)
+            except Exception:  # noqa: BLE001
+                inst._internal_error(f"signal {sig.name} after the step")
+
+    def finish(self, inst: Any, rec: Any, sum_part: np.ndarray, max_part: np.ndarray, grad_scale: float) -> None:
+        """Each signal's :meth:`PackedSignal.finish` on its reduced parts; a signal a rank
+        failed on is skipped for this step; failures are counted, never raised."""
+        i = j = 0
+        for sig in self.signals:
+            flag = sum_part[i]
+            s = sum_part[i + 1:i + 1 + sig.sum_size]
+            m = max_part[j:j + sig.max_size]
+            i += 1 + sig.sum_size
+            j += sig.max_size
+            if flag != 0:
+                continue
+            try:
+                sig.finish(inst, rec, s, m, grad_scale)
+            except Exception:  # noqa: BLE001
+                inst._internal_error(f"signal {sig.name} on the host")
+
+    @staticmethod
+    def split(host: np.ndarray, sum_before: int, sum_size: int, max_size: int
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Take the pack off the reduced host array ``[SUM before, pack SUM, MAX before, pack
+        MAX]`` (``sum_before``: length of the SUM elements before the pack): returns
+        ``([SUM before, MAX before], pack SUM, pack MAX)``."""
+        end = len(host) - max_size
+        rest = np.concatenate([host[:sum_before], host[sum_before + sum_size:end]])
+        return rest, host[sum_before:sum_before + sum_size], host[end:]
+
+    def state_dict(self) -> dict:
+        """Per signal name, its :meth:`PackedSignal.state_dict` (None entries omitted)."""
+        out = {}
+        for sig in self.signals:
+            st = sig.state_dict()
+            if st is not None:
+                out[sig.name] = st
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        for sig in self.signals:
+            if sig.name in state:
+                sig.load_state_dict(state[sig.name])
+
+
+def build(inst: Any) -> SignalPack:
+    """Call every registered factory (after importing the built-in signals); raises what a
+    factory raises (a configuration error at ``instrument()`` time)."""
+    from distgrad.signals import builtin  # noqa: F401 - registers the built-in signals
+
+    signals = []
+    for _name, factory in FACTORIES:
+        sig = factory(inst)
+        if sig is not None:
+            signals.append(sig)
+    return SignalPack(signals)

@@ -1,0 +1,4 @@
+"""Imports the built-in packed signals so that their factories are registered (in this order,
+which is their order in the packed tensors)."""
+
+from __future__ import annotations
