@@ -44,10 +44,11 @@ metric; ``Metric.series()`` is the series of one metric per value of its scope l
   ``distgrad_param_grad_nonfinite{kind=nan|inf}`` (2); ``+UPDATE_RATIO_SERIES`` (1,
   ``distgrad_param_update_ratio``) when the update-ratio option is on;
 * ``L``: layer groups (layer-granularity keys, LoRA groups included);
-  ``LAYER_SERIES = 4``: ``distgrad_layer_grad_{norm, nonfinite, zero_ratio, headroom_ratio}``;
+  ``LAYER_SERIES = 5``: ``distgrad_layer_grad_{norm, nonfinite, zero_ratio, headroom_ratio,
+  underflow_ratio}`` (the last with ``histogram.enabled`` only; counted always);
 * ``K``: module-kind groups (kind-granularity keys); ``KIND_SERIES = 1``
   (``distgrad_module_kind_grad_norm``);
-* ``GLOBAL_SERIES = 165``: the catalogue's metrics of a fixed or capped series count (160 today:
+* ``GLOBAL_SERIES = 167``: the catalogue's metrics of a fixed or capped series count (162 today:
   unlabelled ones, the three-valued ``detector`` families, ``distgrad_sink_errors_total{sink}``
   for its 4 sinks, ``distgrad_refused_steps_total{reason}`` for its 3 reasons,
   ``distgrad_nonfinite_params`` capped at 20, ``distgrad_nonfinite_culprit`` capped at 8, the loss components (3 x 8, and 8 x 2 spike
@@ -57,10 +58,10 @@ metric; ``Metric.series()`` is the series of one metric per value of its scope l
 
 The default budget is :data:`DEFAULT_SERIES_BUDGET` ``= 2000`` and the default ``top_k`` is
 :data:`DEFAULT_TOP_K` ``= 100``. Example, LLaMA-70B (723 tensors, 80 blocks): L = 83 (80 blocks +
-embed, norm, head), K = 10, fixed part 4*83 + 10 + 165 = 507, so at most
-floor((2000 - 507) / 10) = 149 parameters can have per-parameter series; with the default
-top-k, 10*100 + 507 = 1507 series, and a step with many non-finite parameters is capped at
-10*149 + 507 = 1997.
+embed, norm, head), K = 10, fixed part 5*83 + 10 + 167 = 592, so at most
+floor((2000 - 592) / 10) = 140 parameters can have per-parameter series; with the default
+top-k, 10*100 + 592 = 1592 series, and a step with many non-finite parameters is capped at
+10*140 + 592 = 1992.
 """
 
 from __future__ import annotations
@@ -275,7 +276,7 @@ def select_series(
     Rule: every parameter with a non-finite element (``nan + inf > 0``) or a non-finite norm is
     kept, those with the most non-finite elements first (ties: parameter order); then the
     ``top_k`` largest finite norms among the others (ties: parameter order). The total is capped
-    at the budget's capacity ``floor((budget - 4 L - K - G) / 10)`` (module docstring), with L and
+    at the budget's capacity ``floor((budget - 5 L - K - G) / 10)`` (module docstring), with L and
     K the layer and module-kind groups of ``stats.names``, so that
     ``series_count(P, L, K, result) <= budget`` always holds.
 

@@ -92,6 +92,7 @@ CONDITIONS: dict[str, str] = {
     "nonfinite": "after the first non-finite step; kept after the streak ends",
     "components": "after a sampled step whose loop passed `components=` to `observe_loss`",
     "tokens": "after a sampled step whose loop passed per-token losses (or logits and labels) to `observe_loss`",
+    "histogram": "`histogram.enabled: true`, after a sampled step",
     "data_time": "after a sampled step whose data time is known on some rank (the boundary sees the forward: "
                  "PyTorch models with `optimizer=`, DeepSpeed engines; or the loop calls `observe_data_time`)",
 }
@@ -285,11 +286,21 @@ CATALOGUE: tuple[Metric, ...] = (
     _g("distgrad_param_grad_headroom_ratio", "ratio", "max |g| over the largest finite value of the training dtype.",
        "per_param", _P, doc="abs max / largest finite value of the training dtype (1 = overflow)"),
     _g("distgrad_param_update_ratio", "ratio", "||dw|| / ||w|| of the last applied step.", "update_ratio", _P),
+    # --- gradient value distribution (histogram.enabled; per layer below) ----------------------
+    _g("distgrad_grad_underflow_ratio", "ratio", "Fraction of all gradient elements that are non-zero but below "
+       "the smallest normal value of the training dtype (as held, loss-scaled).", "histogram",
+       doc="`distgrad_layer_grad_underflow_ratio` over the whole model"),
+    _g("distgrad_grad_zero_ratio", "ratio", "Fraction of all gradient elements exactly 0.", "histogram"),
     # --- per layer / module kind ------------------------------------------------------------
     _g("distgrad_layer_grad_norm", "grad", "Root-sum-square of the layer's parameter grad norms.", labels=("layer",)),
     _g("distgrad_layer_grad_nonfinite", "elements", "NaN+Inf gradient elements in the layer.", labels=("layer",)),
     _g("distgrad_layer_grad_zero_ratio", "ratio", "Fraction of exact-zero elements in the layer.", labels=("layer",)),
     _g("distgrad_layer_grad_headroom_ratio", "ratio", "Max headroom ratio over the layer.", labels=("layer",)),
+    _g("distgrad_layer_grad_underflow_ratio", "ratio", "Fraction of the layer's gradient elements that are non-zero "
+       "but below the smallest normal value of the training dtype (as held, loss-scaled).", "histogram", ("layer",),
+       doc="fraction of the layer's gradient elements with `0 < |g| < tiny`, `tiny` the smallest normal value of "
+           "the training dtype (`histogram.dtype`; 2^-14 for fp16, 2^-126 for bf16/fp32), compared with the gradient "
+           "as held, i.e. loss-scaled under fp16: subnormal in that dtype, or lost to 0 (see docs/signals.md)"),
     _g("distgrad_module_kind_grad_norm", "grad", "Root-sum-square grad norm over all parameters of a module kind.",
        labels=("module_kind",)),
     # --- non-finite events ----------------------------------------------------------------------

@@ -429,6 +429,8 @@ class StepRecord:
         loss_components: :class:`LossComponents`, None unless the loop passes components.
         token_loss: :class:`TokenLossStats`, None unless the loop passes per-token losses.
         loss_trend: :class:`LossTrend`, None before the first observed loss.
+        grad_histogram: :class:`~distgrad.record_histogram.GradHistogram`, the per-layer
+            distribution of gradient values; None unless ``histogram.enabled``.
     """
 
     step: int
@@ -465,6 +467,7 @@ class StepRecord:
     loss_components: LossComponents | None = None
     token_loss: TokenLossStats | None = None
     loss_trend: LossTrend | None = None
+    grad_histogram: GradHistogram | None = None
 
     @property
     def nonfinite(self) -> bool:
@@ -509,3 +512,7 @@ class StepRecord:
 from distgrad.record_loss import LossComponents, LossTrend, RankStats, TokenLossStats  # noqa: E402
 
 _PARTS.update(ranks=RankStats, loss_components=LossComponents, token_loss=TokenLossStats, loss_trend=LossTrend)
+
+from distgrad.record_histogram import GradHistogram  # noqa: E402
+
+_PARTS.update(grad_histogram=GradHistogram)

@@ -18,6 +18,7 @@ from distgrad.detectors import DETECTOR_LABELS
 from distgrad.diagnostics import Diagnostics
 from distgrad.loss import rank_stats
 from distgrad.record import Culprit, LossComponents, ParamStats, RankCount, ScalerState, StepRecord, TokenLossStats
+from distgrad.record_histogram import GradHistogram
 from distgrad.token_loss import EDGES
 from distgrad.sinks.prometheus import PrometheusSink
 
@@ -72,6 +73,9 @@ def _sink(features: set[str]) -> PrometheusSink:
                                         threshold=10.0, edges=list(EDGES), hist=[1.0] * 10 + [0.0] * 6, max=12.0,
                                         sources={"web": {"mean": 1.0, "above_fraction": 0.0},
                                                  "other": {"mean": 3.0, "above_fraction": 0.2}})
+    if "histogram" in f:
+        rec.grad_histogram = GradHistogram("fp16", 2.0 ** -14, -2, 2, 0.0, ["0", "1"], [[0, 1, 2, 0], [1, 0, 0, 0]],
+                                           [1, 0], [0, 0], [0, 1], [1, 0], [0, 1], [4, 3])
     diag.on_record(rec)
     sink.write(rec)
     return sink

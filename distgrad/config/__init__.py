@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from distgrad.config.errors import ConfigError, describe
 from distgrad.config.sections import (
-    SECTIONS, ClipConfig, ExporterConfig, FlightRecorderConfig, HealthConfig, JsonlConfig, LossConfig,
+    SECTIONS, ClipConfig, ExporterConfig, FlightRecorderConfig, HealthConfig, HistogramConfig, JsonlConfig, LossConfig,
     LossScaleConfig, NamingConfig,
     NamingRule, SamplingConfig, Section, SinksConfig, SpikesConfig, StatisticsConfig, TensorBoardConfig,
     TracerConfig,
@@ -167,6 +167,7 @@ class DistgradConfig(BaseModel):
     sinks: SinksConfig = Field(default_factory=SinksConfig, description=SinksConfig.__doc__)
     naming: NamingConfig = Field(default_factory=NamingConfig, description=NamingConfig.__doc__)
     loss: LossConfig = Field(default_factory=LossConfig, description=LossConfig.__doc__)
+    histogram: HistogramConfig = Field(default_factory=HistogramConfig, description=HistogramConfig.__doc__)
 
     def __init__(self, **data: Any) -> None:
         nested, legacy = _normalise(data) if data else ({}, {})

@@ -2,3 +2,5 @@
 which is their order in the packed tensors)."""
 
 from __future__ import annotations
+
+from distgrad.signals import histogram  # noqa: F401,E402

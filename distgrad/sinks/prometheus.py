@@ -64,6 +64,9 @@ _PART_GAUGES: dict[str, Callable[[StepRecord], Any]] = {
     "distgrad_vanishing_params": lambda r: r.health.n_vanishing if r.health else None,
     "distgrad_params_without_grad": lambda r: r.health.n_no_grad if r.health else None,
     "distgrad_exploding_params": lambda r: r.health.n_exploding if r.health else None,
+    "distgrad_grad_underflow_ratio": lambda r: (
+        r.grad_histogram.total().underflow_ratio()["global"] if r.grad_histogram else None),
+    "distgrad_grad_zero_ratio": lambda r: r.grad_histogram.total().zero_ratio()["global"] if r.grad_histogram else None,
 }
 #: ``{label value: number}`` dicts of the record's typed parts with one label
 _PART_MAPS: dict[str, Callable[[StepRecord], Any]] = {
@@ -71,6 +74,7 @@ _PART_MAPS: dict[str, Callable[[StepRecord], Any]] = {
     "distgrad_layer_grad_nonfinite": lambda r: r.aggregates.layer_nonfinite if r.aggregates else None,
     "distgrad_layer_grad_zero_ratio": lambda r: r.aggregates.layer_zero_ratio if r.aggregates else None,
     "distgrad_layer_grad_headroom_ratio": lambda r: r.aggregates.layer_headroom if r.aggregates else None,
+    "distgrad_layer_grad_underflow_ratio": lambda r: r.grad_histogram.underflow_ratio() if r.grad_histogram else None,
     "distgrad_module_kind_grad_norm": lambda r: r.aggregates.module_kind_norm if r.aggregates else None,
     "distgrad_grad_norm_zscore": lambda r: r.spikes.zscore.get("grad_norm") if r.spikes else None,
     "distgrad_loss_zscore": lambda r: r.spikes.zscore.get("loss") if r.spikes else None,

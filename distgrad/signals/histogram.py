@@ -1,0 +1,193 @@
+"""Gradient value distribution: per layer, a histogram of log2|g| over fixed exponent bins, with
+the zero, underflow (below the training dtype's smallest normal) and non-finite counts.
+
+Counts of a fixed set of bins add across shards, so the histogram rides in the sampled step's
+SUM collective as a :class:`~distgrad.signals.PackedSignal` and is exact under any sharding
+(each element is counted once, on the rank that owns it).
+
+How it is computed, on the device, with no host synchronisation: each piece is read as the bit
+pattern of its float format (bf16 and fp16 pieces are first widened to fp32, which is exact), its
+biased exponent field ``bits(|x|) >> mantissa_bits`` is counted into a per-layer table of raw
+exponents (``index_add_``; 256 entries for fp32 bits, 2048 for fp64 bits), and the number of
+non-zero elements of each piece is added to its layer (``count_nonzero``). After the loop a
+float64 matrix product maps the raw exponents onto the fixed bins (an exact integer sum). For a
+normal value ``floor(log2|g|)`` is the unbiased exponent, so the bins are exact: no ``log2`` is
+evaluated. Raw exponent 0 holds the zeros and the held format's subnormals (their difference is
+the non-zero count), the all-ones exponent the NaN and Inf elements.
+
+Per layer the SUM part holds ``[Z, U, B, E_lo .. E_hi-1, A, N, nonzero]`` (``n + 6`` float64,
+``n = max_exponent - min_exponent``): Z raw exponent 0, U normal values below
+``min(2**lo, tiny)``, B normal values in ``[tiny, 2**lo)`` (when ``tiny < 2**lo``), E the exponent
+bins, A finite values ``>= 2**hi``, N non-finite, and the count of non-zero elements.
+Source of the method: the IEEE 754 binary formats (exponent field = ``floor(log2|x|)`` + bias for
+normal numbers); TensorBoard's gradient histograms and the "gradient distribution" of the
+LLaMA-Factory article are the displays it feeds.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from distgrad.grouping import group_keys
+from distgrad.record_histogram import GradHistogram
+from distgrad.signals import PackedSignal, register
+
+#: training dtype name -> (torch dtype, exponent of its smallest positive normal value)
+TRAINING_DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "fp16": (torch.float16, -14), "bf16": (torch.bfloat16, -126), "fp32": (torch.float32, -126),
+    "fp64": (torch.float64, -1022)}
+_NAMES = {v[0]: k for k, v in TRAINING_DTYPES.items()}
+
+#: raw bit formats read: dtype -> (integer view, mantissa bits, exponent mask, bias, smallest normal exponent)
+_FORMATS = {torch.float32: (torch.int32, 23, 0xFF, 127, -126), torch.float64: (torch.int64, 52, 0x7FF, 1023, -1022)}
+
+#: elements read per kernel call (bounds the temporaries to 16 bytes per element of one chunk)
+CHUNK = 1 << 22
+
+
+class GradHistogramSignal(PackedSignal):
+    """Per-layer histogram of log2|g| (see the module docstring for the method and the layout).
+
+    Args:
+        names: the P parameter names (``inst.names``), grouped into layers by
+            :func:`distgrad.grouping.group_keys` (``"layer"``, with ``rules``).
+        min_exponent, max_exponent: exponent bins ``lo <= e < hi`` of the held gradient
+            (``-126 <= lo < hi <= 128``).
+        dtype: training dtype name (``"fp16"``, ``"bf16"``, ``"fp32"``, ``"fp64"``) whose smallest
+            normal value bounds the underflow count.
+        rules: user naming rules (``naming.rules``).
+
+    Cost per sampled step: reads each local gradient piece twice (the exponent count and the
+    non-zero count) and writes two integer temporaries of its chunk (bf16/fp16 pieces: one more
+    fp32 copy); no extra collective; ``L * (hi - lo + 6)`` float64 in the SUM collective (L layers).
+
+    Raises:
+        ValueError: bad exponent range or dtype.
+    """
+
+    name = "grad_histogram"
+
+    def __init__(self, names: Sequence[str], min_exponent: int, max_exponent: int, dtype: str,
+                 rules: Any = None) -> None:
+        if not -126 <= min_exponent < max_exponent <= 128:
+            raise ValueError(f"histogram exponents need -126 <= min_exponent < max_exponent <= 128, got "
+                             f"{min_exponent}, {max_exponent}")
+        if dtype not in TRAINING_DTYPES:
+            raise ValueError(f"histogram.dtype must be one of {sorted(TRAINING_DTYPES)}, got {dtype!r}")
+        self.lo, self.hi, self.dtype = int(min_exponent), int(max_exponent), dtype
+        self.et = TRAINING_DTYPES[dtype][1]
+        keys = group_keys(list(names), "layer", rules)
+        self.layers: list[str] = list(dict.fromkeys(keys))
+        index = {k: j for j, k in enumerate(self.layers)}
+        self.group = [index[k] for k in keys]
+        self.n = self.hi - self.lo
+        self.nb = self.n + 5  # Z, U, B, E..., A, N
+        self._maps: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    @property
+    def sum_size(self) -> int:
+        return len(self.layers) * (self.nb + 1)
+
+    def _bin(self, raw: int, fmt: tuple) -> int:
+        """The bin of raw biased exponent ``raw`` of format ``fmt``."""
+        _, _, mask, bias, _ = fmt
+        if raw == 0:
+            return 0
+        if raw == mask:
+            return self.nb - 1
+        e = raw - bias
+        if e < min(self.lo, self.et):
+            return 1
+        if e < self.lo:
+            return 2
+        if e < self.hi:
+            return 3 + e - self.lo
+        return 3 + self.n
+
+    def _map(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """float64 ``[mask + 1, nb]`` 0/1 matrix from raw exponents to bins (cached per device)."""
+        key = (dtype, device)
+        m = self._maps.get(key)
+        if m is None:
+            fmt = _FORMATS[dtype]
+            a = np.zeros((fmt[2] + 1, self.nb), dtype=np.float64)
+            for raw in range(fmt[2] + 1):
+                a[raw, self._bin(raw, fmt)] = 1.0
+            m = self._maps[key] = torch.from_numpy(a).to(device)
+        return m
+
+    def local(self, inst: Any, pieces: Sequence[torch.Tensor | None],
+              device: torch.device) -> tuple[torch.Tensor, None]:
+        """This rank's counts, float64 ``[L * (nb + 1)]`` on ``device`` (no host sync)."""
+        L = len(self.layers)
+        raw = {dt: torch.zeros((L, _FORMATS[dt][2] + 1), dtype=torch.int64, device=device) for dt in _FORMATS}
+        used = set()
+        nonzero = torch.zeros(L, dtype=torch.int64, device=device)
+        one = torch.ones(1, dtype=torch.int64, device=device)
+        for i, p in enumerate(pieces):
+            if p is None or p.numel() == 0:
+                continue
+            x = p.detach().reshape(-1)
+            if x.dtype in (torch.bfloat16, torch.float16):
+                x = x.float()  # exact; every fp16 subnormal is an fp32 normal
+            fmt = _FORMATS.get(x.dtype)
+            if fmt is None:
+                raise TypeError(f"gradient histogram: unsupported gradient dtype {p.dtype}")
+            if fmt[4] > self.et:  # its subnormals would not all be below the training dtype's normals
+                raise ValueError(f"gradient histogram: {p.dtype} gradients under training dtype {self.dtype}")
+            g = self.group[i]
+            row = raw[x.dtype][g]
+            for s in range(0, x.numel(), CHUNK):
+                e = x[s:s + CHUNK].abs().view(fmt[0]) >> fmt[1]  # sign cleared: the biased exponent
+                row.index_add_(0, e, one.expand(e.numel()))
+            nonzero[g:g + 1].add_(torch.count_nonzero(x))
+            used.add(x.dtype)
+        bins = torch.zeros((L, self.nb), dtype=torch.float64, device=device)
+        for dt in sorted(used, key=str):  # fixed order
+            bins += raw[dt].to(torch.float64) @ self._map(dt, device)
+        return torch.cat([bins, nonzero.to(torch.float64).unsqueeze(1)], dim=1).reshape(-1), None
+
+    def finish(self, inst: Any, rec: Any, sum_part: np.ndarray, max_part: np.ndarray, grad_scale: float) -> None:
+        rec.grad_histogram = self.decode(sum_part, grad_scale)
+
+    def decode(self, sum_part: np.ndarray, grad_scale: float) -> GradHistogram:
+        """The record part from the reduced SUM part (float64 ``[L * (nb + 1)]``) and the step's
+        ``grad_scale`` (> 0).
+
+        Raises:
+            ValueError: a count that is not a non-negative integer (a corrupted reduction).
+        """
+        a = np.asarray(sum_part, dtype=np.float64).reshape(len(self.layers), self.nb + 1)
+        if not (np.all(a >= 0) and np.all(a == np.round(a))):
+            raise ValueError("gradient histogram: reduced counts are not non-negative integers")
+        c = a.astype(np.int64)
+        z, u, b = c[:, 0], c[:, 1], c[:, 2]
+        ebins, above, nonfinite, nz = c[:, 3:3 + self.n], c[:, 3 + self.n], c[:, 4 + self.n], c[:, 5 + self.n]
+        numel = c[:, :self.nb].sum(axis=1)
+        zeros = numel - nz
+        held_sub = z - zeros  # non-zero values below the held format's smallest normal
+        under = held_sub + u
+        if self.et > self.lo:
+            under = under + ebins[:, :min(self.et, self.hi) - self.lo].sum(axis=1)
+        scale = float(grad_scale) if grad_scale else 1.0
+        return GradHistogram(
+            dtype=self.dtype, tiny=math.ldexp(1.0, self.et), min_exponent=self.lo, max_exponent=self.hi,
+            scale_log2=math.log2(scale), layers=list(self.layers), counts=ebins.tolist(),
+            below=(held_sub + u + b).tolist(), above=above.tolist(), zeros=zeros.tolist(),
+            underflow=under.tolist(), nonfinite=nonfinite.tolist(), numel=numel.tolist())
+
+
+@register("grad_histogram")
+def _factory(inst: Any) -> GradHistogramSignal | None:
+    """``histogram.enabled``: the signal for ``inst``'s parameters, else None."""
+    cfg = inst.config.histogram
+    if not cfg.enabled:
+        return None
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = _NAMES.get(getattr(inst.source, "compute_dtype", torch.float32), "fp32")
+    return GradHistogramSignal(inst.names, cfg.min_exponent, cfg.max_exponent, dtype, inst.config.naming.tuples)
