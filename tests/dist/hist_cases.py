@@ -1,0 +1,149 @@
+"""Multi-rank driver for tests/test_grad_histogram_multirank.py (one torchrun launch, 2 gloo CPU
+ranks): the gradient value distribution (``histogram.enabled``) under DeepSpeed ZeRO-2 (bf16,
+underflow counted against fp16 with ``histogram.dtype: fp16`` so that it is not empty), ZeRO-3
+(fp32, ``auto``) and FSDP2 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``,
+``auto`` -> bf16), in sequence.
+
+Each case trains :class:`common.TinyModel` for three optimizer steps on batches whose first
+feature is 0 (so ``inp.weight`` has exact-zero gradient columns) and records on rank 0: the
+record's ``grad_histogram``, the full reduced gradient of each step gathered right before
+distgrad reads it (DeepSpeed ``safe_get_full_grad`` in ``_take_model_step``; FSDP2
+``full_tensor()`` in an optimizer step pre-hook registered after distgrad's), in float64, and
+the collectives and host syncs made inside distgrad's ``collect``/``finish`` per step.
+Writes JSON to the path given by --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import deepspeed
+import deepspeed.comm
+from deepspeed.utils import safe_get_full_grad
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import distgrad
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cause_cases import Counting  # noqa: E402
+from common import TinyModel, batch_for  # noqa: E402
+
+STEPS = 3
+
+
+def _batch(step: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch_for(step, 0, rank)
+    x[:, 0] = 0.0  # exact zeros in inp.weight's gradient
+    x[:, 1] *= 1e-6  # small gradient values in its second column
+    return x.to(dtype), y
+
+
+def _full(named) -> dict[str, list[float]]:
+    return {n: g.detach().double().reshape(-1).tolist() for n, g in named}
+
+
+def ds_case(stage: int, dtype: str, hist_dtype: str, rank: int) -> dict:
+    torch.manual_seed(1234)
+    model = TinyModel()
+    cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1,
+           "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+           "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=cfg)
+    inst = distgrad.instrument(engine, prometheus=False, histogram={"enabled": True, "dtype": hist_dtype})
+    count = Counting(inst)
+    refs: list[dict] = []
+    inner = engine._take_model_step
+
+    def capture(*a, **kw):
+        full = [(n, safe_get_full_grad(p)) for n, p in engine.module.named_parameters() if p.requires_grad]
+        refs.append(_full(full))
+        return inner(*a, **kw)
+
+    engine._take_model_step = capture
+    records, counts = [], []
+    try:
+        for step in range(STEPS):
+            x, y = _batch(step, rank, torch.bfloat16 if dtype == "bf16" else torch.float32)
+            engine.backward(engine(x, y))
+            count.take()
+            engine.step()
+            counts.append(count.take())
+            records.append(inst.last_record.to_dict() if inst.last_record else None)
+    finally:
+        count.restore()
+    out = {"records": records, "full": refs, "counts": counts, "counters": dict(inst.counters),
+           "compute_dtype": str(inst.source.compute_dtype)}
+    inst.close()
+    return out
+
+
+def fsdp2_case(rank: int) -> dict:
+    torch.manual_seed(1234)
+    model = TinyModel()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for b in model.blocks:
+        fully_shard(b, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([p for _, p in trainable], lr=1e-3)
+    inst = distgrad.instrument(model, optimizer=opt, prometheus=False, histogram={"enabled": True})
+    count = Counting(inst)
+    refs: list[dict] = []
+    opt.register_step_pre_hook(lambda o, a, k: refs.append(_full(
+        (n, p.grad.full_tensor()) for n, p in trainable if p.grad is not None)))
+    records, counts = [], []
+    try:
+        for step in range(STEPS):
+            x, y = _batch(step, rank, torch.float32)
+            model(x, y).backward()
+            count.take()
+            opt.step()
+            counts.append(count.take())
+            opt.zero_grad(set_to_none=True)
+            records.append(inst.last_record.to_dict() if inst.last_record else None)
+    finally:
+        count.restore()
+    out = {"records": records, "full": refs, "counts": counts, "counters": dict(inst.counters),
+           "compute_dtype": str(inst.source.compute_dtype)}
+    inst.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see launch/train.py skip_cpu_shm_op
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    cases = {"z2-bf16": lambda: ds_case(2, "bf16", "fp16", rank), "z3-fp32": lambda: ds_case(3, "fp32", "auto", rank),
+             "fsdp2-bf16": lambda: fsdp2_case(rank)}
+    results = {}
+    for key, run in cases.items():
+        try:
+            results[key] = run()
+        except Exception as e:  # noqa: BLE001 - reported per case by the pytest side
+            results[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        if rank == 0:
+            print(f"[hist_cases] {key}: {'error' if 'error' in results[key] else 'ok'}", flush=True)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"world_size": dist.get_world_size(), "cases": results}, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
