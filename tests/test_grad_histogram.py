@@ -150,7 +150,7 @@ def test_through_instrument_one_process(dtype, tmp_path):
         m.layers[0].weight[:4] = 0.0  # dead rows: exact zeros in the next layer's gradient
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False}, histogram={"enabled": True},
-                             sinks={"jsonl": {"path": str(tmp_path / "r.jsonl")}})
+                             sinks={"jsonl": {"path": str(tmp_path / "r.jsonl")}, "tensorboard": {"dir": str(tmp_path / "tb")}})
     recs: list[StepRecord] = []
     dg.add_hook(recs.append)
     grads = []
@@ -178,6 +178,26 @@ def test_through_instrument_one_process(dtype, tmp_path):
     import json
     lines = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert [StepRecord.from_dict(d).grad_histogram for d in lines if "params" in d] == [r.grad_histogram for r in recs]
+    # TensorBoard: real histograms of log2|g|, read back from the event file
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    acc = ea.EventAccumulator(str(tmp_path / "tb"), size_guidance={ea.SCALARS: 0, ea.HISTOGRAMS: 0})
+    acc.Reload()
+    assert {f"grad_log2_abs/{k}" for k in ("0", "1", "head", "global")} <= set(acc.Tags()["histograms"])
+    for layer in ("0", "1", "head", "global"):
+        events = acc.Histograms(f"grad_log2_abs/{layer}")
+        assert [e.step for e in events] == [r.step for r in recs]
+        for e, rec, g in zip(events, recs, grads):
+            vals = np.concatenate([v for n, v in g.items() if layer == "global" or group_keys([n], "layer")[0] == layer])
+            ref = reference(vals, -64, 16, -126)
+            hv = e.histogram_value
+            assert list(hv.bucket) == [0.0, ref["below"], *ref["counts"], ref["above"]]
+            assert list(hv.bucket_limit) == [-65.0] + list(np.arange(-64, 18, dtype=np.float64))
+            assert hv.num == ref["numel"] - ref["zeros"] - ref["nonfinite"]
+            nz = np.flatnonzero(hv.bucket)
+            assert hv.min == hv.bucket_limit[nz[0] - 1] and hv.max == hv.bucket_limit[nz[-1]]
+    under = acc.Scalars("grad/underflow_ratio")
+    assert [u.value for u in under] == pytest.approx([r.grad_histogram.total().underflow_ratio()["global"] for r in recs])
 
 
 def test_off_by_default():

@@ -20,7 +20,18 @@ Tags written (``global_step`` = ``record.step``):
 ``layer_grad_norm/<layer>``        per-layer norm (root-sum-square of parameter norms)
 ``layer_grad_nonfinite/<layer>``   NaN + Inf elements in the layer
 ``layer_param_norms/<layer>``      histogram of the layer's per-parameter norms (finite ones)
+``grad_log2_abs/<layer>``          with ``histogram.enabled``: histogram of log2|g| of the layer's
+                                   finite non-zero gradient elements (exact counts, see below)
+``grad_log2_abs/global``           the same over the whole model
+``grad/underflow_ratio``           with ``histogram.enabled``: underflow elements / all elements
 =================================  ================================================================
+
+The ``grad_log2_abs`` histograms are the record's :class:`~distgrad.record_histogram.GradHistogram`
+bins, written as they are (no re-binning): one bucket per exponent bin ``[e - s, e + 1 - s)`` of
+the unscaled gradient (``s = log2`` of the fp16 loss scale, 0 otherwise), the ``below`` count in
+one bucket ``[lo - 1 - s, lo - s)`` and the ``above`` count in one bucket ``[hi - s, hi + 1 - s)``
+(values beyond the fixed range are piled at its ends). ``sum`` and ``sum_squares`` of the summary
+use the bucket midpoints (TensorBoard displays neither).
 
 Requires the ``tensorboard`` package (``pip install distgrad[report]``).
 """
@@ -54,6 +65,26 @@ def _norm_histogram(norms: np.ndarray, max_bins: int) -> tuple[list[float], list
     limits = [float(edges[0])] + [float(e) for e in edges[1:]]
     bucket_counts = [0.0] + [float(c) for c in counts]
     return limits, bucket_counts
+
+
+def log2_histogram(h: Any, j: int) -> dict[str, Any] | None:
+    """``add_histogram_raw`` arguments (``min``, ``max``, ``num``, ``sum``, ``sum_squares``,
+    ``bucket_limits``, ``bucket_counts``) of layer ``j`` of a
+    :class:`~distgrad.record_histogram.GradHistogram`: log2|g| of its finite non-zero elements
+    (unscaled), buckets as in the module docstring; None when it has no such element."""
+    edges = h.log2_edges()  # [n + 1], unscaled
+    lefts = np.concatenate([[edges[0] - 1.0], edges[:-1], [edges[-1]]])
+    counts = np.asarray([h.below[j], *h.counts[j], h.above[j]], dtype=np.float64)
+    num = float(counts.sum())
+    if num == 0:
+        return None
+    rights = lefts + 1.0
+    hit = np.flatnonzero(counts)
+    mid = lefts + 0.5
+    # TensorBoard keeps right edges only: an empty bucket ending at the first left edge keeps the start
+    return {"min": float(lefts[hit[0]]), "max": float(rights[hit[-1]]), "num": num,
+            "sum": float(np.dot(counts, mid)), "sum_squares": float(np.dot(counts, mid * mid)),
+            "bucket_limits": [float(lefts[0])] + rights.tolist(), "bucket_counts": [0.0] + counts.tolist()}
 
 
 class TensorBoardSink(Sink):
@@ -135,6 +166,16 @@ class TensorBoardSink(Sink):
         for k in sorted(record.counters):
             scalar(f"counters/{k}", record.counters[k])
 
+        gh = record.grad_histogram
+        if gh is not None:
+            tot = gh.total()
+            scalar("grad/underflow_ratio", tot.underflow_ratio()["global"])
+            if self.histograms:
+                for part in (gh, tot):
+                    for j, layer in enumerate(part.layers):
+                        raw = log2_histogram(part, j)
+                        if raw is not None:
+                            w.add_histogram_raw(f"grad_log2_abs/{layer}", **raw, global_step=step, walltime=wt)
         if not (self.layer_scalars or self.histograms) or not p.names:
             return
         idx = self._layers.map(p.names)
