@@ -282,6 +282,8 @@ class Instrument(InstrumentSurface):
         (``StepRecord.unsampled_nonfinite``). Never raises (a failure is counted)."""
         if self.local_grad_check is not None:
             self.local_grad_check.reset()  # the culprit flags are carried by sampled steps only
+        if self.signals:
+            self.signals.skip(self, step)
         if not self.config.enabled or self.config.sampling.interval < 2 or step % self.config.sampling.interval == 0:
             return
         try:

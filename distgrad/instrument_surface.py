@@ -72,6 +72,16 @@ class InstrumentSurface:
         self.local_grad_check = check
         self.on_close(check.remove)
 
+    def attach_signals(self, module: Any) -> None:
+        """:meth:`~distgrad.signals.SignalPack.attach` of the packed signals (gradient hooks
+        etc. on ``module``, the model the user's forward runs; undone at :meth:`close`).
+
+        Raises:
+            ValueError / ConfigError: a signal that cannot serve this engine or module."""
+        signals = getattr(self, "signals", None)
+        if signals:
+            signals.attach(self, module)
+
     def start(self) -> None:
         """Create rank 0's sinks (exporter, files), then agree across ranks that set-up succeeded
         and that every rank has the same parameters and collective-deciding settings (one small

@@ -83,3 +83,57 @@ def test_signal_parts_round_trip_and_a_failing_signal_is_dropped(abs_signal, asy
         np.testing.assert_allclose(s, [g.sum().item() for g in expected[step]], rtol=1e-12)
         np.testing.assert_allclose(mx, [g.max().item() for g in expected[step]], rtol=1e-12)
     assert dg.counters["internal_errors"] == 1
+
+
+class _Lifecycle(PackedSignal):
+    """Test signal recording its attach / skip / local / after_step calls."""
+
+    name = "test_lifecycle"
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    @property
+    def sum_size(self) -> int:
+        return 1
+
+    def attach(self, inst, module):
+        self.calls.append(("attach", type(module).__name__))
+        return lambda: self.calls.append(("undo",))
+
+    def skip(self, inst, step):
+        self.calls.append(("skip", step))
+
+    def local(self, inst, pieces, device):
+        self.calls.append(("local",))
+        return torch.zeros(1, dtype=torch.float64, device=device), None
+
+    def after_step(self, inst, step_applied):
+        self.calls.append(("after_step",))
+
+    def finish(self, inst, rec, sum_part, max_part, grad_scale):
+        self.calls.append(("finish", rec.step))
+
+
+def test_signal_attach_gets_the_module_skip_runs_on_unsampled_steps_and_the_undo_at_close():
+    made: list[_Lifecycle] = []
+
+    def factory(inst):
+        made.append(_Lifecycle())
+        return made[-1]
+
+    FACTORIES.append(("test_lifecycle", factory))
+    try:
+        m = nn.Sequential(nn.Linear(3, 2))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False}, sampling={"interval": 2},
+                                 statistics={"async_records": "off"})
+        for _ in range(3):
+            m(torch.randn(4, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        dg.close()
+    finally:
+        FACTORIES.remove(("test_lifecycle", factory))
+    assert made[-1].calls == [("attach", "Sequential"), ("local",), ("after_step",), ("finish", 0), ("skip", 1),
+                              ("local",), ("after_step",), ("finish", 2), ("undo",)]

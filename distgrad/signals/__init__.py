@@ -83,6 +83,20 @@ class PackedSignal(abc.ABC):
         """Called on every rank after the optimizer step of a sampled step (device work only,
         no collective, no host sync), e.g. to keep a copy of the update. Default: nothing."""
 
+    def attach(self, inst: Any, module: Any) -> "Callable[[], None] | None":
+        """Called once at ``instrument()``, after the engine's boundary is installed, with the
+        module whose forward the user's loop runs (``DeepSpeedEngine.module``, the DDP / FSDP
+        root, the plain model), e.g. to install gradient hooks. Returns a function undoing
+        it (called at ``close()``), or None. Raising here fails ``instrument()`` (a clear
+        set-up error). Default: nothing."""
+        return None
+
+    def skip(self, inst: Any, step: int) -> None:
+        """Called on every rank at the boundary of an optimizer step that is *not* sampled
+        (``interval`` > 1), before the optimizer consumes the gradients (device work only, no
+        collective, no host sync), e.g. to forget what hooks gathered during that step.
+        Default: nothing."""
+
     @abc.abstractmethod
     def finish(self, inst: Any, rec: Any, sum_part: np.ndarray, max_part: np.ndarray,
                grad_scale: float) -> None:
@@ -173,6 +187,22 @@ class SignalPack:
                 sig.after_step(inst, step_applied)
             except Exception:  # noqa: BLE001
                 inst._internal_error(f"signal {sig.name} after the step")
+
+    def attach(self, inst: Any, module: Any) -> None:
+        """:meth:`PackedSignal.attach` of each signal; the undo functions run at ``close()``.
+        Raises what a signal raises (``instrument()`` then fails and closes)."""
+        for sig in self.signals:
+            undo = sig.attach(inst, module)
+            if undo is not None:
+                inst.on_close(undo)
+
+    def skip(self, inst: Any, step: int) -> None:
+        """:meth:`PackedSignal.skip` of each signal; failures are counted, never raised."""
+        for sig in self.signals:
+            try:
+                sig.skip(inst, step)
+            except Exception:  # noqa: BLE001
+                inst._internal_error(f"signal {sig.name} on an unsampled step")
 
     def finish(self, inst: Any, rec: Any, sum_part: np.ndarray, max_part: np.ndarray, grad_scale: float) -> None:
         """Each signal's :meth:`PackedSignal.finish` on its reduced parts; a signal a rank
