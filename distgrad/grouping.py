@@ -48,20 +48,20 @@ metric; ``Metric.series()`` is the series of one metric per value of its scope l
   underflow_ratio}`` (the last with ``histogram.enabled`` only; counted always);
 * ``K``: module-kind groups (kind-granularity keys); ``KIND_SERIES = 1``
   (``distgrad_module_kind_grad_norm``);
-* ``GLOBAL_SERIES = 167``: the catalogue's metrics of a fixed or capped series count (162 today:
+* ``GLOBAL_SERIES = 172``: the catalogue's metrics of a fixed or capped series count (167 today:
   unlabelled ones, the three-valued ``detector`` families, ``distgrad_sink_errors_total{sink}``
   for its 4 sinks, ``distgrad_refused_steps_total{reason}`` for its 3 reasons,
   ``distgrad_nonfinite_params`` capped at 20, ``distgrad_nonfinite_culprit`` capped at 8, the loss components (3 x 8, and 8 x 2 spike
-  counters), the token-loss bins (15) and data sources (2 x 9)) plus :data:`GLOBAL_RESERVE`
+  counters), the token-loss bins (15), data sources (2 x 9) and the gradient noise scale (5)) plus :data:`GLOBAL_RESERVE`
   (5) for exporter-side extras and metrics still to come. (prometheus_client's ``*_created``
   samples and process collectors are not served by distgrad's exporter.)
 
 The default budget is :data:`DEFAULT_SERIES_BUDGET` ``= 2000`` and the default ``top_k`` is
 :data:`DEFAULT_TOP_K` ``= 100``. Example, LLaMA-70B (723 tensors, 80 blocks): L = 83 (80 blocks +
-embed, norm, head), K = 10, fixed part 5*83 + 10 + 167 = 592, so at most
-floor((2000 - 592) / 10) = 140 parameters can have per-parameter series; with the default
-top-k, 10*100 + 592 = 1592 series, and a step with many non-finite parameters is capped at
-10*140 + 592 = 1992.
+embed, norm, head), K = 10, fixed part 5*83 + 10 + 172 = 597, so at most
+floor((2000 - 597) / 10) = 140 parameters can have per-parameter series; with the default
+top-k, 10*100 + 597 = 1597 series, and a step with many non-finite parameters is capped at
+10*140 + 597 = 1997.
 """
 
 from __future__ import annotations

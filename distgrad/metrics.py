@@ -93,6 +93,8 @@ CONDITIONS: dict[str, str] = {
     "components": "after a sampled step whose loop passed `components=` to `observe_loss`",
     "tokens": "after a sampled step whose loop passed per-token losses (or logits and labels) to `observe_loss`",
     "histogram": "`histogram.enabled: true`, after a sampled step",
+    "noise_scale": "`noise_scale.enabled: true`, after a sampled step with an estimate (several micro-batches per "
+                   "step; see docs/signals.md)",
     "data_time": "after a sampled step whose data time is known on some rank (the boundary sees the forward: "
                  "PyTorch models with `optimizer=`, DeepSpeed engines; or the loop calls `observe_data_time`)",
 }
@@ -354,6 +356,21 @@ CATALOGUE: tuple[Metric, ...] = (
            "skipped; FSDP2). Engines that write zeros instead (DeepSpeed) show the same bug as exact zeros: "
            "both are fed to the vanishing test (`distgrad_vanishing_params`) as a zero gradient"),
     _g("distgrad_exploding_params", "params", "Parameters currently flagged as exploding."),
+    # --- gradient noise scale (distgrad/signals/noise_scale.py, docs/signals.md) ------------------
+    _g("distgrad_gradient_noise_scale", "samples", "Gradient noise scale B_simple = tr(Sigma) / |G|^2 (ratio of the "
+       "two EMAs): the critical batch size it implies.", "noise_scale",
+       doc="gradient noise scale `B_simple = EMA(tr(Sigma)) / EMA(|G|^2)` (McCandlish et al. 2018, Appendix A), in "
+           "samples (the unit of `noise_scale.micro_batch_size`): about the critical batch size, above which a "
+           "larger batch buys little; compare with `distgrad_gradient_noise_batch_size`. Absent while the "
+           "|G|^2 average is not positive"),
+    _g("distgrad_gradient_noise_trace", "grad^2", "EMA of the per-step unbiased estimate of tr(Sigma), the trace of "
+       "the per-sample gradient covariance.", "noise_scale"),
+    _g("distgrad_gradient_noise_true_grad_sq", "grad^2", "EMA of the per-step unbiased estimate of |G|^2, the "
+       "squared norm of the full-batch gradient.", "noise_scale"),
+    _g("distgrad_gradient_noise_batch_size", "samples", "The step's batch (all micro-batches of all ranks): the "
+       "big batch of the noise-scale estimate.", "noise_scale"),
+    _g("distgrad_gradient_noise_micro_batch_size", "samples", "Samples per micro-batch: the small batch of the "
+       "noise-scale estimate.", "noise_scale"),
 )
 
 _BY_NAME: dict[str, Metric] = {}

@@ -431,6 +431,8 @@ class StepRecord:
         loss_trend: :class:`LossTrend`, None before the first observed loss.
         grad_histogram: :class:`~distgrad.record_histogram.GradHistogram`, the per-layer
             distribution of gradient values; None unless ``histogram.enabled``.
+        noise_scale: :class:`~distgrad.record_gns.NoiseScale`, None unless
+            ``noise_scale.enabled`` (and on steps without an estimate).
     """
 
     step: int
@@ -468,6 +470,7 @@ class StepRecord:
     token_loss: TokenLossStats | None = None
     loss_trend: LossTrend | None = None
     grad_histogram: GradHistogram | None = None
+    noise_scale: NoiseScale | None = None
 
     @property
     def nonfinite(self) -> bool:
@@ -516,3 +519,7 @@ _PARTS.update(ranks=RankStats, loss_components=LossComponents, token_loss=TokenL
 from distgrad.record_histogram import GradHistogram  # noqa: E402
 
 _PARTS.update(grad_histogram=GradHistogram)
+
+from distgrad.record_gns import NoiseScale  # noqa: E402
+
+_PARTS.update(noise_scale=NoiseScale)

@@ -17,6 +17,7 @@ from distgrad.config import DistgradConfig
 from distgrad.detectors import DETECTOR_LABELS
 from distgrad.diagnostics import Diagnostics
 from distgrad.loss import rank_stats
+from distgrad.record_gns import NoiseScale
 from distgrad.record import Culprit, LossComponents, ParamStats, RankCount, ScalerState, StepRecord, TokenLossStats
 from distgrad.record_histogram import GradHistogram
 from distgrad.token_loss import EDGES
@@ -76,6 +77,10 @@ def _sink(features: set[str]) -> PrometheusSink:
     if "histogram" in f:
         rec.grad_histogram = GradHistogram("fp16", 2.0 ** -14, -2, 2, 0.0, ["0", "1"], [[0, 1, 2, 0], [1, 0, 0, 0]],
                                            [1, 0], [0, 0], [0, 1], [1, 0], [0, 1], [4, 3])
+    if "noise_scale" in f:
+        rec.noise_scale = NoiseScale(micro_batches=4, small_batch=8.0, big_batch=32.0, grad_sq_small=2.0,
+                                     grad_sq_big=1.0, true_grad_sq=0.7, noise_trace=10.0, ema_true_grad_sq=0.7,
+                                     ema_noise_trace=10.0, noise_scale=10.0 / 0.7, ema_steps=1)
     diag.on_record(rec)
     sink.write(rec)
     return sink

@@ -32,6 +32,7 @@ from distgrad.config.sections import (
     NamingRule, SamplingConfig, Section, SinksConfig, SpikesConfig, StatisticsConfig, TensorBoardConfig,
     TracerConfig,
 )
+from distgrad.config.sections import NoiseScaleConfig
 
 #: top-level keys that mark a DeepSpeed config (whose "distgrad" section holds distgrad's settings)
 _DEEPSPEED_KEYS = frozenset({
@@ -168,6 +169,7 @@ class DistgradConfig(BaseModel):
     naming: NamingConfig = Field(default_factory=NamingConfig, description=NamingConfig.__doc__)
     loss: LossConfig = Field(default_factory=LossConfig, description=LossConfig.__doc__)
     histogram: HistogramConfig = Field(default_factory=HistogramConfig, description=HistogramConfig.__doc__)
+    noise_scale: NoiseScaleConfig = Field(default_factory=NoiseScaleConfig, description=NoiseScaleConfig.__doc__)
 
     def __init__(self, **data: Any) -> None:
         nested, legacy = _normalise(data) if data else ({}, {})
@@ -275,4 +277,5 @@ __all__ = [
     "ConfigError", "DistgradConfig", "FLAT_KEYS", "key_label", "SECTIONS", "Section", "SamplingConfig",
     "ExporterConfig", "StatisticsConfig", "SpikesConfig", "HealthConfig", "ClipConfig", "FlightRecorderConfig", "TracerConfig",
     "SinksConfig", "JsonlConfig", "TensorBoardConfig", "NamingConfig", "NamingRule", "LossConfig",
+    "NoiseScaleConfig",
 ]

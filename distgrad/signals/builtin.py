@@ -4,3 +4,4 @@ which is their order in the packed tensors)."""
 from __future__ import annotations
 
 from distgrad.signals import histogram  # noqa: F401,E402
+from distgrad.signals import noise_scale  # noqa: F401,E402 - gradient noise scale

@@ -72,6 +72,17 @@ def build() -> Dashboard:
            "waited for.",
            queries((f"distgrad_loss_max_rank{{{S}}}", "highest loss {{instance}}"),
                    (f"distgrad_straggler_rank{{{S}}}", "straggler {{instance}}")), 8, 8, min_=0),
+        row("Gradient noise scale"),
+        ts("Gradient noise scale vs batch size", "B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018), about the "
+           "critical batch size: well above the step's batch, a larger batch would still train about as "
+           "efficiently per sample; well below it, larger batches waste samples (noise_scale.enabled).",
+           queries((f"distgrad_gradient_noise_scale{{{S}}}", "noise scale {{instance}}"),
+                   (f"distgrad_gradient_noise_batch_size{{{S}}}", "step batch {{instance}}")), 12, 8,
+           unit="short", log=10),
+        ts("Noise-scale components", "The two moving averages whose ratio is the noise scale: tr(Sigma), the "
+           "per-sample gradient variance, and |G|^2, the squared norm of the full-batch gradient.",
+           queries((f"distgrad_gradient_noise_trace{{{S}}}", "tr(Sigma) {{instance}}"),
+                   (f"distgrad_gradient_noise_true_grad_sq{{{S}}}", "|G|^2 {{instance}}")), 12, 8, log=10),
         row("Spikes"),
         ts("Spike z-scores", "Per detector.",
            queries((f"distgrad_grad_norm_zscore{{{S}}}", "grad norm {{detector}} {{instance}}"),

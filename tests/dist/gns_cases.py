@@ -1,0 +1,122 @@
+"""Multi-rank driver of the gradient noise scale (and curvature) tests
+(tests/test_noise_scale_multirank.py) under ``torchrun --nproc_per_node 2``, gloo, CPU.
+
+Noise-scale cases (``ddp``, ``z2``, ``z3``): the model ``Dot`` whose per-sample gradient is its
+input (loss_i = w . z_i), z_i drawn with a known mean G and covariance diag(C), weights fixed
+(learning rate 0), GAS micro-batches of B samples per rank and step, STEPS steps. Per step the
+driver records distgrad's :class:`~distgrad.record_gns.NoiseScale` and the float64 reference of
+its two components from the data of every rank (each rank regenerates every rank's batches):
+``|G_small|^2 = mean over (rank, micro-batch) of |mean z|^2``, ``|G_big|^2 = |mean of all z|^2``.
+Rank 0 writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import distgrad
+from distgrad import stats
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from test_noise_scale import _Dot, known_covariance  # noqa: E402
+
+D, GAS, B, STEPS, D1 = 10, 2, 4, 150, 4
+DECAY = 0.95
+
+
+def batch(step: int, micro: int, rank: int) -> torch.Tensor:
+    G, C, _ = known_covariance(D)
+    g = torch.Generator().manual_seed(1_000_000 + 1000 * step + 10 * micro + rank)
+    return G + torch.randn(B, D, generator=g) * C.sqrt()
+
+
+def reference(step: int, world: int) -> tuple[float, float]:
+    """float64 (|G_small|^2, |G_big|^2) of the step over every rank's micro-batches."""
+    zs = [batch(step, m, r).double() for r in range(world) for m in range(GAS)]
+    small = sum(z.mean(0).pow(2).sum().item() for z in zs) / len(zs)
+    big = torch.cat(zs).mean(0).pow(2).sum().item()
+    return small, big
+
+
+def run_noise(key: str, rank: int, world: int) -> dict:
+    cfg = {"exporter": {"enabled": False}, "statistics": {"async_records": "off"},
+           "noise_scale": {"enabled": True, "ema_decay": DECAY}}
+    torch.manual_seed(5)
+    model = _Dot(D1, D - D1)
+    if key == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        w = DDP(model)
+        opt = torch.optim.SGD(w.parameters(), lr=0.0)
+        inst = distgrad.instrument(w, cfg, optimizer=opt, noise_scale={"enabled": True, "micro_batch_size": B,
+                                                                       "ema_decay": DECAY})
+
+        def train(step):
+            for m in range(GAS):
+                (w(batch(step, m, rank)) / GAS).backward()
+            opt.step()
+            opt.zero_grad()
+    else:
+        import deepspeed
+
+        ds = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": GAS,
+              "zero_optimization": {"stage": int(key[1:])},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}},
+              "steps_per_print": 10**9, "wall_clock_breakdown": False}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
+        inst = distgrad.instrument(engine, cfg)
+
+        def train(step):
+            for m in range(GAS):
+                engine.backward(engine(batch(step, m, rank)))
+                engine.step()
+    recs = []
+    inst.add_hook(recs.append)
+    for step in range(STEPS):
+        train(step)
+    inst.close()
+    out = {"records": [None if r.noise_scale is None else r.noise_scale.to_dict() for r in recs],
+           "steps": [r.step for r in recs], "reference": [reference(s, world) for s in range(STEPS)],
+           "internal_errors": inst.counters["internal_errors"]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see launch/train.py skip_cpu_shm_op
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stats.stats_table([torch.ones(3)], torch.device("cpu"))  # one-time kernel set-up
+    results = {}
+    for key in ("ddp", "z2", "z3"):
+        t = time.time()
+        try:
+            results[key] = run_noise(key, rank, world)
+        except Exception as e:  # noqa: BLE001 - reported per case by the pytest side
+            results[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            print(f"[gns_cases] rank {rank} {key}: {results[key]['traceback']}", file=sys.stderr, flush=True)
+        if rank == 0:
+            print(f"[gns_cases] {key}: {'error' if 'error' in results[key] else 'ok'} ({time.time() - t:.2f}s)",
+                  flush=True)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"world_size": world, "cases": results}, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

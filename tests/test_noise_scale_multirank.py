@@ -1,0 +1,52 @@
+"""The gradient noise scale on 2 gloo ranks under DDP, DeepSpeed ZeRO-2 and ZeRO-3 (one launch of
+tests/dist/gns_cases.py): each step's |G_small|^2 (the micro-batch gradients of both ranks,
+before the reduction) and |G_big|^2 (the reduced gradient) against float64 recomputations from
+every rank's data, and B_simple against the known tr(C) / |G|^2 of the synthetic problem within
+4 standard errors of its estimator, computed from the run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import launch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
+
+from test_noise_scale import known_covariance, ratio_and_stderr  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def gns_results(tmp_path_factory):
+    return launch("gns_cases.py", tmp_path_factory.mktemp("gns") / "gns.json")
+
+
+@pytest.mark.parametrize("key", ["ddp", "z2", "z3"])
+def test_noise_scale_multirank(gns_results, key):
+    from gns_cases import B, DECAY, GAS, STEPS
+
+    case = gns_results["cases"][key]
+    assert "error" not in case, case.get("traceback")
+    world = gns_results["world_size"]
+    assert world == 2 and case["internal_errors"] == 0
+    assert case["steps"] == list(range(STEPS))
+    recs = case["records"]
+    n = GAS * world
+    for rec, (small, big) in zip(recs, case["reference"]):
+        assert (rec["micro_batches"], rec["small_batch"], rec["big_batch"]) == (n, B, n * B)
+        np.testing.assert_allclose(rec["grad_sq_small"], small, rtol=1e-6)
+        np.testing.assert_allclose(rec["grad_sq_big"], big, rtol=1e-6)
+    g2 = np.array([r["true_grad_sq"] for r in recs])
+    tr = np.array([r["noise_trace"] for r in recs])
+    G, C, truth = known_covariance(10)
+    assert abs(g2.mean() - float(G.pow(2).sum())) < 4 * g2.std() / np.sqrt(len(g2))
+    assert abs(tr.mean() - float(C.sum())) < 4 * tr.std() / np.sqrt(len(tr))
+    r, se = ratio_and_stderr(tr, g2)
+    assert abs(r - truth) < 4 * se and se < 0.15 * truth, (r, truth, se)
+    w = DECAY ** np.arange(len(g2) - 1, -1, -1)
+    r_ema, se_ema = ratio_and_stderr(tr, g2, w)
+    assert recs[-1]["noise_scale"] == pytest.approx(r_ema, rel=1e-9)
+    assert abs(recs[-1]["noise_scale"] - truth) < 4 * se_ema, (recs[-1]["noise_scale"], truth, se_ema)
