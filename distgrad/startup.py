@@ -58,7 +58,7 @@ def agree(inst: Any, err: BaseException | None = None) -> None:
     rank -- a rank with ``enabled: false`` too, before it returns its inert instrument -- so that
     set-up failing on one rank (``err``), a different number of trainable parameters, or
     different settings that decide the collectives (``enabled``, ``interval``,
-    ``replica_check``, ``update_ratio``) raise on every rank instead of a deadlock later.
+    ``replica_check``, ``update_ratio``, the packed signals and their sizes) raise on every rank instead of a deadlock later.
 
     Raises:
         ``err`` or RuntimeError naming the disagreement (after ``inst.close()``)."""
@@ -80,7 +80,8 @@ def agree(inst: Any, err: BaseException | None = None) -> None:
                 f"ranks disagree on distgrad settings that decide its collectives (this rank, "
                 f"{inst.global_rank}: enabled={c.enabled}, sampling.interval={c.sampling.interval}, "
                 f"statistics.replica_check={c.statistics.replica_check}, update_ratio={c.statistics.update_ratio}, "
-                f"async_records={c.statistics.async_records}, loss.sources={c.loss.sources}): every rank must call "
+                f"async_records={c.statistics.async_records}, loss.sources={c.loss.sources}, packed signals="
+                f"{[s.name for s in inst.signals.signals]}): every rank must call "
                 "distgrad.instrument() with the same config (enabled: false on every rank or none), or "
                 "the job would deadlock at the first sampled step")
     if err is not None:
@@ -95,8 +96,10 @@ def collective_settings_hash(inst: Any) -> int:
 
     c = inst.config
     st = c.statistics
+    sig = getattr(inst, "signals", None)  # the packed signals and their sizes (distgrad.signals)
+    signals = tuple((s.name, s.sum_size, s.max_size) for s in sig.signals) if sig is not None else ()
     key = repr((c.enabled, c.sampling.interval, st.replica_check, st.update_ratio, inst.async_records,
-                tuple(c.loss.sources))).encode()
+                tuple(c.loss.sources), signals)).encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:6], "big")
 
 
