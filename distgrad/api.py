@@ -46,7 +46,8 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
             PyTorch model without ``optimizer=``, or ``optimizer=``/``scaler=`` with DeepSpeed.
         ValueError: an unsupported PyTorch configuration (hybrid sharding, a plain module under
             torch.distributed with several ranks, an optimizer without the model's parameters).
-        ConfigError: an unknown config key or a bad value (named).
+        ConfigError: an unknown config key or a bad value (named), or an opt-in action
+            (``action.*``) with ``sampling.interval`` > 1 or ``statistics.async_records: on``.
         OSError: rank 0 cannot bind the Prometheus port (the message says how to fix it).
         RuntimeError: set-up failed on another rank, or ranks disagree on the model or on a
             setting that decides the collectives (``enabled``, ``interval``, ``replica_check``,
@@ -71,6 +72,9 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
         if isinstance(raw, Mapping) and "distgrad" in raw:
             config = raw["distgrad"]
     cfg = DistgradConfig.load(config).with_overrides(overrides)
+    from distgrad.action import check_config
+
+    check_config(cfg)
 
     deepspeed = is_deepspeed_engine(engine)
     if deepspeed:

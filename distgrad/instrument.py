@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from distgrad import metrics
+from distgrad.action import Action, Decision
 from distgrad.config import DistgradConfig
 from distgrad.engines.base import GradSource
 from distgrad.instrument_surface import InstrumentSurface
@@ -104,7 +105,8 @@ class Instrument(InstrumentSurface):
         self.own = self.job.own if self.job is not None else source.ownership(self.rank, self.world_size)
         self.counters: dict[str, int] = {k: 0 for k in (
             "nonfinite_steps", "sampled_steps", "internal_errors", "replica_mismatch",
-            "overflow_steps", "skipped_steps", "samples", "nonfinite_unsampled_steps", "nonfinite_loss_steps")}
+            "overflow_steps", "skipped_steps", "samples", "nonfinite_unsampled_steps", "nonfinite_loss_steps",
+            "action_skipped_nonfinite", "action_skipped_spike")}
         self.last_record: StepRecord | None = None
         self.sinks: list[Sink] = []
         self.prometheus = None
@@ -138,7 +140,10 @@ class Instrument(InstrumentSurface):
         self._unsampled_logged = False
         self.diagnostics = None
         mode = config.statistics.async_records
-        self.async_records = mode == "on" or (mode == "auto" and self._device_type() == "cuda")
+        #: the opt-in action (distgrad.action): needs synchronous records, so "auto" is off with it
+        self.action = Action(self)
+        self.async_records = mode == "on" or (mode == "auto" and self._device_type() == "cuda"
+                                              and not self.action.active)
         self._parked: dict[str, Any] | None = None  # the sampled step waiting for its host copy
         self.local_grad_check: LocalGradCheck | None = None  # culprit rank: local grads before reduction
         #: the packed signals (distgrad.signals) riding in the step's two collectives; decided
@@ -182,6 +187,14 @@ class Instrument(InstrumentSurface):
             self.watch(step)  # device-side non-finite flag, folded into the next sampled step
         return StepToken(int(step), sampled, self.collect(step, refuse) if sampled else None)
 
+    def decide_action(self, token: StepToken, grad_scale: float = 1.0) -> Decision | None:
+        """Boundary API, right after :meth:`begin_step` on every rank, before the optimizer
+        runs: the opt-in action's decision for this step (:mod:`distgrad.action`), None to apply
+        the update. A decision means: skip this step's update on every rank (the boundary does
+        it, and reports ``StepOutcome(step_applied=False)``). ``grad_scale``: the factor the
+        gradients still carry (fp16). No collective, no host sync. Never raises."""
+        return self.action.decide(token, grad_scale, bool(self.source.has_loss_scaler()))
+
     def end_step(self, token: StepToken, outcome: StepOutcome) -> StepRecord | None:
         """Close the step opened by :meth:`begin_step`, after the optimizer ran (or was
         skipped): account overflow / skipped steps / samples, and on a sampled step build the
@@ -201,6 +214,8 @@ class Instrument(InstrumentSurface):
             return None
         finally:
             self.loss.exit()
+            if self.action.active:
+                self.action.after_step(token.step)
 
     def collect(self, step: int, refuse: str | None = None) -> "np.ndarray | HostCopy | None":
         """Local statistics + the two collectives + one host copy, for a sampled step.
@@ -380,6 +395,7 @@ class Instrument(InstrumentSurface):
         rec.ranks, rec.loss_components, rec.token_loss = self.loss.unpack(loss_sum, loss_max)
         if self.signals:
             self.signals.finish(self, rec, sig_sum, sig_max, grad_scale)
+        rec.action = self.action.part(step)
         if self.config.statistics.update_ratio:
             host_sums = (update_ratio_sums(self, len(rec.params.names)).cpu().numpy() if ratio is None
                          else ratio.wait())
@@ -416,7 +432,7 @@ class Instrument(InstrumentSurface):
             self._consecutive_overflow += 1
         elif overflow is not None:
             self._consecutive_overflow = 0
-        if not step_applied:
+        if not step_applied and self.action.pending is None:  # distgrad's own skips: action_skipped_*
             self.counters["skipped_steps"] += 1
         if samples is not None:
             self.counters["samples"] = samples

@@ -43,6 +43,7 @@ class InstrumentSurface:
     prometheus: Any
     diagnostics: Any
     local_grad_check: LocalGradCheck | None
+    action: Any
     sink_errors: dict[str, int]
     refused_steps: dict[str, int]
     loss: Any
@@ -214,6 +215,24 @@ class InstrumentSurface:
             raise TypeError("read_gradients_now() is for PyTorch models instrumented with optimizer=; "
                             "a DeepSpeed engine reads its gradients inside engine.step(), before clipping")
         boundary.read_now()
+
+    @property
+    def should_stop(self) -> bool:
+        """True once the opt-in action (config ``action.on_nonfinite`` / ``action.on_spike``:
+        ``stop``) requested a stop; the same on every rank, from the boundary of the stopping step
+        on (whose update was skipped). A loop checks it after ``optimizer.step()`` /
+        ``engine.step()`` and leaves its training loop on every rank; the Hugging Face and
+        Lightning callbacks stop their trainer themselves. See docs/action.md."""
+        return self.action.should_stop
+
+    def on_stop(self, fn: Callable[[Any], None]) -> None:
+        """Run ``fn(decision)`` once, on every rank, when the opt-in action decides to stop
+        (``decision``: :class:`distgrad.action.Decision` with ``step``, ``cause``, ``detail``).
+        It runs at the end of the stopping step's boundary, inside ``optimizer.step()`` /
+        ``engine.step()``, after the (skipped) update: parameters and optimizer state are those
+        before the offending step, every rank is at the same point, so it may save a checkpoint
+        collectively. Its exceptions are counted in ``distgrad_internal_errors_total``."""
+        self.action.on_stop(fn)
 
     def add_hook(self, fn: Callable[[StepRecord], None]) -> None:
         """Call ``fn(record)`` on every rank after each sampled step (exceptions are counted)."""

@@ -66,6 +66,9 @@ LABELS: dict[str, Label] = {lab.name: lab for lab in (
     Label("reason", "why a rank could not vouch for its gradients: `closure` (read before the step's "
                     "backward: `optimizer.step(closure)`), `clipped` (clipped before distgrad read them), "
                     "`no_backward` (no backward since the last step)", ("closure", "clipped", "no_backward")),
+    Label("cause", "why the opt-in action skipped an optimizer update: `nonfinite` (NaN/Inf in the reduced gradient "
+                   "or the loss), `spike` (the paging detector fired on the loss or the gradient norm)",
+          ("nonfinite", "spike")),
     Label("engine", "engine adapter (`deepspeed`, `ddp`, `fsdp`, `fsdp2`, ...)"),
     Label("zero_stage", "DeepSpeed ZeRO stage, empty for other engines"),
     Label("dtype", "training (compute) dtype: `fp32`, `fp16`, `bf16`"),
@@ -95,6 +98,8 @@ CONDITIONS: dict[str, str] = {
     "histogram": "`histogram.enabled: true`, after a sampled step",
     "noise_scale": "`noise_scale.enabled: true`, after a sampled step with an estimate (several micro-batches per "
                    "step; see docs/signals.md)",
+    "action": "with an opt-in action configured (`action.on_nonfinite` / `action.on_spike`): the counter from "
+              "`instrument()` on, at 0 for each cause; the gauge after the first sampled step",
     "data_time": "after a sampled step whose data time is known on some rank (the boundary sees the forward: "
                  "PyTorch models with `optimizer=`, DeepSpeed engines; or the loop calls `observe_data_time`)",
 }
@@ -259,7 +264,9 @@ CATALOGUE: tuple[Metric, ...] = (
     _c("distgrad_internal_errors_total", "errors", "Failures inside distgrad; training continued."),
     _c("distgrad_replica_mismatch_total", "steps", "Sampled steps where replicated gradients differed across ranks."),
     _c("distgrad_overflow_steps_total", "steps", "fp16 optimizer steps whose gradients overflowed.", "loss_scaler"),
-    _c("distgrad_skipped_steps_total", "steps", "Optimizer steps the engine did not apply."),
+    _c("distgrad_skipped_steps_total", "steps", "Optimizer steps the engine did not apply.",
+       doc="optimizer steps the engine did not apply (fp16 overflow); updates distgrad's opt-in action skipped "
+           "are counted in `distgrad_action_skipped_steps_total` instead"),
     _c("distgrad_samples_total", "samples", "Training samples consumed (engine's count).", "samples",
        doc="training samples consumed (engine's global_samples)"),
     _c("distgrad_sink_errors_total", "errors", "Failures of one sink (the others and training went on).",
@@ -273,6 +280,18 @@ CATALOGUE: tuple[Metric, ...] = (
            "lowest such rank; rank logs name the fix once per reason); exported at 0 for every reason. "
            "PyTorch-native engines only: the DeepSpeed boundary cannot read in the wrong order",
        ),
+    _c("distgrad_action_skipped_steps_total", "steps",
+       "Optimizer updates distgrad's opt-in action skipped on every rank (not the engine's own skips).", "action",
+       labels=("cause",),
+       doc="optimizer steps whose update distgrad's opt-in action skipped on every rank (`action.on_nonfinite` / "
+           "`action.on_spike`: `skip`, or `stop`, which skips the offending update too), by cause; the engine's own "
+           "skips (fp16 overflow) are in `distgrad_skipped_steps_total` instead. Skipping hides the cause: "
+           "`DistgradUpdatesSkipped` fires on every increase"),
+    _g("distgrad_action_stop_requested", "1", "1 once distgrad's opt-in action requested a stop of the run.",
+       "action",
+       doc="1 from the step on which the opt-in action (`stop`) requested a stop of the run, else 0 "
+           "(`Instrument.should_stop`); the process normally exits soon after, so the rank logs and the "
+           "JSONL record carry the same fact"),
     # --- per parameter ------------------------------------------------------------------------
     _g("distgrad_param_grad_norm", "grad", "Per-parameter L2 norm of the reduced gradient.", "per_param", _P),
     _g("distgrad_param_grad_mean", "grad", "Per-parameter mean gradient element.", "per_param", _P),

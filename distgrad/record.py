@@ -433,6 +433,7 @@ class StepRecord:
             distribution of gradient values; None unless ``histogram.enabled``.
         noise_scale: :class:`~distgrad.record_gns.NoiseScale`, None unless
             ``noise_scale.enabled`` (and on steps without an estimate).
+        action: :class:`~distgrad.record_action.ActionPart` with an opt-in action configured, else None.
     """
 
     step: int
@@ -471,6 +472,7 @@ class StepRecord:
     loss_trend: LossTrend | None = None
     grad_histogram: GradHistogram | None = None
     noise_scale: NoiseScale | None = None
+    action: ActionPart | None = None
 
     @property
     def nonfinite(self) -> bool:
@@ -523,3 +525,6 @@ _PARTS.update(grad_histogram=GradHistogram)
 from distgrad.record_gns import NoiseScale  # noqa: E402
 
 _PARTS.update(noise_scale=NoiseScale)
+from distgrad.record_action import ActionPart  # noqa: E402
+
+_PARTS.update(action=ActionPart)

@@ -108,21 +108,29 @@ class RobustJumpDetector(_RateMixin):
         if not (math.isfinite(x) and x > 0):
             self.n_nonfinite += 1
             return DetectorResult(_NAN, False)
-        lx = math.log(x)
         self.n_seen += 1
-        result = DetectorResult(_NAN, False)
+        result = self.test(x)
         if len(self._history) >= self.min_samples:
-            h = np.fromiter(self._history, dtype=np.float64, count=len(self._history))
-            a, b = theil_sen(h)
-            pred = a + b * len(h)
-            r = h - (a + b * np.arange(len(h)))
-            s = max(1.4826 * float(np.median(np.abs(r - np.median(r)))), self.min_spread)
-            z = (lx - pred) / s
-            margin = max(self.k * s, math.log(self.min_ratio))
-            result = DetectorResult(z, bool(lx - pred > margin), math.exp(pred + margin))
             self._count(result.is_spike)
-        self._history.append(lx)
+        self._history.append(math.log(x))
         return result
+
+    def test(self, value: float) -> DetectorResult:
+        """What :meth:`update` would return for ``value``, without changing any state (no
+        history, no counter): how ``distgrad.action`` decides before the optimizer step, from
+        the same window the record's :meth:`update` then uses."""
+        x = _as_float(value)
+        if not (math.isfinite(x) and x > 0) or len(self._history) < self.min_samples:
+            return DetectorResult(_NAN, False)
+        lx = math.log(x)
+        h = np.fromiter(self._history, dtype=np.float64, count=len(self._history))
+        a, b = theil_sen(h)
+        pred = a + b * len(h)
+        r = h - (a + b * np.arange(len(h)))
+        s = max(1.4826 * float(np.median(np.abs(r - np.median(r)))), self.min_spread)
+        z = (lx - pred) / s
+        margin = max(self.k * s, math.log(self.min_ratio))
+        return DetectorResult(z, bool(lx - pred > margin), math.exp(pred + margin))
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state (plain Python types); configuration included for reference."""

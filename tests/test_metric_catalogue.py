@@ -18,6 +18,7 @@ from distgrad.detectors import DETECTOR_LABELS
 from distgrad.diagnostics import Diagnostics
 from distgrad.loss import rank_stats
 from distgrad.record_gns import NoiseScale
+from distgrad.record_action import ActionPart
 from distgrad.record import Culprit, LossComponents, ParamStats, RankCount, ScalerState, StepRecord, TokenLossStats
 from distgrad.record_histogram import GradHistogram
 from distgrad.token_loss import EDGES
@@ -38,6 +39,9 @@ def _sink(features: set[str]) -> PrometheusSink:
         sink.collector.inc_labeled("distgrad_sink_errors", {"sink": s}, 0)
     for reason in metrics.LABELS["reason"].values or ():  # as distgrad.startup does
         sink.collector.inc_labeled("distgrad_refused_steps", {"reason": reason}, 0)
+    if "action" in f:  # an opt-in action configured: its counter from the start, as distgrad.startup does
+        for cause in metrics.LABELS["cause"].values or ():
+            sink.collector.inc_labeled("distgrad_action_skipped_steps", {"cause": cause}, 0)
     if "step" in f:
         sink.collector.step_time = 1.0
     if "sample" not in f:
@@ -56,6 +60,8 @@ def _sink(features: set[str]) -> PrometheusSink:
         parts["replica_mismatch_rank"] = -1
     if "loss_scaler" in f:
         parts["scaler"] = ScalerState(consecutive_overflow_steps=0, loss_scale_at_minimum=False)
+    if "action" in f:
+        parts["action"] = ActionPart(cause="nonfinite", mode="skip", skipped=True) if bad else ActionPart()
     if bad:
         parts["nonfinite_params"] = [RankCount(param=NAMES[1], rank=1, nan=1, inf=0, count=1)]
         parts["culprits"] = [Culprit(rank=1, loss=True, grad=True)]  # rank 1 made it

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from distgrad.config.errors import ConfigError, describe
 from distgrad.config.sections import (
-    SECTIONS, ClipConfig, ExporterConfig, FlightRecorderConfig, HealthConfig, HistogramConfig, JsonlConfig, LossConfig,
+    SECTIONS, ActionConfig, ClipConfig, ExporterConfig, FlightRecorderConfig, HealthConfig, HistogramConfig, JsonlConfig, LossConfig,
     LossScaleConfig, NamingConfig,
     NamingRule, SamplingConfig, Section, SinksConfig, SpikesConfig, StatisticsConfig, TensorBoardConfig,
     TracerConfig,
@@ -170,6 +170,7 @@ class DistgradConfig(BaseModel):
     loss: LossConfig = Field(default_factory=LossConfig, description=LossConfig.__doc__)
     histogram: HistogramConfig = Field(default_factory=HistogramConfig, description=HistogramConfig.__doc__)
     noise_scale: NoiseScaleConfig = Field(default_factory=NoiseScaleConfig, description=NoiseScaleConfig.__doc__)
+    action: ActionConfig = Field(default_factory=ActionConfig, description=ActionConfig.__doc__)
 
     def __init__(self, **data: Any) -> None:
         nested, legacy = _normalise(data) if data else ({}, {})
@@ -278,4 +279,5 @@ __all__ = [
     "ExporterConfig", "StatisticsConfig", "SpikesConfig", "HealthConfig", "ClipConfig", "FlightRecorderConfig", "TracerConfig",
     "SinksConfig", "JsonlConfig", "TensorBoardConfig", "NamingConfig", "NamingRule", "LossConfig",
     "NoiseScaleConfig",
+    "ActionConfig",
 ]

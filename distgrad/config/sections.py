@@ -170,6 +170,31 @@ class SpikesConfig(Section):
         return self
 
 
+ActionMode = Literal["none", "skip", "stop"]
+
+
+class ActionConfig(Section):
+    """Opt-in action on a non-finite step or a paging spike: skip the optimizer update on every
+    rank, or skip it and stop the run after the ``on_stop`` callbacks (docs/action.md). Needs the
+    sampled step's reduced statistics on the host before the optimizer runs: sampling.interval 1
+    and synchronous records (statistics.async_records auto resolves to off)."""
+
+    section_key: ClassVar[str] = "action"
+    on_nonfinite: ActionMode = Field("none", description=(
+        "What to do on an optimizer step whose reduced gradient (or observed loss) holds a NaN/Inf: none, "
+        "skip (the update is not applied on any rank: parameters and optimizer state unchanged; counted "
+        "in distgrad_action_skipped_steps_total{cause=\"nonfinite\"}), or stop (skip, then run the on_stop "
+        "callbacks on every rank and set Instrument.should_stop). Under fp16 with a dynamic loss scaler "
+        "these steps are overflows the scaler skips itself: no action."))
+    on_spike: ActionMode = Field("none", description=(
+        "The same on a paging spike: the robust jump detector (spikes.robust_*) fires on the loss or the "
+        "global gradient norm of the step."))
+    samples_dir: OptPath = Field(None, examples=["runs/skipped"], description=(
+        "Directory where each rank appends action-rank<rank>.jsonl: per acted-on step, the sample indices "
+        "the loop passed for each micro-batch (observe_loss(samples=...) / observe_samples); null: "
+        "flight_recorder.dir, and nothing is written when that is null too."))
+
+
 class HealthConfig(Section):
     """Per-parameter vanishing / exploding gradient flags."""
 
@@ -402,5 +427,5 @@ SECTIONS: dict[str, type[Section]] = {
     "spikes": SpikesConfig, "health": HealthConfig, "loss_scale": LossScaleConfig, "clip": ClipConfig,
     "flight_recorder": FlightRecorderConfig, "tracer": TracerConfig, "sinks": SinksConfig,
     "naming": NamingConfig, "loss": LossConfig, "histogram": HistogramConfig,
-    "noise_scale": NoiseScaleConfig,
+    "noise_scale": NoiseScaleConfig, "action": ActionConfig,
 }

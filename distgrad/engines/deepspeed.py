@@ -255,11 +255,53 @@ class DeepSpeedSource(GradSource):
         return int(getattr(self.engine, "global_samples", 0))
 
 
+def inner_optimizer(engine: Any) -> Any:
+    """The ``torch.optim.Optimizer`` that updates the engine's (fp32 master) weights: the
+    optimizer a DeepSpeed wrapper (ZeRO 1-3, ``BF16_Optimizer``, ``FP16_Optimizer``) holds as
+    ``.optimizer``, or the engine's optimizer itself (ZeRO 0 fp32).
+
+    Raises:
+        TypeError: none is found (an unknown wrapper)."""
+    opt = engine.optimizer
+    for cand in (getattr(opt, "optimizer", None), opt):
+        if isinstance(cand, torch.optim.Optimizer):
+            return cand
+    raise TypeError(f"no torch.optim.Optimizer inside the DeepSpeed optimizer {type(opt).__name__}")
+
+
+def take_without_update(engine: Any, take: Any, args: tuple, kwargs: dict) -> Any:
+    """``engine._take_model_step`` with the update left out (the opt-in action,
+    :mod:`distgrad.action`): the engine runs its whole step -- clipping, its overflow check, the
+    copy of the fp32 master weights back into the training weights, releasing and zeroing the
+    reduced gradients (ZeRO's buffers included) -- except that the inner optimizer's ``step``
+    does nothing, so neither the master weights nor the optimizer's moments change and the
+    training weights are re-written with the values they had. The engine's LR scheduler is not
+    stepped (as on DeepSpeed's own overflow skips) and ``engine.was_step_applied()`` is False
+    afterwards. Returns what ``take`` returns."""
+    inner = inner_optimizer(engine)
+    own = "step" in vars(inner)
+    step, sched = inner.step, engine.lr_scheduler
+    inner.step = lambda *a, **k: None  # on this instance only, for this one step
+    engine.lr_scheduler = None
+    try:
+        out = take(*args, **kwargs)
+    finally:
+        if own:
+            inner.step = step
+        else:
+            vars(inner).pop("step", None)
+        engine.lr_scheduler = sched
+    engine._step_applied = False
+    return out
+
+
 def attach_deepspeed(inst: Any, engine: Any, source: DeepSpeedSource) -> None:
     """The DeepSpeed boundary: wrap ``engine._take_model_step`` (called once per optimizer step,
     after the reduction, before clipping and the update; see the module docstring) and
     ``engine.backward`` (loss capture) on this engine instance only, through the
     :class:`~distgrad.Instrument` boundary API; :meth:`Instrument.close` restores them."""
+    if inst.action.active:
+        inner_optimizer(engine)  # raises now, not at the first skipped step
     take = engine._take_model_step
     backward = engine.backward
 
@@ -272,13 +314,14 @@ def attach_deepspeed(inst: Any, engine: Any, source: DeepSpeedSource) -> None:
             except Exception:  # noqa: BLE001
                 inst.count_error("reading the loss scale")
         token = inst.begin_step(step)
-        out = take(*args, **kwargs)
+        skip = inst.decide_action(token, gscale) is not None
+        out = take_without_update(engine, take, args, kwargs) if skip else take(*args, **kwargs)
         try:
             outcome = StepOutcome(overflow=source.overflow(), step_applied=bool(engine.was_step_applied()),
                                   loss_scale=source.loss_scale(), samples=source.samples())
         except Exception:  # noqa: BLE001
             inst.count_error("reading the optimizer state")
-            outcome = StepOutcome(overflow=None, step_applied=True)
+            outcome = StepOutcome(overflow=None, step_applied=not skip)
         outcome.grad_scale, outcome.micro_step = gscale, micro
         inst.end_step(token, outcome)
         return out

@@ -46,6 +46,13 @@ class OptimizerBoundary:
 
     Not seen: steps a GradScaler skips when ``scaler=`` was not passed (``optimizer.step`` is
     never called, so neither hook fires and the step is not counted).
+
+    Opt-in action (:mod:`distgrad.action`): when the decision made at the read says skip, every
+    gradient the optimizer would consume is set to None from the step pre-hook (or from the read,
+    when that happens inside ``optimizer.step``) until the step ends, then put back:
+    ``optimizer.step()`` runs and changes nothing (see :meth:`_hold_back`); the step is recorded
+    with ``step_applied=False``. A clipping call between the read and ``optimizer.step`` still
+    sees the gradients. The loop's LR scheduler steps as the loop calls it.
     """
 
     def __init__(self, inst: Any, source: TorchSource, optimizer: torch.optim.Optimizer,
@@ -67,6 +74,9 @@ class OptimizerBoundary:
         self._pending: tuple | None = None  # (StepToken, grad_scale, fused_overflow)
         self._in_scaler = False
         self._fired = False
+        self._in_step = False  # the step pre-hook of the current optimizer step has run
+        self._skip = False  # the opt-in action skips this step's update (distgrad.action)
+        self._stashed: list[tuple[Any, Any]] | None = None  # gradients held back from the optimizer
         self._handles = [optimizer.register_step_pre_hook(self._pre),
                          optimizer.register_step_post_hook(self._post),
                          model.register_forward_pre_hook(self._forward_pre),
@@ -128,17 +138,20 @@ class OptimizerBoundary:
         if self._pending is None:
             self._begin()
 
-    def _begin(self, refuse: str | None = None) -> None:
+    def _begin(self, refuse: str | None = None, decide: bool = True) -> None:
         """Open the step; on sampled steps read the gradients (all ranks reach this at the same
         step). ``refuse``: why the gradients cannot be this step's (see
-        :mod:`distgrad.engines.guards`); the checks here may add a reason."""
+        :mod:`distgrad.engines.guards`); the checks here may add a reason. ``decide``: the
+        optimizer update is still ahead, so the opt-in action may skip it."""
         from distgrad.engines.guards import GradSignature
 
         self.inst.after_micro_batch()  # the tracer report of the last micro-batch, if it ran
         if self._pending is not None:  # the previous optimizer.step raised after its pre-hook
             log.warning("distgrad: optimizer.step() at step %d did not complete; recorded as not applied",
                         self._pending[0].step)
+            in_step = self._in_step
             self._end(None, False, None)
+            self._in_step = in_step
         try:
             sig = GradSignature(p for g in self.optimizer.param_groups for p in g["params"])
             if refuse is None and self._clipped:
@@ -163,6 +176,31 @@ class OptimizerBoundary:
         elif self.scaler is not None and self.inst.is_sampled(self.step):
             gscale = self._scale_still_applied()
         self._pending = (self.inst.begin_step(self.step, refuse), gscale, fused_overflow)
+        if decide and not fused_overflow and self.inst.decide_action(self._pending[0], gscale) is not None:
+            self._skip = True
+            if self._in_step:  # read inside optimizer.step (pre-hook, or a closure): hold them back now
+                self._hold_back()
+
+    def _hold_back(self) -> None:
+        """Skip this step's update (the opt-in action, :mod:`distgrad.action`): set every
+        gradient the optimizer would consume to None until the step ends. ``torch.optim``
+        optimizers leave a parameter whose ``.grad`` is None untouched, state included (its moments
+        and step count), so neither the parameters nor the optimizer state change; the gradients
+        are put back when the step ends (:meth:`_end`). Called in the step pre-hook, after any
+        clipping, or at a read inside ``optimizer.step`` (Lightning's closure)."""
+        if self._stashed is not None:
+            return
+        self._stashed = []
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    self._stashed.append((p, p.grad))
+                    p.grad = None
+
+    def _give_back(self) -> None:
+        for p, grad in self._stashed or ():
+            p.grad = grad
+        self._stashed = None
 
     def _scale_still_applied(self) -> float:
         """The loss scale the gradients still carry when they are read outside ``scaler.step``
@@ -186,13 +224,19 @@ class OptimizerBoundary:
         token, gscale, _ = self._pending
         self._pending = None
         self._clipped = False
+        if self._skip:
+            applied = False
+            self._give_back()
+        self._skip = self._in_step = False
         self.step += 1
         self.inst.end_step(token, StepOutcome(overflow=overflow, step_applied=applied, loss_scale=loss_scale,
                                               grad_scale=gscale, micro_step=self.micro))
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._fired = True
+        self._fired = self._in_step = True
         if self.read_at == "external" or self._pending is not None:
+            if self._skip:  # decided at an earlier read (before clipping, read_gradients_now)
+                self._hold_back()
             return  # read by the integration after the closure / already read before clipping
         rest = args[1:] if args and args[0] is optimizer else args  # the hook's args include self
         closure = kwargs.get("closure", rest[0] if rest else None)
@@ -226,7 +270,7 @@ class OptimizerBoundary:
         else:  # GradScaler found Inf/NaN and skipped optimizer.step(): read the unscaled grads now
             overflow = True
             if self._pending is None:  # not read before clipping already
-                self._begin()
+                self._begin(decide=False)  # the scaler skipped the update already
         self._end(overflow, not overflow, loss_scale)
         return out
 

@@ -72,6 +72,7 @@ _PART_GAUGES: dict[str, Callable[[StepRecord], Any]] = {
     "distgrad_gradient_noise_true_grad_sq": lambda r: r.noise_scale.ema_true_grad_sq if r.noise_scale else None,
     "distgrad_gradient_noise_batch_size": lambda r: r.noise_scale.big_batch if r.noise_scale else None,
     "distgrad_gradient_noise_micro_batch_size": lambda r: r.noise_scale.small_batch if r.noise_scale else None,
+    "distgrad_action_stop_requested": lambda r: int(r.action.stop_requested) if r.action else None,
 }
 #: ``{label value: number}`` dicts of the record's typed parts with one label
 _PART_MAPS: dict[str, Callable[[StepRecord], Any]] = {
