@@ -240,6 +240,29 @@ def _groups() -> dict[str, Any]:
             f"{tvalue('distgrad_optimizer_step')}.",
         ),
     ]
+    skip_w = a["DistgradUpdatesSkipped"]["window"]
+    skip_n = ('{{ with printf "distgrad_action_skipped_steps_total{job=%q,instance=%q,cause=%q}" $labels.job '
+              '$labels.instance $labels.cause | query }}{{ . | first | value | printf "%.0f" }}'
+              "{{ else }}unknown{{ end }}")
+    action = [
+        _rule(
+            "DistgradUpdatesSkipped",
+            f"increase(distgrad_action_skipped_steps_total{sel()}[{skip_w}]) > 0",
+            "distgrad skipped optimizer updates of {{ $labels.job }} ({{ $labels.cause }}).",
+            f"distgrad's opt-in action skipped the optimizer update of {WHO} on every rank in the last {skip_w} "
+            f"(cause {{{{ $labels.cause }}}}; {skip_n} such steps since start; last sampled step "
+            f"{tvalue('distgrad_optimizer_step')}). Skipping hides the cause: find it (the non-finite and spike "
+            "alerts, the rank logs, the skipped steps' sample indices in action.samples_dir).",
+        ),
+        _rule(
+            "DistgradStopRequested",
+            f"distgrad_action_stop_requested{sel()} == 1",
+            "distgrad stopped the training of {{ $labels.job }}.",
+            f"distgrad's opt-in action requested a stop of {WHO} (action: stop) after skipping the offending "
+            f"update; last sampled step {tvalue('distgrad_optimizer_step')}. The on_stop callbacks ran on every "
+            "rank; the run ends or has ended.",
+        ),
+    ]
     exporter = [
         _rule(
             "DistgradExporterDown",
@@ -261,6 +284,7 @@ def _groups() -> dict[str, Any]:
             {"name": "distgrad-gradients", "rules": gradients},
             {"name": "distgrad-fp16", "rules": fp16},
             {"name": "distgrad-training", "rules": training},
+            {"name": "distgrad-action", "rules": action},
             {"name": "distgrad-exporter", "rules": exporter},
         ]
     }

@@ -51,6 +51,10 @@ ALERTS: dict[str, dict[str, Any]] = {
     "DistgradStragglingRank": {"severity": "warning", "for": "10m", "threshold": 1.2},
     # the loss slope over loss.trend_window steps is within loss.plateau_z standard errors of 0
     "DistgradLossPlateau": {"severity": "warning", "for": "30m"},
+    # distgrad's opt-in action (docs/action.md) skipped an optimizer update: skipping hides the
+    # cause, so any skip alerts (per cause); a stop it requested is critical (the run ends)
+    "DistgradUpdatesSkipped": {"severity": "warning", "for": "0s", "window": "30m"},
+    "DistgradStopRequested": {"severity": "critical", "for": "0s"},
 }
 
 #: Dashboard settings shared by every dashboard.

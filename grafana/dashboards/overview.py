@@ -109,6 +109,12 @@ def build() -> Dashboard:
            queries((f"increase(distgrad_sampled_steps_total{{{S}}}[{RATE}])", "sampled {{instance}}"),
                    (f"increase(distgrad_refused_steps_total{{{S}}}[{RATE}])", "refused {{reason}} {{instance}}")),
            12, 8, bars=True, min_=0),
+        ts("Updates skipped by distgrad", "Optimizer updates distgrad's opt-in action skipped on every rank, per "
+           "cause (docs/action.md; DistgradUpdatesSkipped), and 1 once it requested a stop of the run "
+           "(DistgradStopRequested). Empty when no action is configured.",
+           queries((f"increase(distgrad_action_skipped_steps_total{{{S}}}[{RATE}])", "skipped {{cause}} {{instance}}"),
+                   (f"distgrad_action_stop_requested{{{S}}}", "stop requested {{instance}}")),
+           12, 8, bars=True, min_=0),
     ]
     return dashboard("overview", "distgrad / Overview",
                      "Training health from distgrad's rank-0 exporter: loss, gradient norm, fp16 loss scaling, non-finite steps, throughput, stalls, errors.",
