@@ -169,3 +169,52 @@ def test_refusals_name_the_keys_and_the_fix():
     inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False})
     assert not inst.action.active and inst.should_stop is False
     inst.close()
+
+
+def test_lightning_stop_path_skips_the_update_runs_the_callback_and_stops_the_fit():
+    import lightning as L
+
+    from distgrad.integrations.lightning import DistgradCallback
+
+    torch.manual_seed(0)
+    bad = 3
+    states: list[dict] = []
+    stops: list = []
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            if self.trainer.global_step == bad:
+                x = x.clone()
+                x[0, 0] = float("nan")  # one NaN input: loss and gradients NaN
+            return self.net(x).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    cb = DistgradCallback(exporter={"enabled": False}, action={"on_nonfinite": "stop"})
+
+    class Watch(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            cb.instrument.on_stop(lambda d: stops.append((d.step, trainer.global_step)))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            opt = trainer.optimizers[0]
+            states.append({"params": [p.detach().clone() for p in pl_module.parameters()],
+                           "exp_avg": [opt.state[p]["exp_avg"].clone() for p in pl_module.parameters()]})
+
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=10, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, Watch()])
+    trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=4))
+    assert len(states) == bad + 1  # the fit stopped after the bad batch
+    assert stops == [(bad, bad)]  # once, inside the bad step (before Lightning counted it)
+    for key in ("params", "exp_avg"):
+        assert all(torch.equal(a, b) for a, b in zip(states[bad - 1][key], states[bad][key]))  # skipped
+        assert not all(torch.equal(a, b) for a, b in zip(states[bad - 2][key], states[bad - 1][key]))
+    assert all(torch.isfinite(p).all() for p in states[-1]["params"])
+    assert cb.instrument.should_stop

@@ -30,6 +30,8 @@ What the Trainer does, and what the integration does about it (measured on trans
   gradient the reduced gradient is, i.e. the Trainer's own step loss (the mean per-token loss of
   the step with ``num_items_in_batch``, the mean of the micro-batch losses without it).
 - PEFT: frozen base weights have ``requires_grad=False`` and never appear as series.
+- Opt-in action ``stop`` (docs/action.md): at ``on_step_end`` of the stopping step the Trainer is
+  told to save a checkpoint (of the state before the skipped update) and to stop.
 
 Settings: ``attach(trainer, config, **overrides)`` like :func:`distgrad.instrument`; with
 ``config=None`` under DeepSpeed, the DeepSpeed config's ``"distgrad"`` section. ``clip.max_grad_norm``
@@ -74,6 +76,15 @@ class DistgradCallback(TrainerCallback):
             return
         self.instrument = instrument_trainer(self.trainer, self.config, kwargs.get("optimizer"),
                                              **self.overrides)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The opt-in action's stop (config ``action.on_*: stop``, docs/action.md): the offending
+        update was skipped and the ``on_stop`` callbacks ran; the Trainer saves a checkpoint of
+        that state (``control.should_save``) and stops (``control.should_training_stop``), on
+        every rank."""
+        if self.instrument is not None and self.instrument.should_stop:
+            control.should_save = True
+            control.should_training_stop = True
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.instrument is not None:

@@ -30,6 +30,9 @@ What Lightning does, and what the callback does about it (measured on lightning 
   same value.
 
 One optimizer per LightningModule is supported (several raise at ``on_train_start``).
+
+Opt-in action ``stop`` (docs/action.md): ``trainer.should_stop`` is set at the end of the stopping
+batch (the offending update was skipped, the ``on_stop`` callbacks ran).
 """
 
 from __future__ import annotations
@@ -123,6 +126,13 @@ class DistgradCallback(Callback):
             boundary = getattr(self.instrument, "boundary", None)
             if boundary is not None:
                 boundary.read_now()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """The opt-in action's stop (config ``action.on_*: stop``, docs/action.md): the offending
+        update was skipped and the ``on_stop`` callbacks ran; ``trainer.should_stop`` ends the fit
+        after this batch, on every rank."""
+        if self.instrument is not None and self.instrument.should_stop:
+            trainer.should_stop = True
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.instrument is not None:
