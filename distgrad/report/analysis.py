@@ -14,6 +14,7 @@ from distgrad.report.downsample import Downsampled, Downsampler
 from distgrad.report.findings import ANOMALY_LABELS, MAX_MARKERS, Problem, RunAnalysis
 from distgrad.report.layers import LayerIndex, layer_of, layer_sort_key
 from distgrad.report.loss import LossAccumulator
+from distgrad.report.signals import SignalsAccumulator
 from distgrad.report.spikes import RollingMadSpikes, _to_float
 from distgrad.report.verdict import VerdictChecks
 from distgrad.watch import step_ranges
@@ -68,6 +69,7 @@ class RunAnalyzer:
         self._bad_lines: list[tuple[int | None, str]] = []
         self._loss = LossAccumulator(max_points)
         self._checks = VerdictChecks()
+        self._signals = SignalsAccumulator(max_points)
 
     def _grow(self) -> None:
         L = len(self._li.layers)
@@ -150,6 +152,7 @@ class RunAnalyzer:
         self._prev_sampled = sampled
         self._unsampled(r, step)
         self._checks.add(r)
+        self._signals.add(r)
         if self._first_step is None:
             self._first_step = step
         self._n += 1
@@ -351,6 +354,7 @@ class RunAnalyzer:
             spikes=list(spikes),
             spikes_source=src,
             loss=self._loss.result(),
+            signals=self._signals.result(),
         )
 
 

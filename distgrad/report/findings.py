@@ -10,6 +10,7 @@ import numpy as np
 
 from distgrad.report.downsample import Downsampled
 from distgrad.report.loss import LossReport
+from distgrad.report.signals import SignalsReport
 
 #: At most this many spike markers / example steps are kept (the first ones); counts stay exact.
 MAX_MARKERS = 10_000
@@ -105,6 +106,7 @@ class RunAnalysis:
     spikes: list[tuple[int, str, float]]
     spikes_source: str
     loss: LossReport | None = None  #: components, token losses, trend, per-rank attribution
+    signals: SignalsReport | None = None  #: packed signals' series and findings (advice, not problems)
 
     @property
     def healthy(self) -> bool:

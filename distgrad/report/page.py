@@ -77,6 +77,12 @@ def write_report(path: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
         parts.append(f"<p>{html.escape(bucket_note)}</p>")
     for n in notes:
         parts.append(f"<p><em>{html.escape(n)}</em></p>")
+    sig = getattr(a, "signals", None)
+    if sig is not None and sig.findings:
+        parts.append('<h2 id="findings">Findings (advice from the gradient signals)</h2><ul>')
+        for f in sig.findings:
+            parts.append(f'<li id="finding-{html.escape(f.kind)}">step {f.step}: {html.escape(f.detail)}</li>')
+        parts.append("</ul>")
     for fname, caption, data in images:
         b64 = base64.b64encode(data).decode("ascii")
         parts.append(f'<figure><img alt="{html.escape(fname)}" src="data:image/png;base64,{b64}">'

@@ -13,6 +13,7 @@ import numpy as np
 from distgrad.report.analysis import RunAnalysis
 from distgrad.report.downsample import Downsampled
 from distgrad.report.loss import render as render_loss
+from distgrad.report.signals import render as render_signals
 
 def _log10(a: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -194,4 +195,8 @@ def render_plots(a: RunAnalysis, out: Path) -> tuple[list[tuple[str, str, bytes]
         got = render_loss(a.loss, subplots) if getattr(a, "loss", None) is not None else None
         if got is not None:
             images.append(("loss_analysis.png", got[1], _save(got[0], out / "loss_analysis.png")))
+
+        # 7. packed signals (docs/signals.md): one figure per signal present in the records
+        for fname, caption, fig in render_signals(getattr(a, "signals", None), subplots):
+            images.append((fname, caption, _save(fig, out / fname)))
     return images, notes

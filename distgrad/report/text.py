@@ -8,6 +8,7 @@ from typing import Any, Iterable, Sequence
 
 from distgrad.report.analysis import ANOMALY_LABELS, RunAnalysis
 from distgrad.report.loss import summary_lines
+from distgrad.report.signals import summary_lines as signal_lines
 
 def _fmt(v: Any) -> str:
     if v is None:
@@ -65,6 +66,9 @@ def format_summary(a: RunAnalysis, top: int = 10) -> str:
     loss_lines = summary_lines(a.loss) if getattr(a, "loss", None) is not None else []
     if loss_lines:
         out += loss_lines + [""]
+    sig_lines = signal_lines(getattr(a, "signals", None))
+    if sig_lines:
+        out += sig_lines + [""]
     idx = worst_layers(a, top)
     out.append(f"worst layers (of {len(a.layers)}) by non-finite steps, then max grad norm")
     out += _table(("layer", "max norm", "at step", "last norm", "non-finite elems", "non-finite steps"),

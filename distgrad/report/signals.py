@@ -1,0 +1,293 @@
+"""The packed signals (docs/signals.md) in the offline report: their series over steps, downsampled
+like the other curves, and FINDINGS, each with what to do and its runbook section
+(``docs/runbook.md#signal-<kind>``).
+
+Signals read from the records (a signal absent from every record is simply not reported):
+
+* ``grad_histogram`` (:class:`~distgrad.record_histogram.GradHistogram`): underflow ratio and
+  zero ratio, global and per layer.
+
+Findings (rules; ``W`` = :data:`WINDOW` sampled steps):
+
+* ``underflow``: a layer whose underflow ratio (elements with ``0 < |g| < tiny`` of the training
+  dtype over its elements) has a median over the last ``W`` sampled steps of at least
+  :data:`UNDERFLOW_RATIO` (1%); named: the worst such layer, the number of such layers, the
+  dtype and the first step the worst one reached the threshold.
+
+Findings are advice, not problems: they do not change the verdict (``HEALTHY`` / ``PROBLEM``)
+nor ``--fail-on-problem``. Memory: the downsampled series (``O(max_points x layers)`` per metric)
+plus the last ``2 W`` values of each layer per rule.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from distgrad.record import StepRecord
+from distgrad.report.downsample import Downsampled, Downsampler
+
+RUNBOOK = "docs/runbook.md"
+WINDOW = 10
+UNDERFLOW_RATIO = 0.01
+
+
+@dataclass
+class SignalFinding:
+    """One finding of a signal rule: ``kind`` (runbook anchor ``signal-<kind>``), the ``step`` it
+    refers to (first step the rule held), the ``layer`` implicated (None: global), ``detail``
+    (what was seen, what to do and the runbook link; no trailing period)."""
+
+    kind: str
+    step: int
+    layer: str | None
+    detail: str
+
+
+@dataclass
+class SignalSeries:
+    """One metric of one signal over the run: ``glob`` downsampled global value (1 column) or
+    None; ``per_layer`` downsampled per-layer values (columns aligned with ``layers``) or None."""
+
+    signal: str
+    metric: str
+    label: str
+    log: bool
+    glob: Downsampled | None
+    layers: list[str]
+    per_layer: Downsampled | None
+
+
+@dataclass
+class SignalsReport:
+    """What :class:`SignalsAccumulator` found: ``series`` in signal order, ``findings``,
+    ``info`` (signal -> facts for the summary, e.g. the histogram's dtype)."""
+
+    series: list[SignalSeries] = field(default_factory=list)
+    findings: list[SignalFinding] = field(default_factory=list)
+    info: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def signals(self) -> list[str]:
+        """Signals present, in order."""
+        return list(dict.fromkeys(s.signal for s in self.series))
+
+
+def _f(v: Any) -> float:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return math.nan
+    return x
+
+
+Extract = Callable[[Any], tuple[float, dict[str, float] | None]]
+
+
+def _hist_ratio(attr: str, method: str) -> Extract:
+    def get(h: Any) -> tuple[float, dict[str, float]]:
+        per = getattr(h, method)()
+        num = sum(int(x) for x in getattr(h, attr))
+        den = sum(int(x) for x in h.numel)
+        return (num / den if den else math.nan), per
+    return get
+
+
+#: signal field of StepRecord -> [(metric, label, log scale, extractor)]
+SPECS: dict[str, list[tuple[str, str, bool, Extract]]] = {
+    "grad_histogram": [
+        ("underflow_ratio", "underflow ratio (0 < |g| < smallest normal of the dtype)", False, _hist_ratio("underflow", "underflow_ratio")),
+        ("zero_ratio", "zero ratio (g == 0)", False, _hist_ratio("zeros", "zero_ratio")),
+    ],
+}
+TITLES = {"grad_histogram": "Gradient value distribution"}
+
+
+class _Metric:
+    """Downsampled global and per-layer values of one metric, plus the last ``2 W`` per-layer
+    values for the rules."""
+
+    def __init__(self, max_points: int) -> None:
+        self.max_points = max_points
+        self.glob: Downsampler | None = None
+        self.lay: Downsampler | None = None
+        self.index: dict[str, int] = {}
+        self.names: list[str] = []
+        self.recent: deque[tuple[int, np.ndarray]] = deque(maxlen=2 * WINDOW)
+
+    def add(self, step: int, g: float, per: dict[str, float] | None) -> None:
+        if self.glob is None:
+            self.glob = Downsampler(1, 0, self.max_points)
+        self.glob.add(step, np.array([g], dtype=np.float64))
+        if per is None:
+            return
+        for k in per:
+            if k not in self.index:
+                self.index[k] = len(self.names)
+                self.names.append(k)
+        L = len(self.names)
+        if self.lay is None:
+            self.lay = Downsampler(L, 0, self.max_points)
+        self.lay.grow(L)
+        row = np.full(L, np.nan)
+        for k, v in per.items():
+            row[self.index[k]] = _f(v)
+        self.lay.add(step, row)
+        self.recent.append((step, row))
+
+    def window(self, n: int) -> np.ndarray:
+        """float64 [n', L] of the last ``n`` per-layer rows (NaN-padded to the current layers)."""
+        rows = list(self.recent)[-n:]
+        L = len(self.names)
+        out = np.full((len(rows), L), np.nan)
+        for i, (_, r) in enumerate(rows):
+            out[i, :r.size] = r
+        return out
+
+
+class SignalsAccumulator:
+    """Feed every record in file order (:meth:`add`), then :meth:`result` (bounded state, see the
+    module doc). ``max_points``: downsampling buckets, as the report's other curves."""
+
+    def __init__(self, max_points: int = 1024) -> None:
+        self.max_points = max_points
+        self._m: dict[tuple[str, str], _Metric] = {}
+        self._info: dict[str, dict[str, Any]] = {}
+        self._under_first: dict[str, int] = {}  # layer -> first step its underflow ratio >= threshold
+        self._under_first_glob: int | None = None
+
+    def add(self, r: StepRecord) -> None:
+        step = int(r.step)
+        for fld, metrics in SPECS.items():
+            part = getattr(r, fld, None)
+            if part is None:
+                continue
+            for metric, _, _, get in metrics:
+                try:
+                    g, per = get(part)
+                except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+                    continue  # a malformed part: the metric is skipped for this record
+                m = self._m.get((fld, metric))
+                if m is None:
+                    m = self._m[(fld, metric)] = _Metric(self.max_points)
+                m.add(step, _f(g), per)
+            getattr(self, f"_see_{fld}", lambda *_: None)(step, part)
+
+    # ---------------------------------------------------------------- per-signal state
+    def _see_grad_histogram(self, step: int, h: Any) -> None:
+        info = self._info.setdefault("grad_histogram", {})
+        info["dtype"] = getattr(h, "dtype", "?")
+        info["tiny"] = _f(getattr(h, "tiny", math.nan))
+        m = self._m.get(("grad_histogram", "underflow_ratio"))
+        if m is None or not m.recent:
+            return
+        row = m.recent[-1][1]
+        for k in np.flatnonzero(row >= UNDERFLOW_RATIO):
+            self._under_first.setdefault(m.names[int(k)], step)
+
+    # ---------------------------------------------------------------- rules
+    def _underflow(self) -> list[SignalFinding]:
+        m = self._m.get(("grad_histogram", "underflow_ratio"))
+        if m is None or not m.names or not m.recent:
+            return []
+        win = m.window(WINDOW)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN column: a layer absent lately
+            med = np.nanmedian(win, axis=0)
+        hit = np.flatnonzero(np.nan_to_num(med, nan=-1.0) >= UNDERFLOW_RATIO)
+        if not hit.size:
+            return []
+        worst = int(hit[np.argmax(med[hit])])
+        layer = m.names[worst]
+        info = self._info.get("grad_histogram", {})
+        dtype = info.get("dtype", "?")
+        tiny = info.get("tiny", math.nan)
+        step = self._under_first.get(layer, m.recent[-len(win)][0])
+        if dtype == "fp16":
+            todo = ("use dynamic loss scaling or raise the loss scale (DeepSpeed fp16.initial_scale_power, "
+                    "torch.amp.GradScaler(init_scale=...)) so the scaled gradients sit above 2^-14, or train in bf16")
+        else:
+            todo = ("gradients this small are vanishing, not a precision choice: check that layer's initialisation, "
+                    "normalisation and the activations feeding it; scaling the loss up only hides it")
+        detail = (f"{100 * med[worst]:.1f}% of layer {layer}'s gradient elements underflow {dtype} "
+                  f"(0 < |g| < {tiny:.3g}; median of the last {len(win)} sampled steps, at or above "
+                  f"{100 * UNDERFLOW_RATIO:g}% since step {step}); {hit.size} layer(s) at or above "
+                  f"{100 * UNDERFLOW_RATIO:g}%; what to do: {todo} ({RUNBOOK}#signal-underflow)")
+        return [SignalFinding("underflow", int(step), layer, detail)]
+
+    def result(self) -> SignalsReport:
+        """The :class:`SignalsReport` of the records added so far."""
+        rep = SignalsReport(info={k: dict(v) for k, v in self._info.items()})
+        for fld, metrics in SPECS.items():
+            for metric, label, log, _ in metrics:
+                m = self._m.get((fld, metric))
+                if m is None:
+                    continue
+                rep.series.append(SignalSeries(fld, metric, label, log, m.glob.result() if m.glob else None,
+                                               list(m.names), m.lay.result() if m.lay else None))
+        rep.findings = self._underflow()
+        rep.findings.sort(key=lambda f: f.step)
+        return rep
+
+
+def summary_lines(rep: SignalsReport | None) -> list[str]:
+    """The summary's ``FINDINGS`` block and the last value of each signal (empty when the run
+    has no signal)."""
+    if rep is None or not rep.series:
+        return []
+    out = ["signals (last sampled value, global):"]
+    for s in rep.series:
+        if s.glob is not None and s.glob.last.size:
+            v = float(s.glob.last[-1, 0])
+            out.append(f"  {TITLES.get(s.signal, s.signal)}: {s.metric} = {v:.6g}")
+    out.append("")
+    if rep.findings:
+        out.append(f"FINDINGS ({len(rep.findings)}; advice, not problems):")
+        out += [f"  - step {f.step}: {f.detail}" for f in rep.findings]
+    else:
+        out.append("FINDINGS: none (signals within their rules)")
+    return out
+
+
+def render(rep: SignalsReport | None, subplots: Callable[..., tuple[Any, Any]], top: int = 5) -> list[tuple[str, str, Any]]:
+    """One figure per signal: a panel per metric with the global value and the ``top`` layers of
+    largest value. Returns ``[(file name, caption, figure)]``."""
+    if rep is None:
+        return []
+    out = []
+    for sig in rep.signals():
+        series = [s for s in rep.series if s.signal == sig]
+        fig, axes = subplots(len(series), 1, figsize=(11, 2.6 * len(series) + 0.8), sharex=True, squeeze=False)
+        for ax, s in zip(axes[:, 0], series):
+            _panel(ax, s, top)
+        axes[-1, 0].set_xlabel("optimizer step")
+        fig.suptitle(TITLES.get(sig, sig))
+        fig.tight_layout()
+        out.append((f"signal_{sig}.png", f"{TITLES.get(sig, sig)} over steps: global (black, band = min..max per "
+                    f"bucket) and the {top} layers of largest value.", fig))
+    return out
+
+
+def _panel(ax: Any, s: SignalSeries, top: int) -> None:
+    if s.per_layer is not None and s.layers:
+        d = s.per_layer
+        with np.errstate(all="ignore"):
+            peak = np.where(np.isfinite(d.max), d.max, -np.inf).max(axis=0)
+        for j in [int(j) for j in np.argsort(-peak)[:top] if np.isfinite(peak[j])]:
+            ax.plot(d.x, d.last[:, j], linewidth=0.8, label=s.layers[j])
+    if s.glob is not None:
+        g = s.glob
+        if g.width > 1:
+            ax.fill_between(g.x, g.min[:, 0], g.max[:, 0], color="black", alpha=0.15, linewidth=0)
+        ax.plot(g.x, g.last[:, 0], color="black", linewidth=1.2, label="global")
+    if s.log:
+        ax.set_yscale("log")
+    ax.set_ylabel(s.metric, fontsize=8)
+    ax.set_title(s.label, fontsize=9)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper right", fontsize=7)

@@ -1,0 +1,161 @@
+"""``distgrad report`` / ``summary`` for the packed signals (distgrad/report/signals.py): series
+and FINDINGS from the JSONL log of real short runs with the signals on (the instrument on a tiny
+model in this process), the expected finding derived from the rule applied to the logged values;
+rule thresholds on hand-built records; an end-to-end report whose findings link runbook sections
+that exist."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import distgrad
+from distgrad.cli import main
+from distgrad.record import StepRecord
+from distgrad.record_histogram import GradHistogram
+from distgrad.report import analyze
+from distgrad.report import signals as sig
+
+RUNBOOK = Path(__file__).resolve().parents[1] / "docs" / "runbook.md"
+
+
+class Net(nn.Module):
+    """layers.0 -> relu -> layers.1 -> relu -> head (layer labels "0", "1", "head");
+    ``x_scale`` scales the input, so ``layers.0.weight``'s gradient is that much smaller (a cold
+    input feature: below fp16's normal range at 1e-6)."""
+
+    def __init__(self, x_scale: float = 1.0) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 16), nn.Linear(16, 16)])
+        self.head = nn.Linear(16, 1)
+        self.x_scale = x_scale
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.layers[0](x * self.x_scale))
+        h = torch.relu(self.layers[1](h))
+        return ((self.head(h).squeeze(-1) - y) ** 2).mean()
+
+
+def run(tmp_path: Path, steps: int = 30, x_scale: float = 1.0, **cfg) -> Path:
+    """Train Net with Adam on a linear teacher, distgrad on with ``cfg``, every step sampled."""
+    torch.manual_seed(0)
+    net = Net(x_scale)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    path = tmp_path / "run.jsonl"
+    inst = distgrad.instrument(net, optimizer=opt, exporter={"enabled": False},
+                               sinks={"jsonl": {"path": str(path)}}, **cfg)
+    g = torch.Generator().manual_seed(1)
+    teacher = torch.randn(8, generator=g)
+    for _ in range(steps):
+        x = torch.randn(32, 8, generator=g)
+        loss = net(x, x @ teacher)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert inst.counters["internal_errors"] == 0
+    inst.close()
+    return path
+
+
+def records(path: Path) -> list[StepRecord]:
+    return [StepRecord.from_dict(json.loads(x)) for x in path.read_text().splitlines() if '"params"' in x]
+
+
+def anchors() -> set[str]:
+    return {m.group(1) for m in re.finditer(r"^#+ (\S+)\s*$", RUNBOOK.read_text(), re.M)}
+
+
+# ---------------------------------------------------------------- histogram: underflow
+def expected_underflow(recs: list[StepRecord]) -> tuple[list[str], str, float]:
+    """The rule recomputed from the logged counts: layers whose median underflow ratio over the
+    last WINDOW records is >= UNDERFLOW_RATIO, the worst one and its median."""
+    last = [r.grad_histogram for r in recs[-sig.WINDOW:]]
+    layers = last[-1].layers
+    med = {k: float(np.median([h.underflow[h.layers.index(k)] / h.numel[h.layers.index(k)] for h in last]))
+           for k in layers}
+    hit = [k for k in layers if med[k] >= sig.UNDERFLOW_RATIO]
+    worst = max(hit, key=med.get) if hit else None
+    return hit, worst, (med[worst] if worst else 0.0)
+
+
+def test_underflow_finding_from_a_real_fp16_run(tmp_path):
+    # fp16 training dtype without loss scaling: the cold input layer's gradients sit below 2^-14
+    path = run(tmp_path, x_scale=1e-6, histogram={"enabled": True, "dtype": "fp16"})
+    recs = records(path)
+    hit, worst, med = expected_underflow(recs)
+    assert worst == "0" and med > 0.4  # the run does what it is meant to
+    a = analyze(path)
+    f = [x for x in a.signals.findings if x.kind == "underflow"]
+    assert len(f) == 1
+    assert f[0].layer == worst
+    assert f"{100 * med:.1f}% of layer {worst}'s gradient elements underflow fp16" in f[0].detail
+    assert f"{len(hit)} layer(s)" in f[0].detail and "loss scal" in f[0].detail
+    first = next(int(r.step) for r in recs
+                 if r.grad_histogram.underflow[r.grad_histogram.layers.index(worst)]
+                 >= sig.UNDERFLOW_RATIO * r.grad_histogram.numel[r.grad_histogram.layers.index(worst)])
+    assert f[0].step == first
+    assert a.healthy  # advice, not a problem: the verdict is unchanged
+    # the global series is the logged total ratio
+    s = next(s for s in a.signals.series if s.metric == "underflow_ratio")
+    tot = recs[-1].grad_histogram.total()
+    assert s.glob.last[-1, 0] == pytest.approx(tot.underflow[0] / tot.numel[0], rel=1e-12)
+    assert s.layers == recs[-1].grad_histogram.layers
+    z = next(s for s in a.signals.series if s.metric == "zero_ratio")
+    assert z.glob.last[-1, 0] == pytest.approx(tot.zeros[0] / tot.numel[0], rel=1e-12)
+    np.testing.assert_allclose(z.per_layer.last[-1], list(recs[-1].grad_histogram.zero_ratio().values()), rtol=1e-12)
+
+
+def test_no_underflow_finding_in_fp32(tmp_path):
+    path = run(tmp_path, steps=12, histogram={"enabled": True})
+    hit, _, _ = expected_underflow(records(path))
+    assert hit == []
+    a = analyze(path)
+    assert a.signals.findings == [] and a.signals.signals() == ["grad_histogram"]
+
+
+def hist_record(step: int, under: list[int], numel: int = 1000, dtype: str = "bf16") -> SimpleNamespace:
+    """A record with only a histogram part (the accumulator reads ``step`` and the part)."""
+    L = len(under)
+    h = GradHistogram(dtype, 2.0 ** -126, -64, 16, 0.0, [f"l{i}" for i in range(L)], [[0] * 80 for _ in range(L)],
+                      [0] * L, [0] * L, [0] * L, list(under), [0] * L, [numel] * L)
+    return SimpleNamespace(step=step, grad_histogram=GradHistogram.from_dict(h.to_dict()))
+
+
+@pytest.mark.parametrize("at,fires", [(sig.UNDERFLOW_RATIO, True), (sig.UNDERFLOW_RATIO - 0.001, False)])
+def test_underflow_rule_threshold(at, fires):
+    acc = sig.SignalsAccumulator(max_points=8)
+    n = 1000
+    k = round(at * n)
+    # the median over the last WINDOW records decides; earlier records (0) do not count
+    for s in range(5):
+        acc.add(hist_record(s, [0, 0], n))
+    for s in range(5, 5 + sig.WINDOW):
+        acc.add(hist_record(s, [0, k if s % 2 else k + 1], n))  # median = k / n
+    f = acc.result().findings
+    assert bool(f) == fires
+    if fires:
+        assert f[0].layer == "l1" and f[0].step == 5 and "bf16" in f[0].detail and "vanishing" in f[0].detail
+
+
+# ---------------------------------------------------------------- end to end
+def test_report_end_to_end(tmp_path):
+    path = run(tmp_path, x_scale=1e-6, histogram={"enabled": True, "dtype": "fp16"})
+    out = tmp_path / "rep"
+    assert main(["report", str(path), "-o", str(out), "--max-points", "8"]) == 0
+    png = out / "signal_grad_histogram.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    html = (out / "report.html").read_text()
+    assert 'id="finding-underflow"' in html and "signal_grad_histogram.png" in html
+    text = (out / "summary.txt").read_text()
+    assert "FINDINGS (1; advice, not problems)" in text
+    linked = set(re.findall(r"docs/runbook\.md#([a-z0-9-]+)", text))
+    assert linked and linked <= anchors()
+    # every rule kind has its runbook section
+    assert {"signal-underflow"} <= anchors()
