@@ -89,10 +89,14 @@ def test_stop_runs_the_callback_on_every_rank_and_stops_at_that_step(cases):
     assert "distgrad_action_stop_requested 1.0" in cases["ddp-stop"]["ranks"][0]["served"]
 
 
-def test_paging_spike_under_deepspeed_zero2_skips_the_update(cases):
-    for rank, res in enumerate(cases["ds-spike"]["ranks"]):
+@pytest.mark.parametrize("key", ["ds-spike", "ds3-bf16-spike"])
+def test_paging_spike_under_deepspeed_skips_the_update(cases, key):
+    """ZeRO-2 fp32 and ZeRO-3 bf16: training weights, fp32 master partitions and the moments are
+    bit for bit unchanged by the skipped step, on every rank."""
+    for rank, res in enumerate(cases[key]["ranks"]):
         steps = res["steps"]
         assert [s["changed"] for s in steps] == [s["step"] != BAD_SPIKE for s in steps], rank
+        assert steps[BAD_SPIKE]["moments"] > 0  # the digest covered the optimizer's state
         bad = steps[BAD_SPIKE]
         assert bad["fired"] == {"loss": ["robust"]}  # the record's own detector agrees with the decision
         assert bad["action"]["cause"] == "spike" and bad["action"]["skipped"] is True
@@ -102,7 +106,7 @@ def test_paging_spike_under_deepspeed_zero2_skips_the_update(cases):
         assert steps[-1]["counters"]["action_skipped_spike"] == 1
         assert [(d["step"], d["cause"]) for d in res["file"]] == [(BAD_SPIKE, "spike")]
         assert res["file"][0]["samples_by_micro_batch"] == {"0": _indices(BAD_SPIKE, rank)}
-    assert 'distgrad_action_skipped_steps_total{cause="spike"} 1.0' in cases["ds-spike"]["ranks"][0]["served"]
+    assert 'distgrad_action_skipped_steps_total{cause="spike"} 1.0' in cases[key]["ranks"][0]["served"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,3 +222,65 @@ def test_lightning_stop_path_skips_the_update_runs_the_callback_and_stops_the_fi
         assert not all(torch.equal(a, b) for a, b in zip(states[bad - 2][key], states[bad - 1][key]))
     assert all(torch.isfinite(p).all() for p in states[-1]["params"])
     assert cb.instrument.should_stop
+
+
+def test_hugging_face_trainer_stop_path_saves_the_last_good_state_and_stops(tmp_path, monkeypatch):
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from distgrad.integrations.hf import attach
+
+    for var in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+    def reset() -> None:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+
+    reset()
+    bad = 3
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+            self.poison = False
+
+        def forward(self, x, labels):
+            if self.poison:
+                x = x.clone()
+                x[0, 0] = float("nan")  # one NaN input on this step: loss and gradients NaN
+            return {"loss": (self.net(x).squeeze(-1) - labels).pow(2).mean()}
+
+    torch.manual_seed(0)
+    model = Model()
+    g = torch.Generator().manual_seed(1)
+    data = [{"x": torch.randn(4, generator=g), "labels": torch.randn((), generator=g)} for _ in range(64)]
+    snapshots: list[list[torch.Tensor]] = []
+
+    class Watch(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            model.poison = state.global_step == bad
+
+        def on_step_end(self, args, state, control, **kw):
+            snapshots.append([p.detach().clone() for p in model.parameters()])
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=10, report_to=[],
+                             save_strategy="no", logging_steps=1, learning_rate=1e-2, max_grad_norm=1.0,
+                             use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=5)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Watch()])
+    cb = attach(trainer, exporter={"enabled": False}, action={"on_nonfinite": "stop"})
+    try:
+        trainer.train()
+    finally:
+        reset()
+    assert trainer.state.global_step == bad + 1 and len(snapshots) == bad + 1  # stopped after the bad step
+    assert cb.instrument.should_stop
+    assert all(torch.equal(a, b) for a, b in zip(snapshots[bad - 1], snapshots[bad]))  # its update skipped
+    assert all(torch.isfinite(p).all() for p in snapshots[bad])
+    # the Trainer saved a checkpoint of that state before stopping
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / f"checkpoint-{bad + 1}" / "model.safetensors"))
+    assert all(torch.equal(saved[n], p) for (n, _), p in zip(model.named_parameters(), snapshots[bad]))

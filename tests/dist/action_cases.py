@@ -11,6 +11,8 @@ Cases (each returns, per rank, the per-step facts and the rank's sample-indices 
   fsdp2-skip: FSDP2 (``fully_shard``) + AdamW, ``on_nonfinite: skip``, the same zero sample.
   ds-spike:   DeepSpeed ZeRO-2 fp32 + AdamW, ``on_spike: skip``; at step 14 rank 1's batch is
               garbage (every label wrong): the paging detector fires on the step.
+  ds3-bf16-spike: the same under ZeRO-3 bf16 (bf16 training weights re-written from unchanged fp32
+              master partitions).
 
 Per step each rank records a SHA-256 of its parameters and optimizer state (DeepSpeed: the
 inner optimizer's fp32 master partitions and moments too) just before and just after the
@@ -63,11 +65,11 @@ def ds_state(engine) -> str:
     from distgrad.engines.deepspeed import inner_optimizer
 
     inner = inner_optimizer(engine)
-    ts = list(engine.module.parameters())
-    for g in inner.param_groups:
-        for p in g["params"]:
-            ts.append(p)  # fp32 master partitions (ZeRO 1/2)
-            ts += [v for _, v in sorted(inner.state.get(p, {}).items()) if isinstance(v, torch.Tensor)]
+    ts = [p.ds_tensor if hasattr(p, "ds_tensor") else p for p in engine.module.parameters()]  # ZeRO-3: own partition
+    ts += [p for g in inner.param_groups for p in g["params"]]  # fp32 master partitions (ZeRO 1/2)
+    ts += list(getattr(engine.optimizer, "fp32_partitioned_groups_flat", []))  # ZeRO-3's, outside its step
+    for st in inner.state.values():  # moments and step counts, whichever tensors they are keyed by
+        ts += [v for _, v in sorted(st.items()) if isinstance(v, torch.Tensor)]
     return digest(ts)
 
 
@@ -141,13 +143,13 @@ def torch_case(kind: str, mode: str, rank: int, world: int) -> dict:
     return out
 
 
-def ds_case(rank: int, world: int) -> dict:
+def ds_case(rank: int, world: int, stage: int = 2, dtype: str = "fp32") -> dict:
     import deepspeed
 
     torch.manual_seed(0)
     model = CauseModel()
     cfg = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1,
-           "zero_optimization": {"stage": 2},
+           "zero_optimization": {"stage": stage}, **({"bf16": {"enabled": True}} if dtype == "bf16" else {}),
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2,
                                                              "warmup_num_steps": 2, "total_num_steps": 1000}},
@@ -163,6 +165,8 @@ def ds_case(rank: int, world: int) -> dict:
     steps = []
     for step in range(17):
         x, y = batch(step, rank)
+        if dtype == "bf16":
+            x = x.bfloat16()
         if step == BAD_SPIKE and rank == 1:
             y = (y + 2) % CLASSES  # a garbage batch
         loss = engine(x, y)
@@ -172,8 +176,12 @@ def ds_case(rank: int, world: int) -> dict:
         engine.step()
         after = ds_state(engine)
         rec = inst.last_record
+        from distgrad.engines.deepspeed import inner_optimizer
+
         steps.append({"step": step, "changed": before != after, "applied": rec.step_applied,
                       "engine_applied": bool(engine.was_step_applied()),
+                      "moments": sum(isinstance(v, torch.Tensor) for st in inner_optimizer(engine).state.values()
+                                     for v in st.values()),
                       "lr_stepped": engine.lr_scheduler.get_last_lr()[0] != lr,
                       "action": rec.action.to_dict() if rec.action else None, "counters": dict(rec.counters),
                       "fired": rec.spikes.fired if rec.spikes else {}, "loss": rec.loss, "grad_norm": rec.grad_norm,
@@ -198,7 +206,8 @@ def main() -> None:
             ("ddp-off", lambda r, w: torch_case("ddp", "off", r, w)),
             ("ddp-stop", lambda r, w: torch_case("ddp", "stop", r, w)),
             ("fsdp2-skip", lambda r, w: torch_case("fsdp2", "skip", r, w)),
-            ("ds-spike", ds_case)]
+            ("ds-spike", ds_case),
+            ("ds3-bf16-spike", lambda r, w: ds_case(r, w, stage=3, dtype="bf16"))]
     want = None if args.cases == "all" else set(args.cases.split(","))
     results, t0 = {}, time.time()
     for key, fn in jobs:
