@@ -170,7 +170,9 @@ class Action:
         loss = red.loss_sum / red.loss_count if red.loss_count else None
         bad_loss = loss is not None and not math.isfinite(loss)
         nonfinite = bool(red.params.nonfinite.sum() > 0) or not math.isfinite(gnorm) or bad_loss
-        if nonfinite and not loss_scaler and self.modes["nonfinite"] != "none":
+        if nonfinite and loss_scaler:
+            return None  # an fp16 overflow: the loss scaler skips it (the spike detectors are not fed it either)
+        if nonfinite and self.modes["nonfinite"] != "none":
             grads = bool(red.params.nonfinite.sum() > 0) or not math.isfinite(gnorm)
             what = "loss and gradient" if bad_loss and grads else ("loss" if bad_loss else "gradient")
             return Decision(token.step, "nonfinite", self.modes["nonfinite"], f"non-finite {what}", loss, gnorm)
