@@ -98,13 +98,15 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
             clip = float(engine.gradient_clipping() or 0.0)
             inst.attach_diagnostics(engine.module, clip if clip > 0 else None)
             attach_deepspeed(inst, engine, source)
+            if cfg.statistics.culprit_grad_check:
+                inst.attach_local_grad_check(engine.module, "deepspeed")
             inst.attach_signals(engine.module)
             _mark(inst, engine)
         else:
             # torch loops clip in user code (clip_grad_norm_): the clip ratio uses config.clip.max_grad_norm
             inst.attach_diagnostics(source.user_module(engine), None)
             inst.boundary = attach_torch(inst, source, engine, optimizer, scaler)
-            if cfg.statistics.culprit_grad_check and source.engine_name in ("ddp", "torch"):
+            if cfg.statistics.culprit_grad_check:
                 inst.attach_local_grad_check(source.user_module(engine))
             inst.attach_signals(source.user_module(engine))
             _mark(inst, engine, optimizer)

@@ -12,31 +12,53 @@ flags its own contribution and writes the flags into its slot of the step's SUM 
   the PyTorch boundary capture) was NaN/Inf; every engine.
 * :data:`~distgrad.stats.layout.CULPRIT_GRAD`: a gradient this rank's backward produced was
   NaN/Inf *before* the reduction (:class:`LocalGradCheck`, as Megatron-LM's
-  ``check_for_nan_in_grad`` checks each bucket before its all-reduce). Tensor hooks on the
-  trainable parameters see each micro-batch's incoming local gradient before it is
-  accumulated into ``.grad`` and before DDP's reducer (a post-hook of the same accumulation
-  node) copies it into its bucket, so what they see is purely this rank's. Installed for
-  DistributedDataParallel and a plain module. Not for FSDP1/FSDP2 and DeepSpeed, whose hooks
-  on the (flat / sharded) parameters run inside the engines' own reduction machinery; there
-  the loss flag alone names the culprit (a NaN made in the forward pass makes the loss NaN;
-  a NaN made only in the backward pass is then seen in the shard view only).
+  ``check_for_nan_in_grad`` checks each bucket before its all-reduce); every engine
+  (:func:`pre_reduction_leaves`). A tensor hook (``Tensor.register_hook``) on a leaf runs as a
+  *tensor pre-hook* of its ``AccumulateGrad`` node, with the micro-batch's incoming gradient,
+  before it is accumulated into ``.grad`` and before any hook on that node or a
+  post-accumulate-grad hook, which is where every engine starts its reduction (torch
+  ``engine.cpp`` ``call_function``: tensor pre-hooks, then pre-hooks, then the node, then
+  post-hooks). What the hooks see is therefore purely this rank's gradient:
 
-Cost of :class:`LocalGradCheck`: per trainable parameter and micro-batch, one float64 sum of
-the incoming gradient (one read, no temporary the size of the gradient; a float64 sum of
-fp32/bf16/fp16 values is non-finite if and only if an element is, as it cannot overflow) and
-one in-place add on the device; no host sync. Switched off with ``statistics.culprit_grad_check: false``.
+  - DDP: the reducer copies the gradient into its bucket from a post-hook of that node.
+  - DeepSpeed, ZeRO 1/2/3 and no ZeRO (0): the hooks go on the user's parameters
+    (``engine.module``); ZeRO-1/2 reduce (``process_gradients`` ->
+    ``reduce_ready_partitions_and_remove_grads``) and ZeRO-3 reduce-scatters
+    (``reduce_partition_and_remove_grads``) from ``register_post_accumulate_grad_hook``
+    (``deepspeed.utils.torch.register_grad_hook``); stage 0 all-reduces after the backward.
+    Under ZeRO-3 the parameter is gathered while its gradient is computed: the hook sees the
+    full-size local gradient.
+  - FSDP1, both parameter modes: the hooks go on each unit's ``FlatParameter`` (the leaf
+    the forward's views come from, also with ``use_orig_params=True``), whose
+    ``AccumulateGrad`` post-hook (``_post_backward_hook``) reduce-scatters; they see the
+    unsharded, padded local gradient of the whole unit.
+  - FSDP2: the hooks go on the unsharded parameters (``FSDPParam._unsharded_param``, one
+    ``nn.Parameter`` per parameter, created at the unit's first all-gather and reused after),
+    which the forward uses; the unit's post-backward reduce-scatters from their ``.grad``.
+    They do not exist before the first forward: the hooks are added by a forward hook on each
+    ``fully_shard`` module after its forward, so the first micro-batch is covered too.
+
+  A NaN made only in the backward pass (the loss stays finite) is therefore named on the rank
+  that made it under every engine. Not covered: gradients that do not reach a leaf tensor of
+  the model through autograd (e.g. a custom ``torch.autograd.Function`` that writes ``.grad``
+  itself); there the loss flag alone names the culprit.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+import functools
+import logging
+from typing import Any, Callable, Iterable
 
 import torch
+import torch.nn as nn
 
 from distgrad.record import Culprit
 from distgrad.stats.layout import CULPRIT_GRAD, CULPRIT_LOSS
 
-__all__ = ["LocalGradCheck", "culprit_flags", "decode"]
+log = logging.getLogger("distgrad")
+
+__all__ = ["LocalGradCheck", "culprit_flags", "decode", "pre_reduction_leaves"]
 
 
 class LocalGradCheck:
@@ -50,9 +72,22 @@ class LocalGradCheck:
     and starts over. Call :meth:`take` or :meth:`reset` at every optimizer-step boundary.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+    def __init__(self, params: Iterable[torch.Tensor] = ()) -> None:
         self._acc: torch.Tensor | None = None
-        self._handles = [p.register_hook(self._hook) for p in params if p.requires_grad]
+        self._handles: list[Any] = []
+        self._hooked: set[int] = set()
+        self.add(params)
+
+    def add(self, params: Iterable[torch.Tensor]) -> int:
+        """Hook more leaves (those already hooked and those without ``requires_grad`` are
+        skipped); returns how many were added."""
+        n = 0
+        for p in params:
+            if p.requires_grad and id(p) not in self._hooked:
+                self._handles.append(p.register_hook(self._hook))
+                self._hooked.add(id(p))
+                n += 1
+        return n
 
     def _hook(self, grad: torch.Tensor) -> None:
         try:
@@ -87,6 +122,7 @@ class LocalGradCheck:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._hooked = set()
 
 
 def culprit_flags(loss_sum: torch.Tensor | None, grad_flag: torch.Tensor | None,
@@ -111,3 +147,95 @@ def decode(rank_culprit: "Iterable[float]") -> list[Culprit]:
         if f:
             out.append(Culprit(r, bool(f & CULPRIT_LOSS), bool(f & CULPRIT_GRAD)))
     return out
+
+
+def pre_reduction_leaves(engine_name: str, module: nn.Module
+                         ) -> tuple[list[torch.Tensor], Callable[[LocalGradCheck], Callable[[], None]] | None]:
+    """The leaf tensors whose incoming gradient is this rank's own, before the engine reduces
+    it (see the module docstring for the facts per engine).
+
+    Args:
+        engine_name: the source's ``engine_name`` ("ddp", "torch", "deepspeed", "fsdp1", "fsdp2").
+        module: the model the user's forward runs: the DDP / FSDP1 root, the ``fully_shard``
+            root, ``DeepSpeedEngine.module`` (``torch.compile`` unwrapped).
+
+    Returns:
+        ``(leaves, lazy)``: the tensors to hook now, and for FSDP2 a function that, given the
+        check, registers forward hooks on each ``fully_shard`` module that hook its unsharded
+        parameters once they exist, and returns the function removing those forward hooks
+        (None for the other engines).
+
+    Raises:
+        ValueError: an engine name this function does not know.
+    """
+    if engine_name in ("ddp", "torch", "deepspeed"):
+        return [p for p in module.parameters() if p.requires_grad], None
+    if engine_name == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        flats = [u._flat_param for u in module.modules() if isinstance(u, FSDP)]
+        return [fp for fp in flats if fp is not None and fp.requires_grad], None
+    if engine_name == "fsdp2":
+        return [], functools.partial(_fsdp2_lazy, module)
+    raise ValueError(f"no pre-reduction gradient hook point known for engine {engine_name!r}")
+
+
+def _fsdp2_unsharded(unit: nn.Module) -> tuple[list[torch.Tensor], bool]:
+    """The unit's unsharded parameters that exist (private FSDP2 state, torch 2.6-2.13:
+    ``_get_fsdp_state()._fsdp_param_groups[*].fsdp_params[*]._unsharded_param``) and whether
+    every trainable one exists."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # older torch: one group per state
+        g = getattr(state, "_fsdp_param_group", None)
+        groups = [g] if g is not None else []
+    out, complete = [], True
+    for g in groups:
+        for fp in g.fsdp_params:
+            if not fp.sharded_param.requires_grad:
+                continue
+            p = getattr(fp, "_unsharded_param", None)
+            if p is None:
+                complete = False
+            else:
+                out.append(p)
+    return out, complete
+
+
+def _fsdp2_lazy(module: nn.Module, check: LocalGradCheck) -> Callable[[], None]:
+    """Hook the unsharded parameters of every ``fully_shard`` unit in ``module`` that exist,
+    and add a forward hook to each unit whose do not yet (created at its first all-gather),
+    removed once they are hooked. Returns the function removing the remaining forward hooks."""
+    from distgrad.engines.torch_base import _fsdp2_module_type
+
+    kind = _fsdp2_module_type()
+    handles: dict[int, Any] = {}
+
+    def after_forward(unit: nn.Module, *_: Any) -> None:
+        try:
+            params, complete = _fsdp2_unsharded(unit)
+            check.add(params)
+            if complete and id(unit) in handles:
+                handles.pop(id(unit)).remove()
+        except Exception:  # noqa: BLE001 - a check must never break the forward pass
+            pass
+
+    for unit in module.modules():
+        if kind is None or not isinstance(unit, kind):
+            continue
+        try:
+            params, complete = _fsdp2_unsharded(unit)
+        except Exception as e:  # noqa: BLE001 - private state of another torch version: no check
+            log.warning("distgrad: the pre-reduction gradient check cannot find FSDP2's unsharded "
+                        "parameters on this torch version (%s: %s); a culprit rank is then named by its "
+                        "loss only", type(e).__name__, e)
+            break
+        check.add(params)
+        if not complete:
+            handles[id(unit)] = unit.register_forward_hook(after_forward)
+
+    def remove() -> None:
+        for h in handles.values():
+            h.remove()
+        handles.clear()
+    return remove

@@ -17,7 +17,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Callable
 
 from distgrad import __version__
-from distgrad.culprit import LocalGradCheck
+from distgrad.culprit import LocalGradCheck, pre_reduction_leaves
 from distgrad.record import StepRecord
 from distgrad.sinks.base import SinkError
 
@@ -65,13 +65,22 @@ class InstrumentSurface:
         self.diagnostics = Diagnostics(self.config, self.names, self.global_rank, max_norm, model, info,
                                        on_error=self.count_error, on_sink_error=self._sink_error)
 
-    def attach_local_grad_check(self, module: Any) -> None:
-        """Install :class:`~distgrad.culprit.LocalGradCheck` on ``module``'s trainable
-        parameters (removed at :meth:`close`): a NaN/Inf in a gradient this rank computes
-        before the reduction marks it as a culprit of the step (DDP, plain modules)."""
-        check = LocalGradCheck(p for p in module.parameters() if p.requires_grad)
+    def attach_local_grad_check(self, module: Any, engine_name: str | None = None) -> None:
+        """Install :class:`~distgrad.culprit.LocalGradCheck` on the leaves whose incoming
+        gradient is this rank's own before the reduction
+        (:func:`~distgrad.culprit.pre_reduction_leaves` of ``engine_name``, default the
+        source's; ``module``: the model the forward runs, ``DeepSpeedEngine.module`` under
+        DeepSpeed); removed at :meth:`close`. A NaN/Inf there marks this rank as a culprit of
+        the step, under every engine.
+
+        Raises:
+            ValueError: an engine without a known hook point."""
+        leaves, lazy = pre_reduction_leaves(engine_name or self.source.engine_name, module)
+        check = LocalGradCheck(leaves)
         self.local_grad_check = check
         self.on_close(check.remove)
+        if lazy is not None:
+            self.on_close(lazy(check))
 
     def attach_signals(self, module: Any) -> None:
         """:meth:`~distgrad.signals.SignalPack.attach` of the packed signals (gradient hooks

@@ -338,8 +338,8 @@ CATALOGUE: tuple[Metric, ...] = (
        "before the cross-rank reduction (the culprit rank).", "nonfinite", ("rank", "source"), max_series=8,
        doc="the *culprit view* of the first step of the last non-finite streak: 1 per rank whose own "
            "contribution was NaN/Inf *before* the reduction spread it: `source=\"loss\"` its observed loss "
-           "(every engine), `source=\"grad\"` a gradient its backward produced (DDP and a plain module: "
-           "a tensor hook per parameter, `statistics.culprit_grad_check`); no series when no rank's own "
+           "(every engine), `source=\"grad\"` a gradient its backward produced before the reduction (every "
+           "engine: tensor hooks, `statistics.culprit_grad_check`, see docs/engines.md); no series when no rank's own "
            "contribution was non-finite (e.g. a NaN made by the reduction or the optimizer). At most 8 series "
            "(the lowest ranks; more culprits than that is a problem of every rank, not of one)"),
     _g("distgrad_nonfinite_origin_step", "steps",
@@ -371,8 +371,9 @@ CATALOGUE: tuple[Metric, ...] = (
     _g("distgrad_params_without_grad", "params", "Trainable parameters that received no gradient at all in the "
        "last sampled step (.grad None on every rank).",
        doc="trainable parameters (`requires_grad=True`) that received no gradient at all in the last sampled "
-           "step: `.grad` None on every rank (a detached branch; a module DDP `find_unused_parameters=True` "
-           "skipped; FSDP2). Engines that write zeros instead (DeepSpeed) show the same bug as exact zeros: "
+           "step: `.grad` None on every rank (a detached branch or an unused module under DDP "
+           "`find_unused_parameters=True`, FSDP2, or FSDP1 when the whole unit got none). Engines that write "
+           "zeros instead (DeepSpeed ZeRO 0-3; FSDP1 when the unit has used parameters) show the same bug as exact zeros: "
            "both are fed to the vanishing test (`distgrad_vanishing_params`) as a zero gradient"),
     _g("distgrad_exploding_params", "params", "Parameters currently flagged as exploding."),
     # --- gradient noise scale (distgrad/signals/noise_scale.py, docs/signals.md) ------------------

@@ -187,9 +187,10 @@ class Health(_Part):
         exploding: names of the flagged exploding parameters, at most 20.
         n_no_grad: trainable parameters that received no gradient at all on this step (the
             engine left ``.grad`` None on every rank: a detached branch, an unused module
-            under DDP ``find_unused_parameters=True``, FSDP2), exact count,
-            ``distgrad_params_without_grad``. They are fed to the vanishing test with norm 0,
-            like the exact zeros other engines (DeepSpeed) write for the same bug.
+            under DDP ``find_unused_parameters=True``, FSDP2, FSDP1 when its whole unit got
+            none), exact count, ``distgrad_params_without_grad``. They are fed to the vanishing
+            test with norm 0, like the exact zeros other engines write for the same bug
+            (DeepSpeed ZeRO 0-3; FSDP1 units with used parameters; see docs/engines.md).
         no_grad: their names, in parameter order, at most 20.
     """
 
@@ -292,8 +293,8 @@ class Culprit(_Part):
     Attributes:
         rank: the rank (in the instrument's process group).
         loss: the loss it observed since the last boundary was NaN/Inf.
-        grad: a gradient its backward produced was NaN/Inf before the reduction (engines with
-            the local gradient check: DDP, a plain module).
+        grad: a gradient its backward produced was NaN/Inf before the reduction (the local
+            gradient check, every engine; see :mod:`distgrad.culprit`).
     """
 
     rank: int

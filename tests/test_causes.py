@@ -94,6 +94,78 @@ def test_detached_layer_under_ddp_is_counted_and_flagged_every_step(causes):
         assert sorted(rec["vanishing"]) == (adapter if i >= 2 else [])
 
 
+# ---------------------------------------------------------------------------- every engine
+#: tests/dist/cause_cases.py ENGINE_KINDS, and what each engine leaves for a detached adapter
+#: (the engine's own view, checked in the test): None (no gradient) or exact zeros
+ENGINE_KINDS = {"ds-z0": "zeros", "ds-z1": "zeros", "ds-z2": "zeros", "ds-z3": "zeros",
+                "fsdp1-orig-own": "none", "fsdp1-orig-shared": "zeros", "fsdp1-flat-own": "none",
+                "fsdp1-flat-shared": "zeros", "fsdp2": "none"}
+PAD_STEP, PAD_RANK = 4, 1
+ADAPTER = {"adapter.weight": 256.0, "adapter.bias": 16.0}  # numel
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", sorted(ENGINE_KINDS))
+def test_nan_made_in_one_ranks_backward_names_that_rank_under_every_engine(causes, kind):
+    """Rank 1's batch at step 4 is padded with a masked row; a hand-written feature norm
+    ``sqrt(sum(h^2))`` of that all-zero row is finite in the forward pass, but its backward is
+    0/0: NaN in rank 1's own gradients only, while every rank's loss stays finite (checked in
+    the loop, and the reference -- a plain float64 copy of the model loaded with the full
+    weights, run on each rank's batch -- says rank 1's gradient alone was non-finite). The
+    loss flag cannot see it; the pre-reduction gradient check names rank 1 alone, under
+    DeepSpeed ZeRO 0-3, FSDP1 (both parameter modes) and FSDP2, while the shard view of the
+    reduced gradient names other ranks too."""
+    res = causes[f"engine-{kind}"]["ranks"]
+    for r in range(3):
+        assert "error" not in res[r], res[r].get("traceback")
+        assert res[r]["own_bad"] == [r == PAD_RANK and s == PAD_STEP for s in range(PAD_STEP + 1)]
+        assert all(math.isfinite(v) for v in res[r]["local_loss"][:PAD_STEP + 1])
+    recs = res[0]["records"]
+    for rec in recs[:PAD_STEP]:
+        assert not rec["nonfinite"] and rec["culprits"] == [] and rec["internal_errors"] == 0
+    rec = recs[PAD_STEP]
+    assert rec["nonfinite"]
+    assert rec["culprits"] == [{"rank": PAD_RANK, "loss": False, "grad": True}]
+    assert set(rec["nonfinite_ranks"]) - {PAD_RANK}  # the shard view: where the NaN landed
+    # DeepSpeed ZeRO 1-3 skip an optimizer step whose reduced gradients are non-finite even in
+    # fp32 (their overflow check always runs): the weights stay finite; ZeRO-0 and FSDP apply it
+    skipped = kind in ("ds-z1", "ds-z2", "ds-z3")
+    assert rec["step_applied"] is not skipped
+    assert all(math.isfinite(res[r]["local_loss"][PAD_STEP + 1]) is skipped for r in range(3))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", sorted(ENGINE_KINDS))
+def test_detached_adapter_is_flagged_every_step_under_every_engine(causes, kind):
+    """The adapter's output is added through a stray ``.detach()``. What the engine leaves
+    (its own view, read in the loop: DeepSpeed ``safe_get_full_grad``, FSDP ``.grad`` of the
+    adapter's parameters or FlatParameter on every rank): no gradient (FSDP2; FSDP1 when the
+    adapter is its own unit) or exact zeros (DeepSpeed ZeRO 0-3; FSDP1 when the adapter shares
+    a unit with used parameters). Either way distgrad keeps both parameters in every record
+    under their names; None is counted on every step (``n_no_grad``), zeros are exact zeros
+    over every element; both are flagged vanishing from the ``health.patience``-th (3rd) step."""
+    res = causes[f"engine-{kind}"]["ranks"]
+    for r in range(3):
+        assert "error" not in res[r], res[r].get("traceback")
+    none = ENGINE_KINDS[kind] == "none"
+    for step in range(PAD_STEP):  # before the NaN step (the adapter is untouched by it anyway)
+        seen = [v for r in range(3) for v in res[r]["engine_adapter"][step]]
+        if none:
+            assert seen == [None] * len(seen)
+        else:
+            assert any(v is not None for v in seen) and {v for v in seen if v is not None} == {0.0}
+    for i, rec in enumerate(res[0]["records"]):
+        assert set(ADAPTER) <= set(rec["names"])
+        if none:
+            assert rec["n_no_grad"] == 2 and sorted(rec["no_grad"]) == sorted(ADAPTER)
+            assert all(a["numel"] == 0 for a in rec["adapter"].values())
+        else:
+            assert rec["n_no_grad"] == 0
+            for name, a in rec["adapter"].items():
+                assert a["numel"] == a["zeros"] == ADAPTER[name] and a["norm"] == 0.0
+        assert sorted(rec["vanishing"]) == (sorted(ADAPTER) if i >= 2 else [])
+
+
 # ---------------------------------------------------------------------------- replica fingerprint
 @pytest.mark.multirank
 def test_sign_flip_and_bit_flip_of_one_reduced_element_on_one_of_three_ranks(causes):

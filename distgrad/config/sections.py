@@ -117,11 +117,12 @@ class StatisticsConfig(Section):
         "Accepted for compatibility and ignored: the replica fingerprint is an exact checksum, "
         "compared exactly (the all-reduce gives every replica the same bits)."))
     culprit_grad_check: bool = Field(True, description=(
-        "DDP and a plain module: flag a NaN/Inf in a gradient this rank computed, before the "
-        "all-reduce, with a tensor hook per trainable parameter (one float64 sum of each incoming "
-        "gradient per micro-batch, on the device, no host sync), so that a non-finite step names "
-        "the rank it came from (distgrad_nonfinite_culprit). The loss check is always on, under "
-        "every engine."))
+        "Flag a NaN/Inf in a gradient this rank computed, before the all-reduce / reduce-scatter, "
+        "with a tensor hook per trainable parameter (FSDP1: per unit's FlatParameter; FSDP2: per "
+        "unsharded parameter), under every engine: one float64 sum of each incoming gradient per "
+        "micro-batch, on the device, no host sync; so that a non-finite step names the rank it came "
+        "from (distgrad_nonfinite_culprit), also for a NaN made only in the backward pass. The loss "
+        "check is always on, under every engine."))
     update_ratio: bool = Field(False, description=(
         "Compute the update-to-weight ratio ||dw||/||w|| per parameter (keeps one copy of the "
         "local parameter shard)."))

@@ -21,6 +21,7 @@ Cases (each returns JSON-able records of rank 0 and per-rank facts):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -242,6 +243,180 @@ def detached_case(rank: int, world: int) -> dict:
     return {"records": recs, "none_grads": none_grads}
 
 
+# ---------------------------------------------------------------------------- every engine
+#: engine runs of :func:`engine_case`: DeepSpeed ZeRO 0-3; FSDP1 in both parameter modes with
+#: the adapter in its own unit ("own") or in the root unit with other parameters ("shared"); FSDP2
+ENGINE_KINDS = ("ds-z0", "ds-z1", "ds-z2", "ds-z3", "fsdp1-orig-own", "fsdp1-orig-shared",
+                "fsdp1-flat-own", "fsdp1-flat-shared", "fsdp2")
+ENGINE_STEPS, PAD_STEP, PAD_RANK = 6, 4, 1
+
+
+class PaddedNormModel(CauseModel):
+    """:class:`CauseModel` with a detached adapter, a per-sample mask (the loader pads a short
+    last batch by repeating samples and masks them out, as ``DistributedSampler``-style loaders
+    do) and a small feature-norm penalty on the hidden states, written by hand as
+    ``sqrt(sum(h^2))`` over masked rows. A masked row is an all-zero vector: its norm is 0
+    (finite), but the backward of ``sqrt`` at 0 is ``0 / (2 * 0)`` = NaN, which flows into every
+    parameter below the head. The loss stays finite: a NaN made only in the backward pass."""
+
+    def __init__(self) -> None:
+        super().__init__(detached_adapter=True)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.inp(self.feat_norm(x))
+        for b in self.layers:
+            h = b(h)
+        h = h + self.adapter(h).detach()  # the stray .detach(): the adapter never gets a gradient
+        ce = F.cross_entropy(self.head(h), y, reduction="none")
+        norm = (h * mask[:, None]).pow(2).sum(-1).sqrt()
+        return ((ce + 1e-3 * norm) * mask).sum() / mask.sum()
+
+
+def _padded_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, y = batch(step, rank)
+    mask = torch.ones(BATCH)
+    if step == PAD_STEP and rank == PAD_RANK:  # a short last batch: the last row repeats the first
+        x[-1], y[-1], mask[-1] = x[0], y[0], 0.0
+    return x, y, mask
+
+
+def _clean(name: str) -> str:
+    for junk in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "module."):
+        name = name.replace(junk, "")
+    return name
+
+
+def _wrap_engine(kind: str, model: PaddedNormModel):
+    """Returns (forward-backward-step callable, instrument, full weights callable)."""
+    if kind.startswith("ds-"):
+        import deepspeed
+
+        cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+               "zero_optimization": {"stage": int(kind[-1])}, "steps_per_print": 10**9,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
+        inst = distgrad.instrument(engine, prometheus=False)
+
+        from deepspeed.utils import safe_get_full_grad
+
+        def train(x, y, mask):
+            loss = engine(x, y, mask)
+            engine.backward(loss)
+            # the engine's own view of the adapter's reduced gradient, before the step clears it
+            seen = [_maxabs(safe_get_full_grad(p)) for p in engine.module.adapter.parameters()]
+            engine.step()
+            return loss, seen
+
+        def full():
+            params = list(engine.module.parameters())
+            ctx = deepspeed.zero.GatheredParameters(params) if kind == "ds-z3" else contextlib.nullcontext()
+            with ctx:
+                return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        return train, inst, full
+    if kind.startswith("fsdp1"):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+        own = kind.endswith("-own")
+        policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, Block) or (
+            own and m is model.adapter))
+        wrapped = FSDP(model, use_orig_params="-orig-" in kind, auto_wrap_policy=policy, device_id=torch.device("cpu"))
+
+        def full():
+            return {_clean(n): t.detach().clone() for n, t in wrapped.state_dict().items()}
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for m in (*model.layers, model.adapter):
+            fully_shard(m)
+        wrapped = fully_shard(model)
+
+        def full():
+            return {n: t.full_tensor().detach().clone() for n, t in wrapped.state_dict().items()}
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    inst = distgrad.instrument(wrapped, optimizer=opt, prometheus=False)
+    if kind == "fsdp1-flat-own":  # the adapter's own unit's FlatParameter
+        holders = [lambda: model.adapter._flat_param.grad]
+    elif kind == "fsdp1-flat-shared":  # this rank's part of the adapter's segment of the root's FlatParameter
+        holders = [functools.partial(_flat_segment, fp, f) for fp in wrapped.parameters()
+                   for f in fp._fqns if f.startswith("adapter.")]
+    else:
+        holders = [lambda p=p: p.grad for p in model.adapter.parameters()]
+
+    def train(x, y, mask):
+        opt.zero_grad()
+        loss = wrapped(x, y, mask)
+        loss.backward()
+        seen = [_maxabs(h()) for h in holders]  # this rank's part of the engine's reduced gradient
+        opt.step()
+        return loss, seen
+    return train, inst, full
+
+
+def _flat_segment(fp, fqn: str) -> "torch.Tensor | None":
+    """This rank's part of parameter ``fqn``'s segment of a FlatParameter's gradient shard
+    (use_orig_params=False: the parameters lie one after another in ``_fqns`` order, ``_numels``
+    elements each, and rank r holds elements ``[r * shard, (r + 1) * shard)``); None when the
+    FlatParameter has no gradient, an empty tensor when this rank holds none of the segment."""
+    g = fp.grad
+    if g is None:
+        return None
+    i = list(fp._fqns).index(fqn)
+    start = sum(int(n) for n in list(fp._numels)[:i])
+    end = start + int(fp._numels[i])
+    lo = dist.get_rank() * g.numel()
+    a, b = max(start, lo), min(end, lo + g.numel())
+    return g.reshape(-1)[a - lo:b - lo] if a < b else g.reshape(-1)[:0]
+
+
+def _maxabs(g: "torch.Tensor | None") -> "float | None":
+    if g is None:
+        return None
+    g = g.to_local() if hasattr(g, "to_local") else g
+    return float(g.detach().abs().max()) if g.numel() else 0.0
+
+
+def _own_grad_nonfinite(weights: dict, x, y, mask) -> bool:
+    """The reference, computed another way: this rank's own gradient of its batch, from a plain
+    float64 copy of the model loaded with the full weights (no engine, no hooks)."""
+    ref = PaddedNormModel().double()
+    ref.load_state_dict({k: v.double() for k, v in weights.items()})
+    ref(x.double(), y, mask.double()).backward()
+    return not all(bool(torch.isfinite(p.grad).all()) for p in ref.parameters() if p.grad is not None)
+
+
+def engine_case(kind: str, rank: int, world: int) -> dict:
+    """:class:`PaddedNormModel` under one engine for :data:`ENGINE_STEPS` steps: rank
+    :data:`PAD_RANK`'s batch at step :data:`PAD_STEP` is padded (a NaN made only in its
+    backward pass); the adapter never gets a gradient. Per step: the local loss, the reference
+    of whether this rank's own gradient was non-finite (steps before the optimizer applied the
+    NaN), the engine's own view of the adapter's gradient on this rank (None, or its largest
+    magnitude: DeepSpeed's ``safe_get_full_grad``; FSDP1/2 ``.grad`` of the adapter's parameters
+    or of the FlatParameter holding them), and distgrad's record (culprits, no-grad and vanishing parameters, the adapter's
+    statistics)."""
+    torch.manual_seed(0)
+    train, inst, full = _wrap_engine(kind, PaddedNormModel())
+    recs, local_loss, own_bad, engine_adapter = [], [], [], []
+    for step in range(ENGINE_STEPS):
+        x, y, mask = _padded_batch(step, rank)
+        if step <= PAD_STEP:
+            own_bad.append(_own_grad_nonfinite(full(), x, y, mask))
+        loss, seen = train(x, y, mask)
+        local_loss.append(float(loss.detach()))
+        engine_adapter.append(seen)
+        rec = inst.last_record
+        names = list(rec.params.names)
+        adapter = {n: {"numel": float(rec.params.numel[i]), "norm": float(rec.params.norm[i]),
+                       "zeros": float(rec.params.zeros[i])} for i, n in enumerate(names) if n.startswith("adapter.")}
+        recs.append({"step": rec.step, "nonfinite": rec.nonfinite, "culprits": [c.to_dict() for c in rec.culprits],
+                     "nonfinite_ranks": rec.nonfinite_ranks, "names": names, "adapter": adapter,
+                     "n_no_grad": rec.health.n_no_grad, "no_grad": rec.health.no_grad,
+                     "vanishing": rec.health.vanishing, "internal_errors": rec.counters.get("internal_errors", 0),
+                     "step_applied": rec.step_applied})
+    inst.close()
+    return {"records": recs, "local_loss": local_loss, "own_bad": own_bad, "engine_adapter": engine_adapter}
+
+
 def spike_case(mode: str, rank: int, world: int) -> dict:
     """DDP, 64 samples per rank, SGD lr 0.05. ``healthy``: 300 steps. ``garbage``: at step 150
     rank 1's batch has 16 of its 64 labels wrong (a corrupted shard: the global loss about
@@ -277,9 +452,13 @@ def main() -> None:
     ap.add_argument("--cases", default="all")
     args = ap.parse_args()
     dist.init_process_group("gloo")
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see launch/train.py skip_cpu_shm_op
     rank, world = dist.get_rank(), dist.get_world_size()
     jobs = [("nan", nan_case), ("flip", flip_case), ("detached", detached_case)]
     jobs += [(f"spike-{m}", functools.partial(spike_case, m)) for m in ("healthy", "garbage", "lr")]
+    jobs += [(f"engine-{k}", functools.partial(engine_case, k)) for k in ENGINE_KINDS]
     want = None if args.cases == "all" else set(args.cases.split(","))
     results, t0 = {}, time.time()
     for key, fn in jobs:

@@ -96,9 +96,11 @@ def test_every_dashboard_query_returns_data_from_the_live_run(env):
     empty = [(q.dashboard, q.title, q.expr, q.conditional) for q, n in counts.items()
              if n == 0 and q.kind != "annotation" and not set(q.conditional) & allowed
              and q.metrics != ("distgrad_sink_errors_total",)
-             # the culprit view has no series here: the example's NaN is written into a gradient
-             # by a hook under DeepSpeed, whose local gradients distgrad does not check before the
-             # reduction (only a NaN loss, or DDP / plain-module gradients, name a culprit; see the
-             # metric's documentation); tests/test_causes.py serves it from a DDP run
+             # the culprit view has no series here: the example writes its NaN into a gradient
+             # with a tensor hook it registers at the injection step, after distgrad's
+             # pre-reduction check (registered at instrument()), so the check sees the gradient
+             # before the poison, as it would see a corruption inside the reduction; the loss
+             # stays finite. tests/test_causes.py serves it from a DDP run and checks the culprit
+             # under every engine
              and q.metrics != ("distgrad_nonfinite_culprit",)]
     assert empty == [], empty
