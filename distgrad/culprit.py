@@ -181,7 +181,7 @@ def pre_reduction_leaves(engine_name: str, module: nn.Module
 
 
 def _fsdp2_unsharded(unit: nn.Module) -> tuple[list[torch.Tensor], bool]:
-    """The unit's unsharded parameters that exist (private FSDP2 state, torch 2.6-2.13:
+    """The unit's unsharded parameters that exist (private FSDP2 state, read in torch 2.13:
     ``_get_fsdp_state()._fsdp_param_groups[*].fsdp_params[*]._unsharded_param``) and whether
     every trainable one exists."""
     state = unit._get_fsdp_state()

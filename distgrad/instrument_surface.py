@@ -71,11 +71,13 @@ class InstrumentSurface:
         (:func:`~distgrad.culprit.pre_reduction_leaves` of ``engine_name``, default the
         source's; ``module``: the model the forward runs, ``DeepSpeedEngine.module`` under
         DeepSpeed); removed at :meth:`close`. A NaN/Inf there marks this rank as a culprit of
-        the step, under every engine.
-
-        Raises:
-            ValueError: an engine without a known hook point."""
-        leaves, lazy = pre_reduction_leaves(engine_name or self.source.engine_name, module)
+        the step, under every engine. An engine without a known hook point gets no check (a
+        warning; its culprit is then named by its loss only)."""
+        try:
+            leaves, lazy = pre_reduction_leaves(engine_name or self.source.engine_name, module)
+        except ValueError as e:
+            log.warning("distgrad: %s; a culprit rank is named by its loss only", e)
+            return
         check = LocalGradCheck(leaves)
         self.local_grad_check = check
         self.on_close(check.remove)

@@ -166,6 +166,27 @@ def test_detached_adapter_is_flagged_every_step_under_every_engine(causes, kind)
         assert sorted(rec["vanishing"]) == (sorted(ADAPTER) if i >= 2 else [])
 
 
+def test_local_grad_check_hooks_each_leaf_once_and_flags_a_backward_only_nan():
+    """``sqrt(sum(0 * w))`` is 0 in the forward pass, 0/0 = NaN in the backward pass: the
+    check flags it (finite gradients do not), a leaf added twice is hooked once, and an engine
+    without a known hook point is refused by name."""
+    from distgrad.culprit import LocalGradCheck, pre_reduction_leaves
+
+    lin = torch.nn.Linear(3, 2)
+    check = LocalGradCheck([lin.weight])
+    assert check.add(lin.parameters()) == 1  # the bias; the weight is hooked already
+    lin(torch.ones(1, 3)).sum().backward()
+    assert check.take(CPU).item() == 0.0
+    out = (lin.weight * 0).sum().sqrt()
+    assert out.item() == 0.0
+    out.backward()
+    assert torch.isnan(lin.weight.grad).all()
+    assert check.take(CPU).item() == 1.0 and check.take(CPU).item() == 0.0  # take starts over
+    check.remove()
+    with pytest.raises(ValueError, match="megatron"):
+        pre_reduction_leaves("megatron", lin)
+
+
 # ---------------------------------------------------------------------------- replica fingerprint
 @pytest.mark.multirank
 def test_sign_flip_and_bit_flip_of_one_reduced_element_on_one_of_three_ranks(causes):
