@@ -44,24 +44,26 @@ metric; ``Metric.series()`` is the series of one metric per value of its scope l
   ``distgrad_param_grad_nonfinite{kind=nan|inf}`` (2); ``+UPDATE_RATIO_SERIES`` (1,
   ``distgrad_param_update_ratio``) when the update-ratio option is on;
 * ``L``: layer groups (layer-granularity keys, LoRA groups included);
-  ``LAYER_SERIES = 5``: ``distgrad_layer_grad_{norm, nonfinite, zero_ratio, headroom_ratio,
-  underflow_ratio}`` (the last with ``histogram.enabled`` only; counted always);
+  ``LAYER_SERIES = 6``: ``distgrad_layer_grad_{norm, nonfinite, zero_ratio, headroom_ratio,
+  underflow_ratio}`` and ``distgrad_layer_curvature`` (the last two with ``histogram.enabled`` /
+  ``curvature.enabled`` only; counted always);
 * ``K``: module-kind groups (kind-granularity keys); ``KIND_SERIES = 1``
   (``distgrad_module_kind_grad_norm``);
-* ``GLOBAL_SERIES = 172``: the catalogue's metrics of a fixed or capped series count (167 today:
+* ``GLOBAL_SERIES = 176``: the catalogue's metrics of a fixed or capped series count (171 today:
   unlabelled ones, the three-valued ``detector`` families, ``distgrad_sink_errors_total{sink}``
   for its 4 sinks, ``distgrad_refused_steps_total{reason}`` for its 3 reasons,
   ``distgrad_nonfinite_params`` capped at 20, ``distgrad_nonfinite_culprit`` capped at 8, the loss components (3 x 8, and 8 x 2 spike
-  counters), the token-loss bins (15), data sources (2 x 9) and the gradient noise scale (5)) plus :data:`GLOBAL_RESERVE`
+  counters), the token-loss bins (15), data sources (2 x 9), the gradient noise scale (5), the curvature (1) and the opt-in action's
+  counter (2 causes) and stop gauge) plus :data:`GLOBAL_RESERVE`
   (5) for exporter-side extras and metrics still to come. (prometheus_client's ``*_created``
   samples and process collectors are not served by distgrad's exporter.)
 
 The default budget is :data:`DEFAULT_SERIES_BUDGET` ``= 2000`` and the default ``top_k`` is
 :data:`DEFAULT_TOP_K` ``= 100``. Example, LLaMA-70B (723 tensors, 80 blocks): L = 83 (80 blocks +
-embed, norm, head), K = 10, fixed part 5*83 + 10 + 172 = 597, so at most
-floor((2000 - 597) / 10) = 140 parameters can have per-parameter series; with the default
-top-k, 10*100 + 597 = 1597 series, and a step with many non-finite parameters is capped at
-10*140 + 597 = 1997.
+embed, norm, head), K = 10, fixed part 6*83 + 10 + 176 = 684, so at most
+floor((2000 - 684) / 10) = 131 parameters can have per-parameter series; with the default
+top-k, 10*100 + 684 = 1684 series, and a step with many non-finite parameters is capped at
+10*131 + 684 = 1994.
 """
 
 from __future__ import annotations

@@ -100,6 +100,7 @@ CONDITIONS: dict[str, str] = {
                    "step; see docs/signals.md)",
     "action": "with an opt-in action configured (`action.on_nonfinite` / `action.on_spike`): the counter from "
               "`instrument()` on, at 0 for each cause; the gauge after the first sampled step",
+    "curvature": "`curvature.enabled: true`, from the second sampled step on (see docs/signals.md)",
     "data_time": "after a sampled step whose data time is known on some rank (the boundary sees the forward: "
                  "PyTorch models with `optimizer=`, DeepSpeed engines; or the loop calls `observe_data_time`)",
 }
@@ -391,6 +392,15 @@ CATALOGUE: tuple[Metric, ...] = (
        "big batch of the noise-scale estimate.", "noise_scale"),
     _g("distgrad_gradient_noise_micro_batch_size", "samples", "Samples per micro-batch: the small batch of the "
        "noise-scale estimate.", "noise_scale"),
+    # --- curvature along the last update (distgrad/signals/curvature.py, docs/signals.md) ---------
+    _g("distgrad_curvature", "loss/param^2", "(g_t - g_{t-1}) . dtheta / |dtheta|^2 over all parameters: the "
+       "curvature along the last update.", "curvature",
+       doc="curvature along the last update over all parameters, `(g_t - g_{t-1}) . dtheta / |dtheta|^2` with "
+           "`dtheta` the update of the previous step (for a quadratic loss exactly `dtheta^T H dtheta / "
+           "|dtheta|^2`); negative: the loss curves down along the step. Absent when nothing moved"),
+    _g("distgrad_layer_curvature", "loss/param^2", "Curvature along the last update over the layer's parameters.",
+       "curvature", ("layer",), doc="`distgrad_curvature` over the layer's parameters (layers that did not move: "
+                                   "no series)"),
 )
 
 _BY_NAME: dict[str, Metric] = {}

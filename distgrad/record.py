@@ -435,6 +435,8 @@ class StepRecord:
         noise_scale: :class:`~distgrad.record_gns.NoiseScale`, None unless
             ``noise_scale.enabled`` (and on steps without an estimate).
         action: :class:`~distgrad.record_action.ActionPart` with an opt-in action configured, else None.
+        curvature: :class:`~distgrad.record_gns.Curvature`, None unless ``curvature.enabled``
+            (and on steps without an estimate).
     """
 
     step: int
@@ -474,6 +476,7 @@ class StepRecord:
     grad_histogram: GradHistogram | None = None
     noise_scale: NoiseScale | None = None
     action: ActionPart | None = None
+    curvature: Curvature | None = None
 
     @property
     def nonfinite(self) -> bool:
@@ -523,9 +526,9 @@ from distgrad.record_histogram import GradHistogram  # noqa: E402
 
 _PARTS.update(grad_histogram=GradHistogram)
 
-from distgrad.record_gns import NoiseScale  # noqa: E402
+from distgrad.record_gns import Curvature, NoiseScale  # noqa: E402
 
-_PARTS.update(noise_scale=NoiseScale)
+_PARTS.update(noise_scale=NoiseScale, curvature=Curvature)
 from distgrad.record_action import ActionPart  # noqa: E402
 
 _PARTS.update(action=ActionPart)

@@ -272,7 +272,7 @@ def test_llama70b_series_within_default_budget(llama70b):
     sel = select_series(stats)  # defaults: budget 2000, top_k 100
     assert len(sel) == DEFAULT_TOP_K
     count = series_count(len(names), n_layers, n_kinds, sel)
-    assert count == 10 * 100 + 5 * 83 + 10 + GLOBAL_SERIES == 1597
+    assert count == 10 * 100 + 6 * 83 + 10 + GLOBAL_SERIES == 1684
     assert count <= DEFAULT_SERIES_BUDGET
     assert series_count(len(names), n_layers, n_kinds, sel, update_ratio=True) <= DEFAULT_SERIES_BUDGET
     # the selection is the top-k by norm
@@ -293,7 +293,7 @@ def test_llama70b_nonfinite_params_kept_and_budget_holds(llama70b):
     # every parameter non-finite: capped at the budget's capacity, most non-finite first
     nan_all = np.arange(len(names), dtype=np.float64) % 7 + 1
     s3 = ParamStats(**{**{f: getattr(stats, f) for f in STAT_FIELDS}, "nan": nan_all, "names": names})
-    fixed = 5 * 83 + 10 + GLOBAL_SERIES  # layers, kinds and the global part (597)
+    fixed = 6 * 83 + 10 + GLOBAL_SERIES  # layers, kinds and the global part (684)
     for budget in (2000, 1000, fixed, fixed + 1, fixed + 10):
         sel = select_series(s3, budget=budget, top_k=10)
         assert series_count(len(names), 83, 10, sel) <= budget
@@ -323,11 +323,11 @@ def test_llama70b_layer_reaggregation_exact(llama70b):
 
 
 def test_series_count_arithmetic():
-    assert series_count(723, 83, 10, 0) == 597
-    assert series_count(723, 83, 10, [1, 2, 3]) == 627
-    assert series_count(723, 83, 10, 3, update_ratio=True) == 630
-    assert series_capacity(2000, 83, 10) == 140
-    assert series_count(723, 83, 10, 140) == 1997
+    assert series_count(723, 83, 10, 0) == 684
+    assert series_count(723, 83, 10, [1, 2, 3]) == 714
+    assert series_count(723, 83, 10, 3, update_ratio=True) == 717
+    assert series_capacity(2000, 83, 10) == 131
+    assert series_count(723, 83, 10, 131) == 1994
     with pytest.raises(ValueError):
         series_count(3, 1, 1, 4)
     with pytest.raises(ValueError):

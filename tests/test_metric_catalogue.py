@@ -17,7 +17,7 @@ from distgrad.config import DistgradConfig
 from distgrad.detectors import DETECTOR_LABELS
 from distgrad.diagnostics import Diagnostics
 from distgrad.loss import rank_stats
-from distgrad.record_gns import NoiseScale
+from distgrad.record_gns import Curvature, NoiseScale
 from distgrad.record_action import ActionPart
 from distgrad.record import Culprit, LossComponents, ParamStats, RankCount, ScalerState, StepRecord, TokenLossStats
 from distgrad.record_histogram import GradHistogram
@@ -87,6 +87,8 @@ def _sink(features: set[str]) -> PrometheusSink:
         rec.noise_scale = NoiseScale(micro_batches=4, small_batch=8.0, big_batch=32.0, grad_sq_small=2.0,
                                      grad_sq_big=1.0, true_grad_sq=0.7, noise_trace=10.0, ema_true_grad_sq=0.7,
                                      ema_noise_trace=10.0, noise_scale=10.0 / 0.7, ema_steps=1)
+    if "curvature" in f:
+        rec.curvature = Curvature(layer={"0": 0.5, "1": -0.1}, total=0.3, update_sq=1e-4)
     diag.on_record(rec)
     sink.write(rec)
     return sink

@@ -50,3 +50,22 @@ def test_noise_scale_multirank(gns_results, key):
     r_ema, se_ema = ratio_and_stderr(tr, g2, w)
     assert recs[-1]["noise_scale"] == pytest.approx(r_ema, rel=1e-9)
     assert abs(recs[-1]["noise_scale"] - truth) < 4 * se_ema, (recs[-1]["noise_scale"], truth, se_ema)
+
+
+@pytest.mark.parametrize("key", ["curv-z2", "curv-z3", "curv-fsdp2"])
+def test_curvature_multirank(gns_results, key):
+    """Curvature along the last update under ZeRO-2, ZeRO-3 and FSDP2 (2 ranks, AdamW, a
+    quadratic loss): per layer and overall, the exact dtheta^T H dtheta / |dtheta|^2 from the
+    gathered full weights (tests/test_curvature.py's reference), rtol 1e-5."""
+    from gns_cases import CURV_STEPS
+
+    case = gns_results["cases"][key]
+    assert "error" not in case, case.get("traceback")
+    assert case["internal_errors"] == 0
+    assert case["steps"] == list(range(CURV_STEPS))
+    assert case["records"][0] is None  # no update before the first step
+    for rec, (layer, total) in zip(case["records"][1:], case["reference"][1:]):
+        assert sorted(rec["layer"]) == sorted(layer) == ["0", "1"]
+        for k, v in layer.items():
+            assert rec["layer"][k] == pytest.approx(v, rel=1e-5), (k, rec, layer)
+        assert rec["total"] == pytest.approx(total, rel=1e-5)

@@ -32,7 +32,7 @@ from distgrad.config.sections import (
     NamingRule, SamplingConfig, Section, SinksConfig, SpikesConfig, StatisticsConfig, TensorBoardConfig,
     TracerConfig,
 )
-from distgrad.config.sections import NoiseScaleConfig
+from distgrad.config.sections import CurvatureConfig, NoiseScaleConfig
 
 #: top-level keys that mark a DeepSpeed config (whose "distgrad" section holds distgrad's settings)
 _DEEPSPEED_KEYS = frozenset({
@@ -171,6 +171,7 @@ class DistgradConfig(BaseModel):
     histogram: HistogramConfig = Field(default_factory=HistogramConfig, description=HistogramConfig.__doc__)
     noise_scale: NoiseScaleConfig = Field(default_factory=NoiseScaleConfig, description=NoiseScaleConfig.__doc__)
     action: ActionConfig = Field(default_factory=ActionConfig, description=ActionConfig.__doc__)
+    curvature: CurvatureConfig = Field(default_factory=CurvatureConfig, description=CurvatureConfig.__doc__)
 
     def __init__(self, **data: Any) -> None:
         nested, legacy = _normalise(data) if data else ({}, {})
@@ -278,6 +279,6 @@ __all__ = [
     "ConfigError", "DistgradConfig", "FLAT_KEYS", "key_label", "SECTIONS", "Section", "SamplingConfig",
     "ExporterConfig", "StatisticsConfig", "SpikesConfig", "HealthConfig", "ClipConfig", "FlightRecorderConfig", "TracerConfig",
     "SinksConfig", "JsonlConfig", "TensorBoardConfig", "NamingConfig", "NamingRule", "LossConfig",
-    "NoiseScaleConfig",
+    "NoiseScaleConfig", "CurvatureConfig",
     "ActionConfig",
 ]

@@ -326,6 +326,17 @@ class NoiseScaleConfig(Section):
         "the exported noise scale, per sampled step."))
 
 
+class CurvatureConfig(Section):
+    """Curvature along the last update, per layer: (g_t - g_{t-1}) . dtheta / |dtheta|^2 (see
+    docs/signals.md, "Curvature along the last update")."""
+
+    section_key: ClassVar[str] = "curvature"
+    enabled: bool = Field(False, description=(
+        "Estimate the curvature along the last update per layer. Keeps two float32 copies of "
+        "this rank's owned shard (the last gradient and the last update); two numbers per "
+        "parameter ride in the SUM collective. Needs sampling.interval: 1 (consecutive steps)."))
+
+
 class TracerConfig(Section):
     """Forward-pass tracing after a non-finite step."""
 
@@ -428,5 +439,5 @@ SECTIONS: dict[str, type[Section]] = {
     "spikes": SpikesConfig, "health": HealthConfig, "loss_scale": LossScaleConfig, "clip": ClipConfig,
     "flight_recorder": FlightRecorderConfig, "tracer": TracerConfig, "sinks": SinksConfig,
     "naming": NamingConfig, "loss": LossConfig, "histogram": HistogramConfig,
-    "noise_scale": NoiseScaleConfig, "action": ActionConfig,
+    "noise_scale": NoiseScaleConfig, "action": ActionConfig, "curvature": CurvatureConfig,
 }

@@ -5,3 +5,4 @@ from __future__ import annotations
 
 from distgrad.signals import histogram  # noqa: F401,E402
 from distgrad.signals import noise_scale  # noqa: F401,E402 - gradient noise scale
+from distgrad.signals import curvature  # noqa: F401,E402 - curvature along the last update

@@ -39,6 +39,11 @@ def build() -> Dashboard:
         ts("Abs-max headroom per layer", "Largest |gradient| over the largest finite value of the training dtype; 100% = overflow.",
            queries((f"distgrad_layer_grad_headroom_ratio{{{L}}}", "{{layer}}")), 12, 8, min_=0,
            th=head_th, threshold_lines=True),
+        ts("Curvature along the last update per layer", "(g_t - g_{t-1}) . dtheta / |dtheta|^2 over the layer's "
+           "parameters, and over the model (curvature.enabled): how sharply the loss bends along the step just "
+           "taken; below 0 it curves down (a saddle direction or an overshooting step).",
+           queries((f"distgrad_layer_curvature{{{L}}}", "{{layer}}"),
+                   (f"distgrad_curvature{{{S}}}", "model {{instance}}")), 12, 8),
         row("Parameters"),
         bargauge(f"Top {k} parameters by gradient norm", "Largest at the last sample.",
                  f"topk({k}, distgrad_param_grad_norm{{{S}}})", "{{param}}", 12, 10),

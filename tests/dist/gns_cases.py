@@ -1,4 +1,4 @@
-"""Multi-rank driver of the gradient noise scale (and curvature) tests
+"""Multi-rank driver of the gradient noise scale and curvature tests
 (tests/test_noise_scale_multirank.py) under ``torchrun --nproc_per_node 2``, gloo, CPU.
 
 Noise-scale cases (``ddp``, ``z2``, ``z3``): the model ``Dot`` whose per-sample gradient is its
@@ -7,6 +7,13 @@ input (loss_i = w . z_i), z_i drawn with a known mean G and covariance diag(C), 
 driver records distgrad's :class:`~distgrad.record_gns.NoiseScale` and the float64 reference of
 its two components from the data of every rank (each rank regenerates every rank's batches):
 ``|G_small|^2 = mean over (rank, micro-batch) of |mean z|^2``, ``|G_big|^2 = |mean of all z|^2``.
+
+Curvature cases (``curv-z2``, ``curv-z3``, ``curv-fsdp2``): the least-squares model ``LSQ`` of
+tests/test_curvature.py (a quadratic loss, each rank its own fixed data, AdamW), CURV_STEPS
+steps; per step distgrad's :class:`~distgrad.record_gns.Curvature` and the exact float64
+``dtheta^T H dtheta / |dtheta|^2`` per layer from the full weights gathered before and after
+each update (ZeRO-3: ``GatheredParameters``; FSDP2: ``full_tensor()``).
+
 Rank 0 writes the JSON.
 """
 
@@ -27,10 +34,12 @@ import distgrad
 from distgrad import stats
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from test_curvature import LSQ, lsq_curvature, lsq_data  # noqa: E402
 from test_noise_scale import _Dot, known_covariance  # noqa: E402
 
 D, GAS, B, STEPS, D1 = 10, 2, 4, 150, 4
 DECAY = 0.95
+CURV_STEPS = 4
 
 
 def batch(step: int, micro: int, rank: int) -> torch.Tensor:
@@ -90,6 +99,61 @@ def run_noise(key: str, rank: int, world: int) -> dict:
     return out
 
 
+def run_curvature(key: str, rank: int, world: int) -> dict:
+    cfg = {"exporter": {"enabled": False}, "statistics": {"async_records": "off"}, "curvature": {"enabled": True}}
+    torch.manual_seed(9)
+    model = LSQ()
+    data = lsq_data(rank)
+    if key == "curv-fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for lay in model.layers:
+            fully_shard(lay)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        inst = distgrad.instrument(model, cfg, optimizer=opt)
+
+        def train():
+            model(*data).backward()
+            opt.step()
+            opt.zero_grad()
+
+        def full():
+            return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    else:
+        import deepspeed
+
+        stage = int(key[-1])
+        ds = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "torch_adam": True}},
+              "steps_per_print": 10**9, "wall_clock_breakdown": False}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
+        inst = distgrad.instrument(engine, cfg)
+
+        def train():
+            engine.backward(engine(*data))
+            engine.step()
+
+        def full():
+            params = list(engine.module.named_parameters())
+            if stage == 3:
+                with deepspeed.zero.GatheredParameters([p for _, p in params]):
+                    return {n: p.detach().clone() for n, p in params}
+            return {n: p.detach().clone() for n, p in params}
+    recs = []
+    inst.add_hook(recs.append)
+    weights = [full()]
+    for _ in range(CURV_STEPS):
+        train()
+        weights.append(full())
+    inst.close()
+    every = [lsq_data(r) for r in range(world)]
+    refs = [None] + [lsq_curvature(weights[t - 1], weights[t], every) for t in range(1, CURV_STEPS)]
+    return {"records": [None if r.curvature is None else r.curvature.to_dict() for r in recs],
+            "steps": [r.step for r in recs], "reference": refs, "internal_errors": inst.counters["internal_errors"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -102,10 +166,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     stats.stats_table([torch.ones(3)], torch.device("cpu"))  # one-time kernel set-up
     results = {}
-    for key in ("ddp", "z2", "z3"):
+    for key in ("ddp", "z2", "z3", "curv-z2", "curv-z3", "curv-fsdp2"):
         t = time.time()
         try:
-            results[key] = run_noise(key, rank, world)
+            results[key] = (run_curvature if key.startswith("curv-") else run_noise)(key, rank, world)
         except Exception as e:  # noqa: BLE001 - reported per case by the pytest side
             results[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
             print(f"[gns_cases] rank {rank} {key}: {results[key]['traceback']}", file=sys.stderr, flush=True)
