@@ -1,5 +1,5 @@
-"""The gradient noise scale on 2 gloo ranks under DDP, DeepSpeed ZeRO-2 and ZeRO-3 (one launch of
-tests/dist/gns_cases.py): each step's |G_small|^2 (the micro-batch gradients of both ranks,
+"""The gradient noise scale on 2 gloo ranks under DDP, DeepSpeed ZeRO-2 and ZeRO-3, FSDP1 and
+FSDP2 (one launch of tests/dist/gns_cases.py): each step's |G_small|^2 (the micro-batch gradients of both ranks,
 before the reduction) and |G_big|^2 (the reduced gradient) against float64 recomputations from
 every rank's data, and B_simple against the known tr(C) / |G|^2 of the synthetic problem within
 4 standard errors of its estimator, computed from the run."""
@@ -24,7 +24,7 @@ def gns_results(tmp_path_factory):
     return launch("gns_cases.py", tmp_path_factory.mktemp("gns") / "gns.json")
 
 
-@pytest.mark.parametrize("key", ["ddp", "z2", "z3"])
+@pytest.mark.parametrize("key", ["ddp", "z2", "z3", "fsdp1", "fsdp2"])
 def test_noise_scale_multirank(gns_results, key):
     from gns_cases import B, DECAY, GAS, STEPS
 

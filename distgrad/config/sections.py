@@ -314,8 +314,9 @@ class NoiseScaleConfig(Section):
         "Estimate the gradient noise scale: one tensor hook per trainable parameter adds the "
         "squared norm of each micro-batch's incoming gradient on the device (one extra read of "
         "each gradient per micro-batch, no host sync); three numbers ride in the step's SUM "
-        "collective and one in its MAX. DDP, a plain module and DeepSpeed (ZeRO 0-3); needs "
-        "several micro-batches per step (gradient accumulation or several ranks)."))
+        "collective and one in its MAX. A plain module, DDP, DeepSpeed (ZeRO 0-3), FSDP1 (not "
+        "hybrid) and FSDP2 (1-D mesh); needs several micro-batches per step (gradient accumulation "
+        "or several ranks)."))
     micro_batch_size: Optional[int] = Field(None, ge=1, description=(
         "Samples per micro-batch on each rank (the small batch B_small; the step's batch is it "
         "times the micro-batches of all ranks). DeepSpeed: read from "

@@ -35,8 +35,10 @@ dot product accumulated in float64, on the device, no host sync) and a Python co
 
 Assumptions (docs/signals.md): each micro-batch's loss is a mean over its b samples (a
 sum-reduced loss scales the gradient by b and the estimate is wrong), micro-batches of one
-size, one backward per micro-batch. Engines: a plain module, DDP, DeepSpeed ZeRO 0-3; refused
-at ``instrument()`` elsewhere (no honest small batch known yet).
+size, one backward per micro-batch. Engines: a plain module, DDP, DeepSpeed ZeRO 0-3, FSDP1
+(not hybrid; the hooks see each unit's unsharded padded flat gradient, whose padding is zero),
+FSDP2 on a 1-D mesh (the hooks go on the unsharded parameters once they exist); refused at
+``instrument()`` elsewhere (no honest small batch known yet).
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ from distgrad.stats.eager import sum_of_squares
 
 log = logging.getLogger("distgrad")
 
-#: engines whose pre-reduction micro-batch gradients the hooks see (tests/test_noise_scale.py)
-SUPPORTED = ("torch", "ddp", "deepspeed")
+#: engines whose pre-reduction micro-batch gradients the hooks see (tests/test_noise_scale.py,
+#: tests/test_noise_scale_multirank.py); FSDP1 without hybrid sharding, FSDP2 on a 1-D mesh
+SUPPORTED = ("torch", "ddp", "deepspeed", "fsdp1", "fsdp2")
 
 
 class MicroBatchNorms:
@@ -271,12 +274,20 @@ def _factory(inst: Any) -> GradientNoiseScale | None:
     if not cfg.enabled:
         return None
     engine = inst.source.engine_name
-    if engine not in SUPPORTED or getattr(inst, "job", None) is not None:
+    why = None
+    if engine not in SUPPORTED:
+        why = f"engine {engine!r}"
+    elif getattr(inst, "job", None) is not None:
+        why = f"engine {engine!r} with parameters split over ranks (pipeline / experts)"
+    elif engine == "fsdp1" and getattr(inst.source, "_own", None) is not None:
+        why = "FSDP1 hybrid sharding"
+    elif engine == "fsdp2" and getattr(getattr(inst.source, "mesh", None), "ndim", 1) != 1:
+        why = "FSDP2 on a multi-dimensional mesh (HSDP, tensor parallel)"
+    if why is not None:
         raise ConfigError(
-            f"distgrad config: 'noise_scale.enabled' is not supported on engine {engine!r}"
-            f"{' with parameters split over ranks (pipeline / experts)' if getattr(inst, 'job', None) else ''}: "
-            f"the micro-batch gradients before the reduction are known for {', '.join(SUPPORTED)} only; "
-            "set noise_scale.enabled: false")
+            f"distgrad config: 'noise_scale.enabled' is not supported with {why}: the micro-batch gradients "
+            f"before the reduction are known for {', '.join(SUPPORTED)} (FSDP1 without hybrid sharding, FSDP2 "
+            "on a 1-D mesh) only; set noise_scale.enabled: false")
     b = cfg.micro_batch_size
     if b is None and engine == "deepspeed":
         b = int(inst.source.engine.train_micro_batch_size_per_gpu())

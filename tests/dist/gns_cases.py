@@ -1,7 +1,7 @@
 """Multi-rank driver of the gradient noise scale and curvature tests
 (tests/test_noise_scale_multirank.py) under ``torchrun --nproc_per_node 2``, gloo, CPU.
 
-Noise-scale cases (``ddp``, ``z2``, ``z3``): the model ``Dot`` whose per-sample gradient is its
+Noise-scale cases (``ddp``, ``z2``, ``z3``, ``fsdp1``, ``fsdp2``): the model ``Dot`` whose per-sample gradient is its
 input (loss_i = w . z_i), z_i drawn with a known mean G and covariance diag(C), weights fixed
 (learning rate 0), GAS micro-batches of B samples per rank and step, STEPS steps. Per step the
 driver records distgrad's :class:`~distgrad.record_gns.NoiseScale` and the float64 reference of
@@ -65,6 +65,30 @@ def run_noise(key: str, rank: int, world: int) -> dict:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         w = DDP(model)
+        opt = torch.optim.SGD(w.parameters(), lr=0.0)
+        inst = distgrad.instrument(w, cfg, optimizer=opt, noise_scale={"enabled": True, "micro_batch_size": B,
+                                                                       "ema_decay": DECAY})
+
+        def train(step):
+            for m in range(GAS):
+                (w(batch(step, m, rank)) / GAS).backward()
+            opt.step()
+            opt.zero_grad()
+    elif key in ("fsdp1", "fsdp2"):
+        if key == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model.a)
+            fully_shard(model)
+            w = model
+        else:
+            import functools
+
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+            w = FSDP(model, device_id=torch.device("cpu"),
+                     auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: m is model.a))
         opt = torch.optim.SGD(w.parameters(), lr=0.0)
         inst = distgrad.instrument(w, cfg, optimizer=opt, noise_scale={"enabled": True, "micro_batch_size": B,
                                                                        "ema_decay": DECAY})
@@ -166,7 +190,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     stats.stats_table([torch.ones(3)], torch.device("cpu"))  # one-time kernel set-up
     results = {}
-    for key in ("ddp", "z2", "z3", "curv-z2", "curv-z3", "curv-fsdp2"):
+    for key in ("ddp", "z2", "z3", "fsdp1", "fsdp2", "curv-z2", "curv-z3", "curv-fsdp2"):
         t = time.time()
         try:
             results[key] = (run_curvature if key.startswith("curv-") else run_noise)(key, rank, world)
