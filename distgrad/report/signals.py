@@ -6,6 +6,8 @@ Signals read from the records (a signal absent from every record is simply not r
 
 * ``grad_histogram`` (:class:`~distgrad.record_histogram.GradHistogram`): underflow ratio and
   zero ratio, global and per layer.
+* ``noise_scale`` (:class:`~distgrad.record_gns.NoiseScale`): ``B_simple`` with the step's batch,
+  and the two moving averages it is the ratio of.
 
 Findings (rules; ``W`` = :data:`WINDOW` sampled steps):
 
@@ -13,6 +15,11 @@ Findings (rules; ``W`` = :data:`WINDOW` sampled steps):
   dtype over its elements) has a median over the last ``W`` sampled steps of at least
   :data:`UNDERFLOW_RATIO` (1%); named: the worst such layer, the number of such layers, the
   dtype and the first step the worst one reached the threshold.
+* ``noise_scale``: the median ``B_simple`` of the last ``W`` records that have one, once the
+  moving averages have seen at least :data:`NOISE_MIN_STEPS` sampled steps, is at least
+  :data:`NOISE_FACTOR` (2) times the step's batch (larger batches would be efficient) or at most
+  1 / :data:`NOISE_FACTOR` of it (the batch is past the critical batch size: extra samples per
+  step buy little); named at the first record of that window.
 
 Findings are advice, not problems: they do not change the verdict (``HEALTHY`` / ``PROBLEM``)
 nor ``--fail-on-problem``. Memory: the downsampled series (``O(max_points x layers)`` per metric)
@@ -35,6 +42,8 @@ from distgrad.report.downsample import Downsampled, Downsampler
 RUNBOOK = "docs/runbook.md"
 WINDOW = 10
 UNDERFLOW_RATIO = 0.01
+NOISE_MIN_STEPS = 20
+NOISE_FACTOR = 2.0
 
 
 @dataclass
@@ -104,7 +113,13 @@ SPECS: dict[str, list[tuple[str, str, bool, Extract]]] = {
         ("zero_ratio", "zero ratio (g == 0)", False, _hist_ratio("zeros", "zero_ratio")),
     ],
 }
-TITLES = {"grad_histogram": "Gradient value distribution"}
+SPECS["noise_scale"] = [
+    ("noise_scale", "gradient noise scale B_simple (samples; dashed: the step's batch)", True,
+     lambda n: (_f(n.noise_scale) if n.noise_scale is not None else math.nan, None)),
+    ("ema_noise_trace", "EMA of tr(Sigma) (grad^2)", True, lambda n: (_f(n.ema_noise_trace), None)),
+    ("ema_true_grad_sq", "EMA of |G|^2 (grad^2)", True, lambda n: (_f(n.ema_true_grad_sq), None)),
+]
+TITLES = {"grad_histogram": "Gradient value distribution", "noise_scale": "Gradient noise scale"}
 
 
 class _Metric:
@@ -158,7 +173,7 @@ class SignalsAccumulator:
         self._m: dict[tuple[str, str], _Metric] = {}
         self._info: dict[str, dict[str, Any]] = {}
         self._under_first: dict[str, int] = {}  # layer -> first step its underflow ratio >= threshold
-        self._under_first_glob: int | None = None
+        self._noise: deque[tuple[int, float, float]] = deque(maxlen=WINDOW)  # (step, B_simple, batch)
 
     def add(self, r: StepRecord) -> None:
         step = int(r.step)
@@ -189,7 +204,36 @@ class SignalsAccumulator:
         for k in np.flatnonzero(row >= UNDERFLOW_RATIO):
             self._under_first.setdefault(m.names[int(k)], step)
 
+    def _see_noise_scale(self, step: int, n: Any) -> None:
+        info = self._info.setdefault("noise_scale", {})
+        info["batch"] = _f(getattr(n, "big_batch", math.nan))
+        b = getattr(n, "noise_scale", None)
+        if b is not None and int(getattr(n, "ema_steps", 0)) >= NOISE_MIN_STEPS:
+            self._noise.append((step, _f(b), _f(n.big_batch)))
+
     # ---------------------------------------------------------------- rules
+    def _noise_finding(self) -> list[SignalFinding]:
+        if not self._noise:
+            return []
+        win = list(self._noise)
+        b = float(np.median([x[1] for x in win]))
+        batch = win[-1][2]
+        if not (math.isfinite(b) and math.isfinite(batch) and batch > 0):
+            return []
+        ratio = b / batch
+        what = (f"gradient noise scale B_simple ~ {b:.4g} samples (median of the last {len(win)} estimates) vs a batch "
+                f"of {batch:.4g}")
+        if ratio >= NOISE_FACTOR:
+            todo = (f"larger batches would be efficient: up to ~{b:.4g} samples per step cost few extra samples "
+                    "for many fewer steps (raise the batch or the accumulation steps, and the learning rate with it)")
+        elif ratio <= 1 / NOISE_FACTOR:
+            todo = ("the batch is past the critical batch size: extra samples per step buy little progress; a smaller "
+                    "batch (more steps for the same samples) would use the compute better")
+        else:
+            return []
+        return [SignalFinding("noise_scale", int(win[0][0]), None,
+                              f"{what} ({ratio:.3g}x); what to do: {todo} ({RUNBOOK}#signal-noise-scale)")]
+
     def _underflow(self) -> list[SignalFinding]:
         m = self._m.get(("grad_histogram", "underflow_ratio"))
         if m is None or not m.names or not m.recent:
@@ -229,7 +273,7 @@ class SignalsAccumulator:
                     continue
                 rep.series.append(SignalSeries(fld, metric, label, log, m.glob.result() if m.glob else None,
                                                list(m.names), m.lay.result() if m.lay else None))
-        rep.findings = self._underflow()
+        rep.findings = self._underflow() + self._noise_finding()
         rep.findings.sort(key=lambda f: f.step)
         return rep
 
@@ -263,7 +307,8 @@ def render(rep: SignalsReport | None, subplots: Callable[..., tuple[Any, Any]], 
         series = [s for s in rep.series if s.signal == sig]
         fig, axes = subplots(len(series), 1, figsize=(11, 2.6 * len(series) + 0.8), sharex=True, squeeze=False)
         for ax, s in zip(axes[:, 0], series):
-            _panel(ax, s, top)
+            batch = rep.info.get("noise_scale", {}).get("batch") if s.metric == "noise_scale" else None
+            _panel(ax, s, top, batch)
         axes[-1, 0].set_xlabel("optimizer step")
         fig.suptitle(TITLES.get(sig, sig))
         fig.tight_layout()
@@ -272,7 +317,7 @@ def render(rep: SignalsReport | None, subplots: Callable[..., tuple[Any, Any]], 
     return out
 
 
-def _panel(ax: Any, s: SignalSeries, top: int) -> None:
+def _panel(ax: Any, s: SignalSeries, top: int, batch: float | None = None) -> None:
     if s.per_layer is not None and s.layers:
         d = s.per_layer
         with np.errstate(all="ignore"):
@@ -284,7 +329,9 @@ def _panel(ax: Any, s: SignalSeries, top: int) -> None:
         if g.width > 1:
             ax.fill_between(g.x, g.min[:, 0], g.max[:, 0], color="black", alpha=0.15, linewidth=0)
         ax.plot(g.x, g.last[:, 0], color="black", linewidth=1.2, label="global")
-    if s.log:
+    if batch is not None and math.isfinite(batch):
+        ax.axhline(batch, color="tab:red", linestyle="--", linewidth=0.9, label=f"batch {batch:.4g}")
+    if s.log and s.glob is not None and (np.nan_to_num(s.glob.min, nan=1.0) > 0).all():
         ax.set_yscale("log")
     ax.set_ylabel(s.metric, fontsize=8)
     ax.set_title(s.label, fontsize=9)
