@@ -212,3 +212,38 @@ def test_unsampled_steps_do_not_leak_into_the_next_sampled_step():
     for rec in recs:
         assert rec.noise_scale.micro_batches == 2
         assert rec.noise_scale.grad_sq_small == pytest.approx(refs[rec.step], rel=1e-5)
+
+
+def test_a_grad_scaler_loss_scale_is_divided_out():
+    """torch.amp.GradScaler: the hooked micro-batch gradients carry the loss scale, the reduced
+    gradient read in scaler.step does not; the estimate equals the unscaled run's (a power-of-2
+    scale is exact in float32)."""
+    def run(scaled: bool):
+        m = _mlp()
+        opt = torch.optim.SGD(m.parameters(), lr=0.0)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12) if scaled else None
+        dg = distgrad.instrument(m, optimizer=opt, scaler=scaler, exporter={"enabled": False},
+                                 statistics={"async_records": "off"},
+                                 noise_scale={"enabled": True, "micro_batch_size": 4})
+        recs = []
+        dg.add_hook(recs.append)
+        for step in range(3):
+            for micro in range(3):
+                g = torch.Generator().manual_seed(100 * step + micro)
+                loss = m(torch.randn(4, 5, generator=g)).pow(2).mean() / 3
+                (scaler.scale(loss) if scaled else loss).backward()
+            if scaled:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad()
+        dg.close()
+        return recs
+
+    plain, scaled = run(False), run(True)
+    assert [r.loss_scale for r in scaled] == [2.0 ** 12] * 3
+    for a, b in zip(plain, scaled):
+        assert b.noise_scale.grad_sq_small == pytest.approx(a.noise_scale.grad_sq_small, rel=1e-6)
+        assert b.noise_scale.grad_sq_big == pytest.approx(a.noise_scale.grad_sq_big, rel=1e-6)
+        assert b.noise_scale.noise_scale == pytest.approx(a.noise_scale.noise_scale, rel=1e-6)

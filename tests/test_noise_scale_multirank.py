@@ -33,6 +33,8 @@ def test_noise_scale_multirank(gns_results, key):
     world = gns_results["world_size"]
     assert world == 2 and case["internal_errors"] == 0
     assert case["steps"] == list(range(STEPS))
+    # an opt-in signal that still costs nothing more than the step's 2 collectives and 1 host copy
+    assert case["counts"] == [{"collectives": 2, "syncs": 1}] * 3
     recs = case["records"]
     n = GAS * world
     for rec, (small, big) in zip(recs, case["reference"]):
@@ -63,6 +65,7 @@ def test_curvature_multirank(gns_results, key):
     assert "error" not in case, case.get("traceback")
     assert case["internal_errors"] == 0
     assert case["steps"] == list(range(CURV_STEPS))
+    assert case["counts"] == [{"collectives": 2, "syncs": 1}] * CURV_STEPS
     assert case["records"][0] is None  # no update before the first step
     for rec, (layer, total) in zip(case["records"][1:], case["reference"][1:]):
         assert sorted(rec["layer"]) == sorted(layer) == ["0", "1"]

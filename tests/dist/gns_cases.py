@@ -34,6 +34,8 @@ import distgrad
 from distgrad import stats
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+sys.path.insert(0, os.path.dirname(__file__))
+from common import BoundaryCounter  # noqa: E402
 from test_curvature import LSQ, lsq_curvature, lsq_data  # noqa: E402
 from test_noise_scale import _Dot, known_covariance  # noqa: E402
 
@@ -114,12 +116,17 @@ def run_noise(key: str, rank: int, world: int) -> dict:
                 engine.step()
     recs = []
     inst.add_hook(recs.append)
+    counter = BoundaryCounter(inst)
     for step in range(STEPS):
-        train(step)
+        if step < 3:  # the collectives and host syncs of the boundary (noise-scale on)
+            counter.around(lambda: train(step))
+        else:
+            train(step)
+    counter.restore()
     inst.close()
     out = {"records": [None if r.noise_scale is None else r.noise_scale.to_dict() for r in recs],
            "steps": [r.step for r in recs], "reference": [reference(s, world) for s in range(STEPS)],
-           "internal_errors": inst.counters["internal_errors"]}
+           "internal_errors": inst.counters["internal_errors"], "counts": counter.counts}
     return out
 
 
@@ -168,14 +175,17 @@ def run_curvature(key: str, rank: int, world: int) -> dict:
     recs = []
     inst.add_hook(recs.append)
     weights = [full()]
+    counter = BoundaryCounter(inst)
     for _ in range(CURV_STEPS):
-        train()
+        counter.around(train)
         weights.append(full())
+    counter.restore()
     inst.close()
     every = [lsq_data(r) for r in range(world)]
     refs = [None] + [lsq_curvature(weights[t - 1], weights[t], every) for t in range(1, CURV_STEPS)]
     return {"records": [None if r.curvature is None else r.curvature.to_dict() for r in recs],
-            "steps": [r.step for r in recs], "reference": refs, "internal_errors": inst.counters["internal_errors"]}
+            "steps": [r.step for r in recs], "reference": refs, "internal_errors": inst.counters["internal_errors"],
+            "counts": counter.counts}
 
 
 def main() -> None:
