@@ -49,7 +49,8 @@ metric; ``Metric.series()`` is the series of one metric per value of its scope l
   ``curvature.enabled`` only; counted always);
 * ``K``: module-kind groups (kind-granularity keys); ``KIND_SERIES = 1``
   (``distgrad_module_kind_grad_norm``);
-* ``GLOBAL_SERIES = 176``: the catalogue's metrics of a fixed or capped series count (171 today:
+* ``GLOBAL_SERIES`` (about 180; the exact value is counted from the catalogue at import): the
+  catalogue's metrics of a fixed or capped series count (
   unlabelled ones, the three-valued ``detector`` families, ``distgrad_sink_errors_total{sink}``
   for its 4 sinks, ``distgrad_refused_steps_total{reason}`` for its 3 reasons,
   ``distgrad_nonfinite_params`` capped at 20, ``distgrad_nonfinite_culprit`` capped at 8, the loss components (3 x 8, and 8 x 2 spike
@@ -60,10 +61,10 @@ metric; ``Metric.series()`` is the series of one metric per value of its scope l
 
 The default budget is :data:`DEFAULT_SERIES_BUDGET` ``= 2000`` and the default ``top_k`` is
 :data:`DEFAULT_TOP_K` ``= 100``. Example, LLaMA-70B (723 tensors, 80 blocks): L = 83 (80 blocks +
-embed, norm, head), K = 10, fixed part 6*83 + 10 + 176 = 684, so at most
-floor((2000 - 684) / 10) = 131 parameters can have per-parameter series; with the default
-top-k, 10*100 + 684 = 1684 series, and a step with many non-finite parameters is capped at
-10*131 + 684 = 1994.
+embed, norm, head), K = 10, fixed part LAYER_SERIES*83 + 10 + GLOBAL_SERIES (about 690 with
+LAYER_SERIES = 6), so at most floor((2000 - 690) / 10) = 131 parameters can have per-parameter
+series; with the default top-k, 10*100 + 690 = about 1690 series, and a step with many
+non-finite parameters is capped below the budget (:func:`select_series`).
 """
 
 from __future__ import annotations
