@@ -198,6 +198,47 @@ def test_through_instrument_one_process(dtype, tmp_path):
             assert hv.min == hv.bucket_limit[nz[0] - 1] and hv.max == hv.bucket_limit[nz[-1]]
     under = acc.Scalars("grad/underflow_ratio")
     assert [u.value for u in under] == pytest.approx([r.grad_histogram.total().underflow_ratio()["global"] for r in recs])
+    # the offline report: its heat-map's counts are the records' bins, summed per bucket of steps
+    if dtype == torch.float32:
+        from distgrad.report import write_report
+        from distgrad.report.histogram import SHIFT_MARGIN
+
+        res = write_report(tmp_path / "r.jsonl", tmp_path / "report")
+        assert (tmp_path / "report" / "grad_histogram.png") in res.pngs
+        assert "grad_histogram.png" in res.html.read_text()
+        rep = res.analysis.grad_histogram
+        tots = [r.grad_histogram.total() for r in recs]
+        got = rep.series["global"].counts.sum(axis=0)
+        assert got[0] == sum(t.below[0] for t in tots) and got[-1] == sum(t.above[0] for t in tots)
+        assert got[1:1 + SHIFT_MARGIN].sum() == 0
+        np.testing.assert_array_equal(got[1 + SHIFT_MARGIN:-1], np.sum([t.counts[0] for t in tots], axis=0))
+        assert rep.underflow_ratio["global"] == sum(t.underflow[0] for t in tots) / sum(t.numel[0] for t in tots)
+        assert set(rep.series) == {"global", "0", "1", "head"}
+
+
+def test_report_places_loss_scaled_bins_at_unscaled_exponents():
+    from distgrad.record import ParamStats
+    from distgrad.report.histogram import SHIFT_MARGIN, HistogramAccumulator
+
+    def rec(step: int, scale_log2: float) -> StepRecord:
+        p = ParamStats(["w"], [8], [0.0], [1.0], [0], [0], [0], [0.0], [0.0])
+        r = StepRecord(step, step, 0.0, 1, p, 1.0)
+        r.grad_histogram = GradHistogram("fp16", 2.0 ** -14, -4, 4, scale_log2, ["0"], [[0, 1, 2, 0, 0, 0, 0, 3]],
+                                         [1], [1], [0], [1], [0], [8])
+        return r
+
+    acc = HistogramAccumulator(max_points=8)
+    acc.add(rec(0, 0.0))
+    acc.add(rec(1, 10.0))  # fp16 loss scale 2**10: held exponent e is e - 10 unscaled
+    acc.add(rec(2, 9.6))  # not a power of two: rounded to 10, said in the caption
+    rep = acc.result()
+    assert rep.fractional and rep.exponents[0] == -4 - SHIFT_MARGIN and rep.exponents[-1] == 3
+    c = rep.series["global"].counts
+    base = 1 + SHIFT_MARGIN  # column of exponent -4
+    assert c[0, base + 1] == 1 and c[0, base + 2] == 2 and c[0, base + 7] == 3 and c[0, 0] == 1 and c[0, -1] == 1
+    assert c[1, base - 9] == 1 and c[1, base - 8] == 2 and c[1, base - 3] == 3 and c[1, 0] == 1 and c[1, -1] == 1
+    np.testing.assert_array_equal(c[2], c[1])
+    assert rep.top_layers() == ["0"] and rep.underflow_ratio["0"] == 3 / 24
 
 
 def test_off_by_default():

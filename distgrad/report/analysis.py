@@ -13,6 +13,7 @@ from distgrad.record import StepRecord
 from distgrad.report.downsample import Downsampled, Downsampler
 from distgrad.report.findings import ANOMALY_LABELS, MAX_MARKERS, Problem, RunAnalysis
 from distgrad.report.layers import LayerIndex, layer_of, layer_sort_key
+from distgrad.report.histogram import HistogramAccumulator
 from distgrad.report.loss import LossAccumulator
 from distgrad.report.signals import SignalsAccumulator
 from distgrad.report.spikes import RollingMadSpikes, _to_float
@@ -68,6 +69,7 @@ class RunAnalyzer:
         self._gaps: list[tuple[int, int, int]] = []  # (last step before, first step after, records)
         self._bad_lines: list[tuple[int | None, str]] = []
         self._loss = LossAccumulator(max_points)
+        self._hist = HistogramAccumulator(max_points)
         self._checks = VerdictChecks()
         self._signals = SignalsAccumulator(max_points)
 
@@ -144,6 +146,7 @@ class RunAnalyzer:
         forward), the records in between were lost (a ``missing_records`` problem)."""
         step = int(r.step)
         self._loss.add(r)
+        self._hist.add(r)
         sampled = r.counters.get("sampled_steps") if isinstance(r.counters, dict) else None
         sampled = int(sampled) if isinstance(sampled, (int, float)) and not isinstance(sampled, bool) else None
         if sampled is not None and self._prev_sampled is not None and self._last is not None \
@@ -355,6 +358,7 @@ class RunAnalyzer:
             spikes_source=src,
             loss=self._loss.result(),
             signals=self._signals.result(),
+            grad_histogram=self._hist.result(),
         )
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from distgrad.report.downsample import Downsampled
+from distgrad.report.histogram import HistogramReport
 from distgrad.report.loss import LossReport
 from distgrad.report.signals import SignalsReport
 
@@ -107,6 +108,7 @@ class RunAnalysis:
     spikes_source: str
     loss: LossReport | None = None  #: components, token losses, trend, per-rank attribution
     signals: SignalsReport | None = None  #: packed signals' series and findings (advice, not problems)
+    grad_histogram: HistogramReport | None = None  #: log2|g| distribution (histogram.enabled runs)
 
     @property
     def healthy(self) -> bool:

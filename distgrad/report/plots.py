@@ -12,6 +12,7 @@ import numpy as np
 
 from distgrad.report.analysis import RunAnalysis
 from distgrad.report.downsample import Downsampled
+from distgrad.report.histogram import render as render_histogram
 from distgrad.report.loss import render as render_loss
 from distgrad.report.signals import render as render_signals
 
@@ -199,4 +200,8 @@ def render_plots(a: RunAnalysis, out: Path) -> tuple[list[tuple[str, str, bytes]
         # 7. packed signals (docs/signals.md): one figure per signal present in the records
         for fname, caption, fig in render_signals(getattr(a, "signals", None), subplots):
             images.append((fname, caption, _save(fig, out / fname)))
+        # 8. gradient value distribution (histogram.enabled runs)
+        if getattr(a, "grad_histogram", None) is not None:
+            fig, caption = render_histogram(a.grad_histogram, subplots)
+            images.append(("grad_histogram.png", caption, _save(fig, out / "grad_histogram.png")))
     return images, notes
