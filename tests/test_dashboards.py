@@ -89,7 +89,8 @@ def test_overview_covers_the_training_signals():
     for needle in ("distgrad_loss{", "distgrad_grad_norm{", "distgrad_loss_scale{", "distgrad_overflow_steps_total{",
                    "distgrad_nonfinite_steps_total{", "distgrad_skipped_steps_total{", "rate(distgrad_samples_total{",
                    "time() - distgrad_last_step_timestamp_seconds{", "distgrad_internal_errors_total{",
-                   "distgrad_replica_mismatch_total{", "distgrad_refused_steps_total{"):
+                   "distgrad_replica_mismatch_total{", "distgrad_refused_steps_total{",
+                   "distgrad_grad_underflow_ratio{"):
         assert needle in exprs, needle
 
 
@@ -99,7 +100,8 @@ def test_layers_view_covers_layers_and_parameters():
     assert any(t["expr"].startswith("distgrad_layer_grad_norm{") for p in heatmaps for t in p["targets"])
     exprs = _exprs(d)
     for needle in ("topk(10, distgrad_param_grad_norm{", "distgrad_layer_grad_nonfinite{",
-                   "distgrad_layer_grad_zero_ratio{", "distgrad_layer_grad_headroom_ratio{"):
+                   "distgrad_layer_grad_zero_ratio{", "distgrad_layer_grad_headroom_ratio{",
+                   "distgrad_layer_grad_underflow_ratio{"):
         assert needle in exprs, needle
 
 

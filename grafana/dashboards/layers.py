@@ -44,6 +44,10 @@ def build() -> Dashboard:
            "taken; below 0 it curves down (a saddle direction or an overshooting step).",
            queries((f"distgrad_layer_curvature{{{L}}}", "{{layer}}"),
                    (f"distgrad_curvature{{{S}}}", "model {{instance}}")), 12, 8),
+        ts("Underflow ratio per layer", "Fraction of the layer's gradient elements that are non-zero but below the "
+           "smallest normal value of the training dtype (as held, loss-scaled): precision lost to subnormals, or lost "
+           "to 0 in fp16. Needs histogram.enabled; full log2|g| histograms are in TensorBoard and distgrad report.",
+           queries((f"distgrad_layer_grad_underflow_ratio{{{L}}}", "{{layer}}")), 12, 8, min_=0, max_=1),
         row("Parameters"),
         bargauge(f"Top {k} parameters by gradient norm", "Largest at the last sample.",
                  f"topk({k}, distgrad_param_grad_norm{{{S}}})", "{{param}}", 12, 10),

@@ -115,6 +115,11 @@ def build() -> Dashboard:
            queries((f"increase(distgrad_action_skipped_steps_total{{{S}}}[{RATE}])", "skipped {{cause}} {{instance}}"),
                    (f"distgrad_action_stop_requested{{{S}}}", "stop requested {{instance}}")),
            12, 8, bars=True, min_=0),
+        ts("Gradient underflow and zero ratio", "Fraction of all gradient elements below the smallest normal value "
+           "of the training dtype (as held, loss-scaled), and exactly 0. Needs histogram.enabled; per layer on the "
+           "Layers dashboard.",
+           queries((f"distgrad_grad_underflow_ratio{{{S}}}", "underflow {{instance}}"),
+                   (f"distgrad_grad_zero_ratio{{{S}}}", "zero {{instance}}")), 12, 8, min_=0, max_=1),
     ]
     return dashboard("overview", "distgrad / Overview",
                      "Training health from distgrad's rank-0 exporter: loss, gradient norm, fp16 loss scaling, non-finite steps, throughput, stalls, errors.",
