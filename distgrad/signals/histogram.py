@@ -62,8 +62,9 @@ class GradHistogramSignal(PackedSignal):
         rules: user naming rules (``naming.rules``).
 
     Cost per sampled step: reads each local gradient piece twice (the exponent count and the
-    non-zero count) and writes two integer temporaries of its chunk (bf16/fp16 pieces: one more
-    fp32 copy); no extra collective; ``L * (hi - lo + 6)`` float64 in the SUM collective (L layers).
+    non-zero count) and writes two temporaries per chunk of at most :data:`CHUNK` elements (its
+    absolute value, bf16/fp16 widened to fp32, and its exponents); no extra collective;
+    ``L * (hi - lo + 6)`` float64 in the SUM collective (L layers).
 
     Raises:
         ValueError: bad exponent range or dtype.
@@ -124,30 +125,31 @@ class GradHistogramSignal(PackedSignal):
               device: torch.device) -> tuple[torch.Tensor, None]:
         """This rank's counts, float64 ``[L * (nb + 1)]`` on ``device`` (no host sync)."""
         L = len(self.layers)
-        raw = {dt: torch.zeros((L, _FORMATS[dt][2] + 1), dtype=torch.int64, device=device) for dt in _FORMATS}
-        used = set()
+        raw: dict[torch.dtype, torch.Tensor] = {}  # raw exponent counts per bit format, made when first needed
         nonzero = torch.zeros(L, dtype=torch.int64, device=device)
         one = torch.ones(1, dtype=torch.int64, device=device)
         for i, p in enumerate(pieces):
             if p is None or p.numel() == 0:
                 continue
             x = p.detach().reshape(-1)
-            if x.dtype in (torch.bfloat16, torch.float16):
-                x = x.float()  # exact; every fp16 subnormal is an fp32 normal
-            fmt = _FORMATS.get(x.dtype)
+            widen = x.dtype in (torch.bfloat16, torch.float16)  # to fp32, chunk by chunk: exact, and
+            dt = torch.float32 if widen else x.dtype            # every fp16 subnormal is an fp32 normal
+            fmt = _FORMATS.get(dt)
             if fmt is None:
                 raise TypeError(f"gradient histogram: unsupported gradient dtype {p.dtype}")
             if fmt[4] > self.et:  # its subnormals would not all be below the training dtype's normals
                 raise ValueError(f"gradient histogram: {p.dtype} gradients under training dtype {self.dtype}")
+            if dt not in raw:
+                raw[dt] = torch.zeros((L, fmt[2] + 1), dtype=torch.int64, device=device)
             g = self.group[i]
-            row = raw[x.dtype][g]
+            row = raw[dt][g]
             for s in range(0, x.numel(), CHUNK):
-                e = x[s:s + CHUNK].abs().view(fmt[0]) >> fmt[1]  # sign cleared: the biased exponent
+                c = x[s:s + CHUNK].float().abs_() if widen else x[s:s + CHUNK].abs()  # sign cleared
+                e = c.view(fmt[0]) >> fmt[1]  # the biased exponent
                 row.index_add_(0, e, one.expand(e.numel()))
             nonzero[g:g + 1].add_(torch.count_nonzero(x))
-            used.add(x.dtype)
         bins = torch.zeros((L, self.nb), dtype=torch.float64, device=device)
-        for dt in sorted(used, key=str):  # fixed order
+        for dt in sorted(raw, key=str):  # fixed order
             bins += raw[dt].to(torch.float64) @ self._map(dt, device)
         return torch.cat([bins, nonzero.to(torch.float64).unsqueeze(1)], dim=1).reshape(-1), None
 
