@@ -8,6 +8,8 @@ Signals read from the records (a signal absent from every record is simply not r
   zero ratio, global and per layer.
 * ``noise_scale`` (:class:`~distgrad.record_gns.NoiseScale`): ``B_simple`` with the step's batch,
   and the two moving averages it is the ratio of.
+* ``curvature`` (:class:`~distgrad.record_gns.Curvature`): curvature along the last update,
+  global and per layer.
 
 Findings (rules; ``W`` = :data:`WINDOW` sampled steps):
 
@@ -20,6 +22,9 @@ Findings (rules; ``W`` = :data:`WINDOW` sampled steps):
   :data:`NOISE_FACTOR` (2) times the step's batch (larger batches would be efficient) or at most
   1 / :data:`NOISE_FACTOR` of it (the batch is past the critical batch size: extra samples per
   step buy little); named at the first record of that window.
+* ``curvature_rise``: the median curvature of the last ``W`` sampled steps is at least
+  :data:`RISE_FACTOR` (3) times the median of the ``W`` before them, both positive, globally or in
+  a layer (sharpening); named at the first step it held, with the layer of largest rise then.
 
 Findings are advice, not problems: they do not change the verdict (``HEALTHY`` / ``PROBLEM``)
 nor ``--fail-on-problem``. Memory: the downsampled series (``O(max_points x layers)`` per metric)
@@ -44,6 +49,7 @@ WINDOW = 10
 UNDERFLOW_RATIO = 0.01
 NOISE_MIN_STEPS = 20
 NOISE_FACTOR = 2.0
+RISE_FACTOR = 3.0
 
 
 @dataclass
@@ -119,7 +125,19 @@ SPECS["noise_scale"] = [
     ("ema_noise_trace", "EMA of tr(Sigma) (grad^2)", True, lambda n: (_f(n.ema_noise_trace), None)),
     ("ema_true_grad_sq", "EMA of |G|^2 (grad^2)", True, lambda n: (_f(n.ema_true_grad_sq), None)),
 ]
-TITLES = {"grad_histogram": "Gradient value distribution", "noise_scale": "Gradient noise scale"}
+SPECS["curvature"] = [
+    ("curvature", "curvature along the last update (g_t - g_t-1).dtheta/|dtheta|^2", False,
+     lambda c: (_f(c.total) if c.total is not None else math.nan, dict(c.layer))),
+]
+TITLES = {"grad_histogram": "Gradient value distribution", "noise_scale": "Gradient noise scale",
+          "curvature": "Curvature along the last update"}
+#: (signal, metric) -> (finding kind, what rose, what to do) of the rise rule
+RISES = {
+    ("curvature", "curvature"): (
+        "curvature_rise", "curvature along the update",
+        "the loss is sharpening along the steps (towards the edge of stability, where loss spikes follow): lower "
+        "the learning rate or lengthen the warm-up, and enable gradient clipping"),
+}
 
 
 class _Metric:
@@ -133,11 +151,13 @@ class _Metric:
         self.index: dict[str, int] = {}
         self.names: list[str] = []
         self.recent: deque[tuple[int, np.ndarray]] = deque(maxlen=2 * WINDOW)
+        self.recent_glob: deque[float] = deque(maxlen=2 * WINDOW)
 
     def add(self, step: int, g: float, per: dict[str, float] | None) -> None:
         if self.glob is None:
             self.glob = Downsampler(1, 0, self.max_points)
         self.glob.add(step, np.array([g], dtype=np.float64))
+        self.recent_glob.append(g)
         if per is None:
             return
         for k in per:
@@ -174,6 +194,7 @@ class SignalsAccumulator:
         self._info: dict[str, dict[str, Any]] = {}
         self._under_first: dict[str, int] = {}  # layer -> first step its underflow ratio >= threshold
         self._noise: deque[tuple[int, float, float]] = deque(maxlen=WINDOW)  # (step, B_simple, batch)
+        self._rises: dict[tuple[str, str], list] = {}  # first firing: step, layer, ratio, before, after, steps held
 
     def add(self, r: StepRecord) -> None:
         step = int(r.step)
@@ -190,7 +211,33 @@ class SignalsAccumulator:
                 if m is None:
                     m = self._m[(fld, metric)] = _Metric(self.max_points)
                 m.add(step, _f(g), per)
+                if (fld, metric) in RISES:
+                    self._rise(fld, metric, m, step)
             getattr(self, f"_see_{fld}", lambda *_: None)(step, part)
+
+    def _rise(self, fld: str, metric: str, m: _Metric, step: int) -> None:
+        """The rise rule on the last 2 W values of ``m`` (global and per layer)."""
+        if len(m.recent_glob) < 2 * WINDOW:
+            return
+        cols = np.asarray(m.recent_glob, dtype=np.float64)[:, None]
+        names: list[str | None] = [None]
+        if m.names and len(m.recent) == 2 * WINDOW:
+            cols = np.hstack([cols, m.window(2 * WINDOW)])
+            names += m.names
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            before = np.nanmedian(cols[:WINDOW], axis=0)
+            after = np.nanmedian(cols[WINDOW:], axis=0)
+            ratio = np.where((before > 0) & (after > 0), after / before, np.nan)
+        hit = np.flatnonzero(np.nan_to_num(ratio, nan=0.0) >= RISE_FACTOR)
+        if not hit.size:
+            return
+        st = self._rises.get((fld, metric))
+        if st is None:
+            j = int(hit[np.argmax(ratio[hit])])
+            self._rises[(fld, metric)] = [step, names[j], float(ratio[j]), float(before[j]), float(after[j]), 1]
+        else:
+            st[5] += 1
 
     # ---------------------------------------------------------------- per-signal state
     def _see_grad_histogram(self, step: int, h: Any) -> None:
@@ -212,6 +259,17 @@ class SignalsAccumulator:
             self._noise.append((step, _f(b), _f(n.big_batch)))
 
     # ---------------------------------------------------------------- rules
+    def _rise_findings(self) -> list[SignalFinding]:
+        out = []
+        for key, (step, layer, ratio, before, after, held) in self._rises.items():
+            kind, what, todo = RISES[key]
+            where = "over the model" if layer is None else f"in layer {layer}"
+            out.append(SignalFinding(kind, step, layer, (
+                f"{what} rose {ratio:.3g}x {where} ({before:.4g} -> {after:.4g}, medians of the {WINDOW} sampled "
+                f"steps before and of the last {WINDOW} up to step {step}; the rule held on {held} sampled step(s)); "
+                f"what to do: {todo} ({RUNBOOK}#signal-{kind.replace('_', '-')})")))
+        return out
+
     def _noise_finding(self) -> list[SignalFinding]:
         if not self._noise:
             return []
@@ -273,7 +331,7 @@ class SignalsAccumulator:
                     continue
                 rep.series.append(SignalSeries(fld, metric, label, log, m.glob.result() if m.glob else None,
                                                list(m.names), m.lay.result() if m.lay else None))
-        rep.findings = self._underflow() + self._noise_finding()
+        rep.findings = self._underflow() + self._noise_finding() + self._rise_findings()
         rep.findings.sort(key=lambda f: f.step)
         return rep
 
