@@ -54,6 +54,23 @@ def test_noise_scale_multirank(gns_results, key):
     assert abs(recs[-1]["noise_scale"] - truth) < 4 * se_ema, (recs[-1]["noise_scale"], truth, se_ema)
 
 
+@pytest.mark.parametrize("key", ["z0-fp16", "z2-fp16", "z3-fp16"])
+def test_noise_scale_deepspeed_fp16_divides_the_loss_scale_out(gns_results, key):
+    """DeepSpeed fp16 (loss scale 2**8): under ZeRO 1-3 engine.backward scales the loss, so the
+    hooked micro-batch gradients and the reduced pieces carry the scale; at ZeRO-0 neither does.
+    It is divided out where present: the components match the float64 recomputation from the fp16
+    inputs to fp16 precision (a scale left in, or divided out where absent, is off by 2**16)."""
+    from gns_cases import FP16_STEPS
+
+    case = gns_results["cases"][key]
+    assert "error" not in case, case.get("traceback")
+    assert case["internal_errors"] == 0 and case["steps"] == list(range(FP16_STEPS))
+    assert case["loss_scale"] == [256.0] * FP16_STEPS
+    for rec, (small, big) in zip(case["records"], case["reference"]):
+        np.testing.assert_allclose(rec["grad_sq_small"], small, rtol=5e-3)
+        np.testing.assert_allclose(rec["grad_sq_big"], big, rtol=5e-3)
+
+
 @pytest.mark.parametrize("key", ["curv-z2", "curv-z3", "curv-fsdp2"])
 def test_curvature_multirank(gns_results, key):
     """Curvature along the last update under ZeRO-2, ZeRO-3 and FSDP2 (2 ranks, AdamW, a

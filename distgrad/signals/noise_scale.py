@@ -179,7 +179,6 @@ class GradientNoiseScale(PackedSignal):
         self.ema_g2 = 0.0
         self.ema_tr = 0.0
         self.ema_steps = 0
-        self._scale_at_local = 1.0
         self._warned: set[str] = set()
 
     @property
@@ -210,11 +209,6 @@ class GradientNoiseScale(PackedSignal):
         acc, micro, failed = self.norms.take(device)
         if failed:
             raise RuntimeError("a micro-batch gradient hook failed")
-        # the loss scale the hooked gradients carry: DeepSpeed fp16 scales the loss in
-        # engine.backward by its current scale (a host float, unchanged until step())
-        self._scale_at_local = 1.0
-        if self.engine_name == "deepspeed" and inst.source.has_loss_scaler():
-            self._scale_at_local = float(inst.source.loss_scale() or 1.0)
         counts = torch.tensor([float(micro), 1.0], dtype=torch.float64).to(device, non_blocking=True)
         s = torch.cat([acc.reshape(1), counts])
         m = torch.tensor([-float(micro)], dtype=torch.float64).to(device, non_blocking=True)
@@ -239,9 +233,12 @@ class GradientNoiseScale(PackedSignal):
             self._warn_once("one", "one micro-batch per step (no gradient accumulation, one rank): the "
                             "estimator needs two batch sizes; nothing is exported")
             return
-        # the loss scale of the hooked gradients: DeepSpeed's at local(); torch GradScaler's as read
-        # before scaler.step (StepRecord.loss_scale); else none
-        hook_scale = self._scale_at_local if self.engine_name == "deepspeed" else float(rec.loss_scale or 1.0)
+        # the loss scale of the hooked gradients. DeepSpeed: the one the reduced pieces carry
+        # (engine.backward scales the loss by it under ZeRO 1-3 fp16 and not at stage 0, whose
+        # pieces are unscaled too; tests/test_noise_scale_multirank.py pins both). PyTorch:
+        # GradScaler's scale read before scaler.step (StepRecord.loss_scale), which unscales the
+        # pieces before distgrad reads them (the fused path's leftover scale is grad_scale)
+        hook_scale = grad_scale if self.engine_name == "deepspeed" else float(rec.loss_scale or 1.0)
         c = n_total / ranks  # micro-batch gradient on the reduced gradient's scale: (N/W) h
         small = c * c * hooks_sq / n_total / (hook_scale * hook_scale)
         big = float(rec.grad_norm) ** 2

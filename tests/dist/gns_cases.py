@@ -1,7 +1,8 @@
 """Multi-rank driver of the gradient noise scale and curvature tests
 (tests/test_noise_scale_multirank.py) under ``torchrun --nproc_per_node 2``, gloo, CPU.
 
-Noise-scale cases (``ddp``, ``z2``, ``z3``, ``fsdp1``, ``fsdp2``): the model ``Dot`` whose per-sample gradient is its
+Noise-scale cases (``ddp``, ``z2``, ``z3``, ``fsdp1``, ``fsdp2``; and ``z0-fp16``, ``z2-fp16``, ``z3-fp16``:
+FP16_STEPS steps under DeepSpeed fp16, loss scale 2**8, components only): the model ``Dot`` whose per-sample gradient is its
 input (loss_i = w . z_i), z_i drawn with a known mean G and covariance diag(C), weights fixed
 (learning rate 0), GAS micro-batches of B samples per rank and step, STEPS steps. Per step the
 driver records distgrad's :class:`~distgrad.record_gns.NoiseScale` and the float64 reference of
@@ -42,6 +43,7 @@ from test_noise_scale import _Dot, known_covariance  # noqa: E402
 D, GAS, B, STEPS, D1 = 10, 2, 4, 150, 4
 DECAY = 0.95
 CURV_STEPS = 4
+FP16_STEPS = 4
 
 
 def batch(step: int, micro: int, rank: int) -> torch.Tensor:
@@ -50,9 +52,10 @@ def batch(step: int, micro: int, rank: int) -> torch.Tensor:
     return G + torch.randn(B, D, generator=g) * C.sqrt()
 
 
-def reference(step: int, world: int) -> tuple[float, float]:
-    """float64 (|G_small|^2, |G_big|^2) of the step over every rank's micro-batches."""
-    zs = [batch(step, m, r).double() for r in range(world) for m in range(GAS)]
+def reference(step: int, world: int, fp16: bool = False) -> tuple[float, float]:
+    """float64 (|G_small|^2, |G_big|^2) of the step over every rank's micro-batches (``fp16``:
+    of the fp16-rounded inputs the engine sees)."""
+    zs = [(batch(step, m, r).half() if fp16 else batch(step, m, r)).double() for r in range(world) for m in range(GAS)]
     small = sum(z.mean(0).pow(2).sum().item() for z in zs) / len(zs)
     big = torch.cat(zs).mean(0).pow(2).sum().item()
     return small, big
@@ -103,21 +106,26 @@ def run_noise(key: str, rank: int, world: int) -> dict:
     else:
         import deepspeed
 
+        fp16 = key.endswith("-fp16")
         ds = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": GAS,
-              "zero_optimization": {"stage": int(key[1:])},
+              "zero_optimization": {"stage": int(key[1])},
               "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}},
               "steps_per_print": 10**9, "wall_clock_breakdown": False}
+        if fp16:  # loss scale 2**8: the hooked gradients carry it (and the ZeRO 1-3 pieces too)
+            ds["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000, "min_loss_scale": 1}
         engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
         inst = distgrad.instrument(engine, cfg)
 
         def train(step):
             for m in range(GAS):
-                engine.backward(engine(batch(step, m, rank)))
+                z = batch(step, m, rank)
+                engine.backward(engine(z.half() if fp16 else z))
                 engine.step()
+    steps = FP16_STEPS if key.endswith("-fp16") else STEPS
     recs = []
     inst.add_hook(recs.append)
     counter = BoundaryCounter(inst)
-    for step in range(STEPS):
+    for step in range(steps):
         if step < 3:  # the collectives and host syncs of the boundary (noise-scale on)
             counter.around(lambda: train(step))
         else:
@@ -125,8 +133,9 @@ def run_noise(key: str, rank: int, world: int) -> dict:
     counter.restore()
     inst.close()
     out = {"records": [None if r.noise_scale is None else r.noise_scale.to_dict() for r in recs],
-           "steps": [r.step for r in recs], "reference": [reference(s, world) for s in range(STEPS)],
-           "internal_errors": inst.counters["internal_errors"], "counts": counter.counts}
+           "steps": [r.step for r in recs], "reference": [reference(s, world, key.endswith("-fp16")) for s in range(steps)],
+           "internal_errors": inst.counters["internal_errors"], "counts": counter.counts,
+           "loss_scale": [r.loss_scale for r in recs]}
     return out
 
 
@@ -198,9 +207,13 @@ def main() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see launch/train.py skip_cpu_shm_op
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    from deepspeed.accelerator import get_accelerator
+
+    # fp16 on CPU: DeepSpeed refuses it by default; the CPU kernels work (as tests/dist/ds_cases.py)
+    type(get_accelerator()).is_fp16_supported = lambda self: True
     stats.stats_table([torch.ones(3)], torch.device("cpu"))  # one-time kernel set-up
     results = {}
-    for key in ("ddp", "z2", "z3", "fsdp1", "fsdp2", "curv-z2", "curv-z3", "curv-fsdp2"):
+    for key in ("ddp", "z2", "z3", "fsdp1", "fsdp2", "z0-fp16", "z2-fp16", "z3-fp16", "curv-z2", "curv-z3", "curv-fsdp2"):
         t = time.time()
         try:
             results[key] = (run_curvature if key.startswith("curv-") else run_noise)(key, rank, world)
