@@ -149,6 +149,7 @@ class Instrument(InstrumentSurface):
         #: the packed signals (distgrad.signals) riding in the step's two collectives; decided
         #: here from the configuration (same on every rank); raises a configuration error
         self.signals = build_signals(self)
+        self.replay: Any = None  # culprit module: distgrad.replay.ForwardReplay, set by attach_replay
 
     def _device_type(self) -> str:
         try:
@@ -185,7 +186,10 @@ class Instrument(InstrumentSurface):
         sampled = self.is_sampled(step)
         if not sampled:
             self.watch(step)  # device-side non-finite flag, folded into the next sampled step
-        return StepToken(int(step), sampled, self.collect(step, refuse) if sampled else None)
+        host = self.collect(step, refuse) if sampled else None
+        if self.replay is not None:  # the culprit module of a non-finite step (distgrad.replay)
+            self.replay.boundary(step, host, sampled)
+        return StepToken(int(step), sampled, host)
 
     def decide_action(self, token: StepToken, grad_scale: float = 1.0) -> Decision | None:
         """Boundary API, right after :meth:`begin_step` on every rank, before the optimizer
@@ -392,6 +396,8 @@ class Instrument(InstrumentSurface):
             return None
         rec = self._build(step, micro_step, red, grad_scale, loss_scale, overflow, step_applied,
                           local_nonfinite if collectives else None)
+        if self.replay is not None and self.replay.result is not None and self.replay.result.step == step:
+            rec.culprit_module = self.replay.result
         rec.ranks, rec.loss_components, rec.token_loss = self.loss.unpack(loss_sum, loss_max)
         if self.signals:
             self.signals.finish(self, rec, sig_sum, sig_max, grad_scale)

@@ -356,7 +356,8 @@ class NonfiniteEvent(_Part):
         step: first step of the streak; rows: its per-rank counts of the reduced gradient's
         shards (at most 20, the shard view); provenance: its :class:`Provenance`;
         culprits: the ranks whose own contribution was non-finite before the reduction on
-        that step (:class:`Culprit`, the culprit view).
+        that step (:class:`Culprit`, the culprit view); culprit_module: its forward replay
+        (:class:`~distgrad.record_culprit.CulpritModule`), None when not replayed.
     """
 
     _nested = {"rows": RankCount, "provenance": Provenance, "culprits": Culprit}
@@ -364,6 +365,7 @@ class NonfiniteEvent(_Part):
     rows: list[RankCount] = field(default_factory=list)
     provenance: Provenance | None = None
     culprits: list[Culprit] = field(default_factory=list)
+    culprit_module: "CulpritModule | None" = None
 
 
 #: record field -> part class of its value (a list of parts when the value is a list)
@@ -437,6 +439,9 @@ class StepRecord:
         action: :class:`~distgrad.record_action.ActionPart` with an opt-in action configured, else None.
         curvature: :class:`~distgrad.record_gns.Curvature`, None unless ``curvature.enabled``
             (and on steps without an estimate).
+        culprit_module: the first step of a non-finite streak replayed: the module whose forward
+            output first went NaN/Inf on the culprit rank, or why none is named
+            (:class:`~distgrad.record_culprit.CulpritModule`, :mod:`distgrad.replay`).
     """
 
     step: int
@@ -477,6 +482,7 @@ class StepRecord:
     noise_scale: NoiseScale | None = None
     action: ActionPart | None = None
     curvature: Curvature | None = None
+    culprit_module: "CulpritModule | None" = None
 
     @property
     def nonfinite(self) -> bool:
@@ -532,3 +538,7 @@ _PARTS.update(noise_scale=NoiseScale, curvature=Curvature)
 from distgrad.record_action import ActionPart  # noqa: E402
 
 _PARTS.update(action=ActionPart)
+from distgrad.record_culprit import CulpritModule  # noqa: E402
+
+_PARTS.update(culprit_module=CulpritModule)
+NonfiniteEvent._nested = {**NonfiniteEvent._nested, "culprit_module": CulpritModule}

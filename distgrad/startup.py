@@ -85,7 +85,7 @@ def agree(inst: Any, err: BaseException | None = None) -> None:
                 f"statistics.replica_check={c.statistics.replica_check}, update_ratio={c.statistics.update_ratio}, "
                 f"async_records={c.statistics.async_records}, loss.sources={c.loss.sources}, packed signals="
                 f"{[s.name for s in inst.signals.signals]}, action.on_nonfinite={c.action.on_nonfinite}, "
-                f"action.on_spike={c.action.on_spike}): every rank must call "
+                f"action.on_spike={c.action.on_spike}, tracer.replays={c.tracer.replays}): every rank must call "
                 "distgrad.instrument() with the same config (enabled: false on every rank or none), or "
                 "the job would deadlock at the first sampled step")
     if err is not None:
@@ -103,7 +103,7 @@ def collective_settings_hash(inst: Any) -> int:
     sig = getattr(inst, "signals", None)  # the packed signals and their sizes (distgrad.signals)
     signals = tuple((s.name, s.sum_size, s.max_size) for s in sig.signals) if sig is not None else ()
     key = repr((c.enabled, c.sampling.interval, st.replica_check, st.update_ratio, inst.async_records,
-                tuple(c.loss.sources), signals, c.action.on_nonfinite, c.action.on_spike)).encode()
+                tuple(c.loss.sources), signals, c.action.on_nonfinite, c.action.on_spike, c.tracer.replays)).encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:6], "big")
 
 

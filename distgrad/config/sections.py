@@ -339,9 +339,17 @@ class CurvatureConfig(Section):
 
 
 class TracerConfig(Section):
-    """Forward-pass tracing after a non-finite step."""
+    """Forward-pass tracing of a non-finite step: the replay that names the culprit module, and
+    tracing after the event."""
 
     section_key: ClassVar[str] = "tracer"
+    replays: int = Field(4, ge=0, description=(
+        "On the first sampled step of a non-finite streak, replay the step's micro-batches' forward "
+        "under the overflow tracer at the boundary (before the update; RNG, buffers and optimizer "
+        "untouched) and name the first module whose output went NaN/Inf on the culprit rank "
+        "(distgrad_nonfinite_culprit_module); at most this many replays per run; 0 disables it (and "
+        "the forward pre-hook that keeps references to the step's inputs). The same on every rank: "
+        "on sharded engines the replay's forward makes collectives."))
     micro_batches: int = Field(0, ge=0, description=(
         "After the first non-finite step, trace the forward pass of this many micro-batches per "
         "module (abs-min/abs-max of inputs, outputs and weights); 0 disables."))

@@ -244,7 +244,8 @@ class ProvenanceDiagnostic(Diagnostic):
             prov.first_layer = classify(prov.first_param, self.ctx.rules).layer
         rec.provenance = prov
         if self._event is None:  # first step of a streak: this is the event (logged once)
-            self._event = NonfiniteEvent(rec.step, list(rows[:_LIST_CAP]), prov, list(rec.culprits[:_LIST_CAP]))
+            self._event = NonfiniteEvent(rec.step, list(rows[:_LIST_CAP]), prov, list(rec.culprits[:_LIST_CAP]),
+                                         rec.culprit_module)
             if self.ctx.global_rank == 0 and not rec.overflow:  # fp16 overflows are routine: counted, not logged
                 n = len(prov.params)
                 who = ", ".join(f"{c.rank} ({'+'.join(k for k in ('loss', 'grad') if getattr(c, k))})"
