@@ -378,6 +378,10 @@ class FlightRecorder:
                 f"loss {_fmt(first_nf.loss)}, loss_scale {_fmt(first_nf.loss_scale)}, "
                 f"overflow {_fmt(first_nf.overflow)})"
             )
+            ev = first_nf.nonfinite_event
+            cm = first_nf.culprit_module or (ev.culprit_module if ev is not None else None)
+            if cm is not None:
+                w(f"forward replay of step {cm.step}: {cm.describe()}")
         prov = doc.get("provenance")
         if prov and prov.get("params"):
             rows = prov["params"]

@@ -396,8 +396,8 @@ class Instrument(InstrumentSurface):
             return None
         rec = self._build(step, micro_step, red, grad_scale, loss_scale, overflow, step_applied,
                           local_nonfinite if collectives else None)
-        if self.replay is not None and self.replay.result is not None and self.replay.result.step == step:
-            rec.culprit_module = self.replay.result
+        if self.replay is not None:
+            self.replay.attach(rec)
         rec.ranks, rec.loss_components, rec.token_loss = self.loss.unpack(loss_sum, loss_max)
         if self.signals:
             self.signals.finish(self, rec, sig_sum, sig_max, grad_scale)

@@ -61,6 +61,11 @@ LABELS: dict[str, Label] = {lab.name: lab for lab in (
     Label("rank", "rank in [0, world size)"),
     Label("source", "what of a culprit rank's own contribution was non-finite before the reduction: its "
                     "observed `loss`, or a `grad`ient its backward produced", ("loss", "grad")),
+    Label("module", "dotted name of a module in the user's model (wrapper prefixes removed; `<root>` for the "
+                    "root module); one series at most"),
+    Label("outcome", "what the forward replay of a non-finite step came to (`distgrad.record_culprit.OUTCOMES`)",
+          ("found", "finite", "weights_nonfinite", "no_input", "not_kept", "failed", "off", "budget",
+           "async_records", "model_parallel", "uneven_micro_batches")),
     Label("sink", "sink name (`flight_recorder`: its reports)", ("prometheus", "jsonl", "tensorboard",
                                                                   "flight_recorder")),
     Label("reason", "why a rank could not vouch for its gradients: `closure` (read before the step's "
@@ -343,6 +348,23 @@ CATALOGUE: tuple[Metric, ...] = (
            "engine: tensor hooks, `statistics.culprit_grad_check`, see docs/engines.md); no series when no rank's own "
            "contribution was non-finite (e.g. a NaN made by the reduction or the optimizer). At most 8 series "
            "(the lowest ranks; more culprits than that is a problem of every rank, not of one)"),
+    _g("distgrad_nonfinite_culprit_module", "1",
+       "First step of the last non-finite streak: 1 for the module whose forward output first went NaN/Inf "
+       "when the offending micro-batch was replayed on the culprit rank.", "nonfinite", ("rank", "module"),
+       max_series=1,
+       doc="the *culprit module*: at the boundary of the first non-finite step of a streak, before the update, "
+           "the step's micro-batches are replayed through the forward under the overflow tracer on the culprit "
+           "rank (RNG streams, buffers and optimizer untouched; `tracer.replays`); `module` is the first module "
+           "(children before parents) whose output held NaN/Inf, `rank` the rank whose batch it was. No series "
+           "when no module can be vouched for: `distgrad_nonfinite_replay_outcome` says why"),
+    _g("distgrad_nonfinite_replay_outcome", "1",
+       "First step of the last non-finite streak: 1 for the outcome of its forward replay (found, or why no "
+       "culprit module is named).", "nonfinite", ("outcome",), max_series=1,
+       doc="`found` when `distgrad_nonfinite_culprit_module` names the module; otherwise why not: `finite` (the "
+           "replayed forward stayed finite: the NaN came from the backward pass, the reduction or the optimizer), "
+           "`weights_nonfinite`, `no_input` (no input kept, or modified in place after its forward), `not_kept`, "
+           "`failed`, `off`, `budget`, `async_records`, `model_parallel`, `uneven_micro_batches` "
+           "(docs/runbook.md)"),
     _g("distgrad_nonfinite_origin_step", "steps",
        "Optimizer step where the last non-finite streak started, labelled with its probable origin "
        "(the non-finite parameter last in forward order).", "nonfinite", ("param", "layer"), max_series=1),

@@ -172,6 +172,7 @@ class ForwardReplay:
         self._kept: list[_Kept] = []
         self._dropped = 0
         self._in_streak = False
+        self._async = False
         self._replaying = False
         self.replays = 0  #: replays made so far
         #: the last step's result (attached to its record), or None
@@ -232,8 +233,7 @@ class ForwardReplay:
         if host is None:
             return
         if not isinstance(host, np.ndarray):  # asynchronous records: reduced values come a step late
-            if self.budget > 0 and not self._in_streak:
-                self.result = CulpritModule(step, "async_records")
+            self._async = True  # (the record says so: attach)
             return
         culprits = nonfinite_verdict(host, inst.layout.n_params, inst.world_size,
                                      bool(inst.source.has_loss_scaler()))
@@ -262,6 +262,18 @@ class ForwardReplay:
             self.result = CulpritModule(step, outcome, rank)
         if inst.global_rank == 0:
             log.warning("distgrad: step %d: forward replay of the non-finite step: %s", step, self.result.describe())
+
+    def attach(self, rec: Any) -> None:
+        """Put the result of ``rec``'s step into ``rec.culprit_module`` (when that step was
+        replayed, or could not be). With asynchronous records the reduced values arrive after
+        the update: the first non-finite record of a streak then says ``async_records``."""
+        if self.result is not None and self.result.step == rec.step:
+            rec.culprit_module = self.result
+        elif self._async:
+            first = rec.nonfinite and not rec.overflow and not self._in_streak
+            self._in_streak = bool(rec.nonfinite)
+            if first:
+                rec.culprit_module = CulpritModule(rec.step, "async_records" if self.budget > 0 else "off")
 
     # ------------------------------------------------------------------------------- collectives
     def _ready(self) -> bool:

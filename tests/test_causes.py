@@ -317,3 +317,62 @@ def test_learning_rate_blow_up_pages_within_a_few_steps_early_in_a_run(causes):
     first = min(r["step"] for r in c["records"] if "robust" in r["fired"].get("grad_norm", []))
     assert 20 <= first <= 25
     assert not any(r["fired"] for r in c["records"] if r["step"] < 20)
+
+
+# ---------------------------------------------------------------------------- culprit module
+@pytest.mark.multirank
+def test_nan_from_one_ranks_batch_names_the_module(causes):
+    """The same zero-padded sample (0/0 in ``feat_norm``, rank 1, step 4): the forward replay at
+    the step's boundary names ``feat_norm`` on rank 1, micro-batch 0, on that step only (the
+    first step of the streak), in the record of every rank and in the served metrics; it costs
+    one all-gather on that step and nothing on the others."""
+    for r in range(3):
+        c = causes["nan"]["ranks"][r]
+        mods = [rec["culprit_module"] for rec in c["records"]]
+        assert mods == [None] * 4 + [{"step": 4, "outcome": "found", "rank": 1, "module": "feat_norm",
+                                      "micro_batch": 0}] + [None] * 2
+        assert [x["collectives"] for x in c["replay_counts"]] == [0, 0, 0, 0, 1, 0, 0]
+    served = causes["nan"]["ranks"][0]["served"].splitlines()
+    assert [ln for ln in served if ln.startswith("distgrad_nonfinite_culprit_module")] == [
+        'distgrad_nonfinite_culprit_module{module="feat_norm",rank="1"} 1.0']
+    assert [ln for ln in served if ln.startswith("distgrad_nonfinite_replay_outcome")] == [
+        'distgrad_nonfinite_replay_outcome{outcome="found"} 1.0']
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+@pytest.mark.multirank
+def test_log_of_underflowed_softmax_on_one_rank_names_router_module(causes, engine):
+    """``log(softmax(.))`` in ``layers.1.router`` underflows to log(0) = -inf for one sample of
+    rank 1's second micro-batch at step 3 (a 1e4 unit mix-up in the data), under DDP (no_sync
+    accumulation) and FSDP2 (fully_shard, whose replayed forward makes all-gathers on every
+    rank). Reference: the driver's own forward hooks saw ``layers.1.router`` as the first module
+    with a non-finite output in that training forward, on rank 1 only. distgrad names exactly
+    that step, rank, module and micro-batch on every rank; the RNG state, the BatchNorm buffers
+    and the Adam state an optimizer pre-hook sees after distgrad's boundary equal those seen
+    before it on every step (the replay touched none of them); the healthy steps and the later
+    steps of the streak replay nothing."""
+    want = {"step": 3, "outcome": "found", "rank": 1, "module": "layers.1.router", "micro_batch": 1}
+    for r in range(3):
+        c = causes[f"module-{engine}"]["ranks"][r]
+        assert "error" not in c, c.get("traceback")
+        recs = c["records"]
+        ref = [rec["reference"] for rec in recs[:4]]
+        assert ref == [[None, None]] * 3 + ([[None, "layers.1.router"]] if r == 1 else [[None, None]])
+        assert [rec["nonfinite"] for rec in recs] == [False] * 3 + [True] * 3
+        assert recs[3]["culprits"] == [1]
+        assert [rec["culprit_module"] for rec in recs] == [None] * 3 + [want] + [None] * 2
+        assert [rec["replays"] for rec in recs] == [0, 0, 0, 1, 1, 1]
+        assert all(rec["untouched"] for rec in recs)
+        n = [rec["replay_counts"]["collectives"] for rec in recs]
+        assert n[:3] == [0, 0, 0] and n[4:] == [0, 0]
+        if engine == "ddp":
+            assert n[3] == 1  # the result all-gather; the inner module's forward makes none
+        else:
+            assert n[3] > 2  # + the micro-batch count all-reduce + the forwards' all-gathers
+
+
+@pytest.mark.multirank
+def test_healthy_run_replays_nothing(causes):
+    """300 healthy steps: no replay, no culprit module anywhere."""
+    c = _rank0(causes, "spike-healthy")
+    assert c["replays"] == 0

@@ -99,7 +99,7 @@ class DistgradCollector(Collector):
                  has_samples: bool = True) -> None:
         self._lock = threading.Lock()
         self._record: StepRecord | None = None
-        self._last_nonfinite: tuple[list[dict], dict, list[dict]] = ([], {}, [])
+        self._last_nonfinite: tuple[list[dict], dict, list[dict], dict | None] = ([], {}, [], None)
         self._step_time: float | None = None
         self.has_loss_scaler, self.has_samples = has_loss_scaler, has_samples
         self._counters: dict[str, int] = {k: 0 for k in COUNTERS
@@ -140,7 +140,8 @@ class DistgradCollector(Collector):
                 if event:  # the first step of the last non-finite streak, kept after it ends
                     self._last_nonfinite = ([r.to_dict() for r in event.rows],
                                             event.provenance.to_dict() if event.provenance else {},
-                                            [c.to_dict() for c in event.culprits])
+                                            [c.to_dict() for c in event.culprits],
+                                            event.culprit_module.to_dict() if event.culprit_module else None)
                 self.body_version += 1
             new = {k: int(v) for k, v in counters.items() if k in self._counters}
             if any(self._counters[k] != v for k, v in new.items()):
@@ -200,7 +201,7 @@ class DistgradCollector(Collector):
         """``(body_version, families)`` of the latest record (none before the first sample)."""
         with self._lock:
             version, rec = self.body_version, self._record
-            nonfinite_rows, provenance, culprits = self._last_nonfinite
+            nonfinite_rows, provenance, culprits, module = self._last_nonfinite
         if rec is None:
             return version, []
         out = list(_record_metrics(rec))
@@ -209,6 +210,14 @@ class DistgradCollector(Collector):
             rows = [(str(c["rank"]), k) for c in culprits for k in ("loss", "grad") if c.get(k)]
             for rank, source in rows[:metrics.by_name("distgrad_nonfinite_culprit").max_series]:
                 fam.add_metric([rank, source], 1.0)
+            out.append(fam)
+        if module:  # the forward replay of the last non-finite event's first step (distgrad.replay)
+            if module["outcome"] == "found":
+                fam = metrics.family("distgrad_nonfinite_culprit_module")
+                fam.add_metric([str(module["rank"]), str(module["module"])], 1.0)
+                out.append(fam)
+            fam = metrics.family("distgrad_nonfinite_replay_outcome")
+            fam.add_metric([str(module["outcome"])], 1.0)
             out.append(fam)
         if nonfinite_rows:  # the last non-finite event stays visible after healthy steps
             fam = metrics.family("distgrad_nonfinite_params")

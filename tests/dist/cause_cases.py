@@ -16,6 +16,8 @@ Cases (each returns JSON-able records of rank 0 and per-rank facts):
         step 150; a 30x learning-rate blow-up at step 20 (see :func:`spike_case`).
   flip: DDP with a comm hook that, after the all-reduce, flips the sign of one element of
         the reduced gradient on rank 2 at step 3 and one low mantissa bit on rank 0 at step 5.
+  module-ddp / module-fsdp2: ``log(softmax(.))`` in ``layers.1.router`` goes -inf for one
+        sample of rank 1's second micro-batch at step 3 (see :func:`module_case`).
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ def batch(step: int, rank: int, micro: int = 0, size: int = BATCH) -> tuple[torc
 
 def _slim(rec) -> dict:
     return {"step": rec.step, "grad_norm": rec.grad_norm, "loss": rec.loss, "counters": dict(rec.counters),
+            "culprit_module": rec.culprit_module.to_dict() if rec.culprit_module else None,
             "nonfinite": rec.nonfinite, "nonfinite_ranks": rec.nonfinite_ranks, "culprits": [c.to_dict() for c in rec.culprits],
             "replica_mismatch_ranks": rec.replica_mismatch_ranks, "step_applied": rec.step_applied}
 
@@ -116,34 +119,43 @@ class Counting:
     ``collect`` / ``finish`` (the sampled step's work) and host syncs during backward."""
 
     def __init__(self, inst) -> None:
-        self.state = {"in": False, "collectives": 0, "syncs": 0}
+        self.state = {"in": None, "collectives": 0, "syncs": 0}
+        #: the same counts for the culprit-module replay (``inst.replay.boundary``), separately
+        self.replay = {"collectives": 0, "syncs": 0}
         self.originals = {fn: getattr(dist, fn) for fn in COLLECTIVES if hasattr(dist, fn)}
         for name in ("collect", "finish"):
-            setattr(inst, name, self._window(getattr(inst, name)))
+            setattr(inst, name, self._window(getattr(inst, name), self.state))
+        if inst.replay is not None:
+            inst.replay.boundary = self._window(inst.replay.boundary, self.replay)
         for fn in self.originals:
             setattr(dist, fn, self._counting(fn))
 
     def _counting(self, fn):
         def call(*a, **kw):
-            if self.state["in"]:
-                self.state["collectives"] += 1
+            if self.state["in"] is not None:
+                self.state["in"]["collectives"] += 1
             return self.originals[fn](*a, **kw)
         return call
 
-    def _window(self, method):
+    def _window(self, method, into):
         def call(*a, **kw):
-            self.state["in"] = True
+            self.state["in"] = into
             with HostSyncs() as m:
                 try:
                     return method(*a, **kw)
                 finally:
-                    self.state["in"] = False
-                    self.state["syncs"] += m.n
+                    self.state["in"] = None
+                    into["syncs"] += m.n
         return call
 
     def take(self) -> dict:
         out = {k: self.state[k] for k in ("collectives", "syncs")}
         self.state["collectives"] = self.state["syncs"] = 0
+        return out
+
+    def take_replay(self) -> dict:
+        out = dict(self.replay)
+        self.replay.update(collectives=0, syncs=0)
         return out
 
     def restore(self) -> None:
@@ -155,7 +167,7 @@ def nan_case(rank: int, world: int) -> dict:
     model, opt = _ddp()
     inst = distgrad.instrument(model, optimizer=opt, port=0, host="127.0.0.1")
     count = Counting(inst)
-    recs, local_loss, counts, backward_syncs = [], [], [], []
+    recs, local_loss, counts, backward_syncs, replay_counts = [], [], [], [], []
     try:
         for step in range(7):
             x, y = batch(step, rank)
@@ -170,6 +182,7 @@ def nan_case(rank: int, world: int) -> dict:
             count.take()
             opt.step()
             counts.append(count.take())
+            replay_counts.append(count.take_replay())
             opt.zero_grad()
             recs.append(_slim(inst.last_record))
     finally:
@@ -179,10 +192,11 @@ def nan_case(rank: int, world: int) -> dict:
         from prometheus_client import generate_latest
 
         served = "\n".join(ln for ln in generate_latest(inst.prometheus.registry).decode().splitlines()
-                           if ln.startswith(("distgrad_nonfinite_culprit", "distgrad_nonfinite_params")))
+                           if ln.startswith(("distgrad_nonfinite_culprit", "distgrad_nonfinite_params",
+                                             "distgrad_nonfinite_replay")))
     inst.close()
     return {"records": recs, "local_loss": local_loss, "counts": counts, "backward_syncs": backward_syncs,
-            "served": served}
+            "served": served, "replay_counts": replay_counts}
 
 
 def flip_case(rank: int, world: int) -> dict:
@@ -442,8 +456,147 @@ def spike_case(mode: str, rank: int, world: int) -> dict:
         out.append({"step": rec.step, "loss": rec.loss, "grad_norm": rec.grad_norm, "fired": rec.spikes.fired,
                     "loss_max_rank": rec.ranks.loss_max_rank if rec.ranks is not None else None})
     totals = {s: dict(m.spikes) for s, m in inst.diagnostics.monitors.items()}
+    replays = inst.replay.replays
     inst.close()
-    return {"records": out, "totals": totals}
+    return {"records": out, "totals": totals, "replays": replays}
+
+
+class Router(nn.Module):
+    """Routing log-probabilities written as ``log(softmax(.))`` instead of ``log_softmax``: a
+    sample whose logits are far apart gets exact-0 probabilities, and log(0) = -inf."""
+
+    def __init__(self, d: int, experts: int = 4) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, experts)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.log(torch.softmax(self.proj(h), -1))
+
+
+class RoutedBlock(nn.Module):
+    def __init__(self, d: int, experts: int = 4) -> None:
+        super().__init__()
+        self.router = Router(d, experts)
+        self.mix = nn.Linear(experts, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mix(self.router(h))
+
+
+class ModuleCaseModel(nn.Module):
+    """inp -> dropout -> MLP block -> routed block (``layers.1.router``) -> BatchNorm -> head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D_IN, D)
+        self.drop = nn.Dropout(0.2)
+        self.layers = nn.ModuleList([Block(D), RoutedBlock(D)])
+        self.bn = nn.BatchNorm1d(D)
+        self.head = nn.Linear(D, CLASSES)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.inp(x))
+        for b in self.layers:
+            h = b(h)
+        return F.cross_entropy(self.head(self.bn(h)), y)
+
+
+#: the module case: optimizer steps, micro-batches per step, and the (step, rank, micro-batch)
+#: whose first sample is scaled by 1e4 (a unit mix-up in the data): the router's logits then lie
+#: ~1e3 apart, softmax underflows to exact zeros and log(0) = -inf
+MOD_STEPS, MOD_GAS, MOD_BAD = 6, 2, (3, 1, 1)
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """What the replay must leave alone: the CPU RNG state, the module buffers (BatchNorm running
+    statistics) and the optimizer state (cloned, DTensors as their local shards)."""
+    state = [(k, _local(v).detach().clone()) for st in opt.state.values() for k, v in sorted(st.items())
+             if isinstance(v, torch.Tensor)]
+    return {"rng": torch.get_rng_state().clone(), "buffers": [b.detach().clone() for b in model.buffers()],
+            "opt": state}
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return bool(torch.equal(a, b))
+
+
+def _same_snapshot(x: dict, y: dict) -> bool:
+    return (_same(x["rng"], y["rng"]) and len(x["buffers"]) == len(y["buffers"])
+            and all(_same(a, b) for a, b in zip(x["buffers"], y["buffers"]))
+            and [k for k, _ in x["opt"]] == [k for k, _ in y["opt"]]
+            and all(_same(a, b) for (_, a), (_, b) in zip(x["opt"], y["opt"])))
+
+
+def module_case(engine: str, rank: int, world: int) -> dict:
+    """A NaN made in the forward pass of ``layers.1.router`` by one micro-batch of one rank
+    (:data:`MOD_BAD`), under ``engine`` ("ddp": DDP with ``no_sync`` accumulation; "fsdp2":
+    ``fully_shard`` per block and at the root), Adam, 2 micro-batches per step. Records per step:
+    the record's culprit module, the replays made, the replay's collectives, whether the RNG
+    state / buffers / optimizer state seen by an optimizer step pre-hook registered before
+    ``instrument()`` equal those seen by one registered after it (distgrad's pre-hook, where the
+    replay runs, sits between them), and, as the reference, the first module whose output went
+    non-finite in the training forward itself (plain forward hooks of the driver's own)."""
+    import contextlib
+
+    torch.manual_seed(0)
+    user = ModuleCaseModel()
+    names = {m: n for n, m in user.named_modules() if n}
+    first_bad: dict = {}
+    cur = {"key": None}
+
+    def hook(m, args, out):
+        if torch.is_grad_enabled() and cur["key"] not in first_bad and not bool(torch.isfinite(out).all()):
+            first_bad[cur["key"]] = names[m]
+    for m in names:
+        m.register_forward_hook(hook)
+    if engine == "ddp":
+        model = DDP(user)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for b in user.layers:
+            fully_shard(b)
+        model = fully_shard(user)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    snaps: dict = {}
+    opt.register_step_pre_hook(lambda o, a, k: snaps.__setitem__("before", _snapshot(user, o)))
+    inst = distgrad.instrument(model, optimizer=opt, prometheus=False)
+    opt.register_step_pre_hook(lambda o, a, k: snaps.__setitem__("after", _snapshot(user, o)))
+    count = Counting(inst)
+    out = []
+    try:
+        for step in range(MOD_STEPS):
+            for micro in range(MOD_GAS):
+                x, y = batch(step, rank, micro)
+                if (step, rank, micro) == MOD_BAD:
+                    x[0] *= 1e4
+                cur["key"] = (step, micro)
+                sync = model.no_sync() if engine == "ddp" and micro < MOD_GAS - 1 else contextlib.nullcontext()
+                with sync:
+                    loss = model(x, y)
+                    (loss / MOD_GAS).backward()
+            count.take()
+            opt.step()
+            opt.zero_grad()
+            rec = inst.last_record
+            out.append({"step": rec.step, "nonfinite": rec.nonfinite,
+                        "culprits": [c.rank for c in rec.culprits],
+                        "culprit_module": rec.culprit_module.to_dict() if rec.culprit_module else None,
+                        "replays": inst.replay.replays, "replay_counts": count.take_replay(),
+                        "untouched": _same_snapshot(snaps["before"], snaps["after"]),
+                        "reference": [first_bad.get((step, m)) for m in range(MOD_GAS)]})
+    finally:
+        count.restore()
+    inst.close()
+    return {"records": out}
 
 
 def main() -> None:
@@ -459,6 +612,7 @@ def main() -> None:
     jobs = [("nan", nan_case), ("flip", flip_case), ("detached", detached_case)]
     jobs += [(f"spike-{m}", functools.partial(spike_case, m)) for m in ("healthy", "garbage", "lr")]
     jobs += [(f"engine-{k}", functools.partial(engine_case, k)) for k in ENGINE_KINDS]
+    jobs += [(f"module-{e}", functools.partial(module_case, e)) for e in ("ddp", "fsdp2")]
     want = None if args.cases == "all" else set(args.cases.split(","))
     results, t0 = {}, time.time()
     for key, fn in jobs:
