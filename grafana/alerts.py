@@ -92,6 +92,18 @@ def _nonfinite_rule() -> dict[str, Any]:
         "rank",
         "none seen (no rank had a non-finite loss or gradient of its own before the reduction)",
     )
+    # the forward replay of the event's first step (distgrad.replay): the module, else why none
+    module = tlist(
+        "distgrad_nonfinite_culprit_module{job=%q,instance=%q}",
+        "{{ $s.Labels.module }} (rank {{ $s.Labels.rank }})",
+        "module",
+        tlist(
+            "distgrad_nonfinite_replay_outcome{job=%q,instance=%q}",
+            "unknown ({{ $s.Labels.outcome }})",
+            "outcome",
+            "unknown (not replayed)",
+        ),
+    )
     return _rule(
         "DistgradNonFiniteGradients",
         expr,
@@ -99,6 +111,7 @@ def _nonfinite_rule() -> dict[str, Any]:
         f"{WHO} had sampled optimizer steps with NaN/Inf gradients in the last {w}{note}. "
         f"Last sampled step: {tvalue('distgrad_optimizer_step')}. "
         f"Culprit rank(s), whose own loss or gradient was non-finite before the reduction: {culprits}. "
+        f"Culprit module, whose forward output first went NaN/Inf when the step was replayed: {module}. "
         f"Non-finite parameters (by rank shard of the reduced gradient): {params}.",
     )
 

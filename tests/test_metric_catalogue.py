@@ -21,6 +21,7 @@ from distgrad.record_gns import Curvature, NoiseScale
 from distgrad.record_action import ActionPart
 from distgrad.record import Culprit, LossComponents, ParamStats, RankCount, ScalerState, StepRecord, TokenLossStats
 from distgrad.record_histogram import GradHistogram
+from distgrad.record_culprit import CulpritModule
 from distgrad.token_loss import EDGES
 from distgrad.sinks.prometheus import PrometheusSink
 
@@ -65,6 +66,8 @@ def _sink(features: set[str]) -> PrometheusSink:
     if bad:
         parts["nonfinite_params"] = [RankCount(param=NAMES[1], rank=1, nan=1, inf=0, count=1)]
         parts["culprits"] = [Culprit(rank=1, loss=True, grad=True)]  # rank 1 made it
+        # its forward replay named the module
+        parts["culprit_module"] = CulpritModule(step=3, outcome="found", rank=1, module="blocks.1.mlp.fc", micro_batch=0)
     rec = StepRecord(3, 3, 1.0, 2, p, float(np.sqrt(p.sumsq.sum())), loss=2.0 if "loss" in f else None,
                      loss_scale=1024.0 if "loss_scaler" in f else None,
                      overflow=False if "loss_scaler" in f else None,

@@ -34,6 +34,10 @@ def build() -> Dashboard:
         table("Culprit ranks (last non-finite step)", "Ranks whose own loss or gradient was NaN/Inf before the "
               "reduction (source loss / grad): where the NaN came from; the shard table shows where it landed.",
               f"distgrad_nonfinite_culprit{{{S}}}", 12, 8),
+        table("Culprit module (last non-finite step)", "The first module whose forward output went NaN/Inf when the "
+              "step's micro-batches were replayed on the culprit rank (module, rank), or why none is named (outcome: "
+              "finite = the NaN came from the backward pass; see the runbook).",
+              f"distgrad_nonfinite_culprit_module{{{S}}} or distgrad_nonfinite_replay_outcome{{{S}}}", 12, 8),
         ts("Zero-gradient ratio per layer", "",
            queries((f"distgrad_layer_grad_zero_ratio{{{L}}}", "{{layer}}")), 12, 8, min_=0, max_=1),
         ts("Abs-max headroom per layer", "Largest |gradient| over the largest finite value of the training dtype; 100% = overflow.",

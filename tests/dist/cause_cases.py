@@ -16,8 +16,8 @@ Cases (each returns JSON-able records of rank 0 and per-rank facts):
         step 150; a 30x learning-rate blow-up at step 20 (see :func:`spike_case`).
   flip: DDP with a comm hook that, after the all-reduce, flips the sign of one element of
         the reduced gradient on rank 2 at step 3 and one low mantissa bit on rank 0 at step 5.
-  module-ddp / module-fsdp2: ``log(softmax(.))`` in ``layers.1.router`` goes -inf for one
-        sample of rank 1's second micro-batch at step 3 (see :func:`module_case`).
+  module-ddp / module-fsdp2 / module-zero3: ``log(softmax(.))`` in ``layers.1.router`` goes
+        -inf for one sample of rank 1's second micro-batch at step 3 (see :func:`module_case`).
 """
 
 from __future__ import annotations
@@ -557,6 +557,8 @@ def module_case(engine: str, rank: int, world: int) -> dict:
             first_bad[cur["key"]] = names[m]
     for m in names:
         m.register_forward_hook(hook)
+    if engine == "zero3":
+        return _module_case_zero3(user, hook_state=(first_bad, cur), rank=rank)
     if engine == "ddp":
         model = DDP(user)
     else:
@@ -599,6 +601,50 @@ def module_case(engine: str, rank: int, world: int) -> dict:
     return {"records": out}
 
 
+def _module_case_zero3(user: nn.Module, hook_state: tuple, rank: int) -> dict:
+    """:func:`module_case` under DeepSpeed ZeRO-3 (parameters partitioned: the replayed forward
+    gathers them on every rank), AdamW, 2 micro-batches per step (DeepSpeed's own accumulation).
+    ``untouched``: the CPU RNG state and the BatchNorm buffers are the same before and after
+    ``engine.step()``, inside which the replay runs (DeepSpeed's optimizer touches neither)."""
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see launch/train.py skip_cpu_shm_op
+    first_bad, cur = hook_state
+    cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": MOD_GAS,
+           "zero_optimization": {"stage": 3}, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=user, model_parameters=user.parameters(), config=cfg)
+    inst = distgrad.instrument(engine, prometheus=False)
+    count = Counting(inst)
+    out = []
+    try:
+        for step in range(MOD_STEPS):
+            untouched = True
+            for micro in range(MOD_GAS):
+                x, y = batch(step, rank, micro)
+                if (step, rank, micro) == MOD_BAD:
+                    x[0] *= 1e4
+                cur["key"] = (step, micro)
+                engine.backward(engine(x, y))
+                before = (torch.get_rng_state().clone(), [b.detach().clone() for b in user.buffers()])
+                count.take()
+                engine.step()  # the boundary is inside, on the last micro-batch
+                after = (torch.get_rng_state(), list(user.buffers()))
+                untouched &= _same(before[0], after[0]) and all(_same(a, b) for a, b in zip(before[1], after[1]))
+            rec = inst.last_record
+            out.append({"step": rec.step, "nonfinite": rec.nonfinite,
+                        "culprits": [c.rank for c in rec.culprits],
+                        "culprit_module": rec.culprit_module.to_dict() if rec.culprit_module else None,
+                        "replays": inst.replay.replays, "replay_counts": count.take_replay(),
+                        "untouched": untouched, "step_applied": rec.step_applied,
+                        "reference": [first_bad.get((step, m)) for m in range(MOD_GAS)]})
+    finally:
+        count.restore()
+    inst.close()
+    return {"records": out}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -613,6 +659,7 @@ def main() -> None:
     jobs += [(f"spike-{m}", functools.partial(spike_case, m)) for m in ("healthy", "garbage", "lr")]
     jobs += [(f"engine-{k}", functools.partial(engine_case, k)) for k in ENGINE_KINDS]
     jobs += [(f"module-{e}", functools.partial(module_case, e)) for e in ("ddp", "fsdp2")]
+    jobs += [(f"module-{e}", functools.partial(module_case, e)) for e in ("ddp", "fsdp2", "zero3")]
     want = None if args.cases == "all" else set(args.cases.split(","))
     results, t0 = {}, time.time()
     for key, fn in jobs:
