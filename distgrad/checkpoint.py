@@ -46,7 +46,8 @@ def instrument_state(inst: "Instrument") -> dict[str, Any]:
         ``{"format": "distgrad-instrument", "version": 1, "n_params": P, "counters": {name: int},
         "consecutive_overflow_steps": int, "replica_mismatch_rank": int, "diagnostics":
         Diagnostics.state_dict() | None, "signals": {signal name: state}}`` (the packed
-        signals' states, :mod:`distgrad.signals`), JSON-serialisable (NaN as a float where a detector
+        signals' states, :mod:`distgrad.signals`), ``"replay"``: the culprit-module replays made
+        and whether a non-finite streak is open (:mod:`distgrad.replay`), JSON-serialisable (NaN as a float where a detector
         has no statistics yet).
     """
     d = inst.diagnostics
@@ -54,7 +55,8 @@ def instrument_state(inst: "Instrument") -> dict[str, Any]:
             "counters": dict(inst.counters), "consecutive_overflow_steps": inst._consecutive_overflow,
             "replica_mismatch_rank": inst._replica_mismatch_rank,
             "diagnostics": d.state_dict() if d is not None else None,
-            "signals": inst.signals.state_dict()}
+            "signals": inst.signals.state_dict(),
+            "replay": inst.replay.state_dict() if getattr(inst, "replay", None) is not None else None}
 
 
 def load_instrument_state(inst: "Instrument", state: dict[str, Any]) -> None:
@@ -79,6 +81,8 @@ def load_instrument_state(inst: "Instrument", state: dict[str, Any]) -> None:
     if inst.diagnostics is not None and state.get("diagnostics"):
         inst.diagnostics.load_state_dict(state["diagnostics"])
     inst.signals.load_state_dict(state.get("signals") or {})
+    if getattr(inst, "replay", None) is not None and state.get("replay"):
+        inst.replay.load_state_dict(state["replay"])
     inst.counters.update({k: int(v) for k, v in state.get("counters", {}).items() if k in inst.counters})
     inst._consecutive_overflow = int(state.get("consecutive_overflow_steps", 0))
     inst._replica_mismatch_rank = int(state.get("replica_mismatch_rank", -1))

@@ -187,6 +187,15 @@ class ForwardReplay:
             self._handle = None
         self._kept = []
 
+    def state_dict(self) -> dict[str, Any]:
+        """``{"replays": int, "in_streak": bool}`` for a checkpoint (the same on every rank)."""
+        return {"replays": self.replays, "in_streak": self._in_streak}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (the budget of this run's config applies)."""
+        self.replays = int(sd.get("replays", 0))
+        self._in_streak = bool(sd.get("in_streak", False))
+
     # ------------------------------------------------------------------------------- keeping
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self._replaying or not torch.is_grad_enabled():
@@ -253,7 +262,13 @@ class ForwardReplay:
             self.result = CulpritModule(step, "uneven_micro_batches")
             return
         ask = self.sharded or not culprits or inst.rank in culprits
-        row = self._replay(kept, dropped, step) if ask else (_NOT_ASKED, -1, -1)
+        row = (_NOT_ASKED, -1, -1)
+        if ask:
+            try:
+                row = self._replay(kept, dropped, step)
+            except Exception:  # noqa: BLE001 - the result all-gather below must still be made
+                inst.count_error("culprit-module replay")
+                row = (_FAILED, -1, -1)
         gathered = self._gather(row)
         outcome, rank, idx, mb = decide(gathered, culprits)
         if outcome == "found":

@@ -204,3 +204,19 @@ def test_decide_prefers_the_culprit_rank_and_vouches_for_nothing_with_bad_weight
     assert decide(rows, [1]) == ("weights_nonfinite", 2, None, None)
     assert decide(np.array([[0, -1, -1], [2, -1, -1], [3, -1, -1]], dtype=np.float64), [1])[0] == "failed"
     assert decide(np.array([[0, -1, -1], [2, -1, -1]], dtype=np.float64), [1])[0] == "finite"
+
+
+def test_budget_and_open_streak_survive_a_checkpoint():
+    """A run resumed from ``state_dict()`` in the middle of a non-finite streak does not replay
+    its next (still non-finite) step, and keeps counting against the same budget."""
+    recs, inst, model = _train(3, {(1, 0): "zero_row"}, tracer={"replays": 2})
+    state = json.loads(json.dumps(inst.state_dict()))
+    assert state["replay"] == {"replays": 1, "in_streak": True}
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    inst2 = distgrad.instrument(model, optimizer=opt, prometheus=False, tracer={"replays": 2})
+    inst2.load_state_dict(state)
+    model(_x(5)).backward()  # the weights are NaN since step 1: the streak goes on
+    opt.step()
+    assert inst2.last_record.nonfinite and inst2.last_record.culprit_module is None
+    assert inst2.replay.replays == 1
+    inst2.close()
