@@ -370,6 +370,7 @@ class ForwardReplay:
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
+            _reshard(self.root)
         ev = tracer.event
         self.report = tracer.render()
         self._write_report(step)
@@ -398,6 +399,20 @@ class ForwardReplay:
             path.write_text(self.report)
         except OSError as e:
             log.warning("distgrad: forward-replay report not written to flight_recorder.dir=%r: %s", d, e)
+
+
+def _reshard(root: nn.Module) -> None:
+    """Leave FSDP2 as a training step leaves it: every ``fully_shard`` module resharded. The
+    root's parameters stay unsharded after a forward (FSDP2 reshards the root in the backward
+    pass, which a replay has not); left so, the optimizer would update the sharded parameters
+    while the next forward used the stale unsharded ones."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return
+    for m in root.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 class _autocast:

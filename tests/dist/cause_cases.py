@@ -538,12 +538,27 @@ def _same_snapshot(x: dict, y: dict) -> bool:
 def module_case(engine: str, rank: int, world: int) -> dict:
     """A NaN made in the forward pass of ``layers.1.router`` by one micro-batch of one rank
     (:data:`MOD_BAD`), under ``engine`` ("ddp": DDP with ``no_sync`` accumulation; "fsdp2":
-    ``fully_shard`` per block and at the root), Adam, 2 micro-batches per step. Records per step:
-    the record's culprit module, the replays made, the replay's collectives, whether the RNG
-    state / buffers / optimizer state seen by an optimizer step pre-hook registered before
-    ``instrument()`` equal those seen by one registered after it (distgrad's pre-hook, where the
-    replay runs, sits between them), and, as the reference, the first module whose output went
-    non-finite in the training forward itself (plain forward hooks of the driver's own)."""
+    ``fully_shard`` per block and at the root; "zero3": DeepSpeed ZeRO-3), 2 micro-batches per
+    step, trained twice: with the culprit-module replay (the default) and with ``tracer.replays:
+    0``. Returns the first run's per-step facts (:func:`_module_run`) and ``same_training``:
+    every micro-batch loss (NaN equal to NaN) and every final parameter shard equal in both runs,
+    i.e. training after the replay is bit for bit the training without it."""
+    on = _module_run(engine, rank, 4)
+    off = _module_run(engine, rank, 0)
+    same = (len(on["losses"]) == len(off["losses"])
+            and all(a == b or (a != a and b != b) for a, b in zip(on["losses"], off["losses"]))
+            and len(on["params"]) == len(off["params"]) and all(_same(a, b) for a, b in zip(on["params"], off["params"])))
+    return {"records": on["records"], "same_training": same, "losses": on["losses"]}
+
+
+def _module_run(engine: str, rank: int, replays: int) -> dict:
+    """One training run of :func:`module_case`. Records per step: the record's culprit module,
+    the replays made, the replay's collectives, whether the RNG state / buffers / optimizer state
+    seen by an optimizer step pre-hook registered before ``instrument()`` equal those seen by one
+    registered after it (distgrad's pre-hook, where the replay runs, sits between them), and, as
+    the reference, the first module whose output went non-finite in the training forward itself
+    (plain forward hooks of the driver's own). A last pre-hook replaces the NaN gradients by 0
+    after distgrad has read them (the user's own guard), so training goes on finite."""
     import contextlib
 
     torch.manual_seed(0)
@@ -558,7 +573,7 @@ def module_case(engine: str, rank: int, world: int) -> dict:
     for m in names:
         m.register_forward_hook(hook)
     if engine == "zero3":
-        return _module_case_zero3(user, hook_state=(first_bad, cur), rank=rank)
+        return _module_case_zero3(user, hook_state=(first_bad, cur), rank=rank, replays=replays)
     if engine == "ddp":
         model = DDP(user)
     else:
@@ -570,10 +585,16 @@ def module_case(engine: str, rank: int, world: int) -> dict:
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     snaps: dict = {}
     opt.register_step_pre_hook(lambda o, a, k: snaps.__setitem__("before", _snapshot(user, o)))
-    inst = distgrad.instrument(model, optimizer=opt, prometheus=False)
+    inst = distgrad.instrument(model, optimizer=opt, prometheus=False, tracer={"replays": replays})
     opt.register_step_pre_hook(lambda o, a, k: snaps.__setitem__("after", _snapshot(user, o)))
+
+    def sanitize(o, a, k):
+        for p in model.parameters():
+            if p.grad is not None:
+                _local(p.grad).nan_to_num_(0.0, 0.0, 0.0)
+    opt.register_step_pre_hook(sanitize)
     count = Counting(inst)
-    out = []
+    out, losses = [], []
     try:
         for step in range(MOD_STEPS):
             for micro in range(MOD_GAS):
@@ -585,6 +606,7 @@ def module_case(engine: str, rank: int, world: int) -> dict:
                 with sync:
                     loss = model(x, y)
                     (loss / MOD_GAS).backward()
+                losses.append(loss.item())
             count.take()
             opt.step()
             opt.zero_grad()
@@ -598,10 +620,10 @@ def module_case(engine: str, rank: int, world: int) -> dict:
     finally:
         count.restore()
     inst.close()
-    return {"records": out}
+    return {"records": out, "losses": losses, "params": [_local(p).detach().clone() for p in model.parameters()]}
 
 
-def _module_case_zero3(user: nn.Module, hook_state: tuple, rank: int) -> dict:
+def _module_case_zero3(user: nn.Module, hook_state: tuple, rank: int, replays: int) -> dict:
     """:func:`module_case` under DeepSpeed ZeRO-3 (parameters partitioned: the replayed forward
     gathers them on every rank), AdamW, 2 micro-batches per step (DeepSpeed's own accumulation).
     ``untouched``: the CPU RNG state and the BatchNorm buffers are the same before and after
@@ -615,9 +637,9 @@ def _module_case_zero3(user: nn.Module, hook_state: tuple, rank: int) -> dict:
            "zero_optimization": {"stage": 3}, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=user, model_parameters=user.parameters(), config=cfg)
-    inst = distgrad.instrument(engine, prometheus=False)
+    inst = distgrad.instrument(engine, prometheus=False, tracer={"replays": replays})
     count = Counting(inst)
-    out = []
+    out, losses = [], []
     try:
         for step in range(MOD_STEPS):
             untouched = True
@@ -626,7 +648,9 @@ def _module_case_zero3(user: nn.Module, hook_state: tuple, rank: int) -> dict:
                 if (step, rank, micro) == MOD_BAD:
                     x[0] *= 1e4
                 cur["key"] = (step, micro)
-                engine.backward(engine(x, y))
+                loss = engine(x, y)
+                losses.append(loss.item())
+                engine.backward(loss)
                 before = (torch.get_rng_state().clone(), [b.detach().clone() for b in user.buffers()])
                 count.take()
                 engine.step()  # the boundary is inside, on the last micro-batch
@@ -642,7 +666,13 @@ def _module_case_zero3(user: nn.Module, hook_state: tuple, rank: int) -> dict:
     finally:
         count.restore()
     inst.close()
-    return {"records": out}
+    from deepspeed.utils import safe_get_local_fp32_param
+
+    params = []
+    for p in user.parameters():  # this rank's fp32 partition without the last ranks' padding
+        w = safe_get_local_fp32_param(p).detach().reshape(-1)
+        params.append(w[:max(0, min(w.numel(), int(p.ds_numel) - rank * w.numel()))].clone())
+    return {"records": out, "losses": losses, "params": params}
 
 
 def main() -> None:
