@@ -688,7 +688,6 @@ def main() -> None:
     jobs = [("nan", nan_case), ("flip", flip_case), ("detached", detached_case)]
     jobs += [(f"spike-{m}", functools.partial(spike_case, m)) for m in ("healthy", "garbage", "lr")]
     jobs += [(f"engine-{k}", functools.partial(engine_case, k)) for k in ENGINE_KINDS]
-    jobs += [(f"module-{e}", functools.partial(module_case, e)) for e in ("ddp", "fsdp2")]
     jobs += [(f"module-{e}", functools.partial(module_case, e)) for e in ("ddp", "fsdp2", "zero3")]
     want = None if args.cases == "all" else set(args.cases.split(","))
     results, t0 = {}, time.time()
