@@ -40,7 +40,7 @@ from common import BoundaryCounter  # noqa: E402
 from test_curvature import LSQ, lsq_curvature, lsq_data  # noqa: E402
 from test_noise_scale import _Dot, known_covariance  # noqa: E402
 
-D, GAS, B, STEPS, D1 = 10, 2, 4, 150, 4
+D, GAS, B, STEPS, D1 = 10, 2, 4, 80, 4
 DECAY = 0.95
 CURV_STEPS = 4
 FP16_STEPS = 4
