@@ -247,3 +247,43 @@ def test_a_grad_scaler_loss_scale_is_divided_out():
         assert b.noise_scale.grad_sq_small == pytest.approx(a.noise_scale.grad_sq_small, rel=1e-6)
         assert b.noise_scale.grad_sq_big == pytest.approx(a.noise_scale.grad_sq_big, rel=1e-6)
         assert b.noise_scale.noise_scale == pytest.approx(a.noise_scale.noise_scale, rel=1e-6)
+
+
+def test_the_moving_averages_survive_a_checkpoint():
+    """state_dict / load_state_dict (distgrad.checkpoint): a resumed run continues the EMAs, so its
+    records equal those of the uninterrupted run."""
+    import json
+
+    def steps(dg, m, opt, first, n):
+        recs = []
+        dg.add_hook(recs.append)
+        for step in range(first, first + n):
+            for micro in range(2):
+                g = torch.Generator().manual_seed(100 * step + micro)
+                (m(torch.randn(4, 5, generator=g)).pow(2).mean() / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        return recs
+
+    def make():
+        m = _mlp()
+        opt = torch.optim.SGD(m.parameters(), lr=0.0)
+        return m, opt, distgrad.instrument(m, optimizer=opt, exporter={"enabled": False},
+                                           statistics={"async_records": "off"},
+                                           noise_scale={"enabled": True, "micro_batch_size": 4, "ema_decay": 0.7})
+
+    m, opt, dg = make()
+    whole = steps(dg, m, opt, 0, 4)
+    dg.close()
+    m, opt, dg = make()
+    steps(dg, m, opt, 0, 2)
+    state = json.loads(json.dumps(dg.state_dict()))  # JSON-serialisable
+    dg.close()
+    m, opt, dg = make()
+    dg.load_state_dict(state)
+    # the resumed instrument counts steps from 0 again; the EMAs carry on from the checkpoint
+    resumed = steps(dg, m, opt, 2, 2)
+    dg.close()
+    for a, b in zip(whole[2:], resumed):
+        assert b.noise_scale.ema_steps == a.noise_scale.ema_steps
+        assert b.noise_scale.noise_scale == pytest.approx(a.noise_scale.noise_scale, rel=1e-12)
