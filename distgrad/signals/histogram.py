@@ -8,7 +8,9 @@ SUM collective as a :class:`~distgrad.signals.PackedSignal` and is exact under a
 How it is computed, on the device, with no host synchronisation: each piece is read as the bit
 pattern of its float format (bf16 and fp16 pieces are first widened to fp32, which is exact), its
 biased exponent field ``bits(|x|) >> mantissa_bits`` is counted into a per-layer table of raw
-exponents (``index_add_``; 256 entries for fp32 bits, 2048 for fp64 bits), and the number of
+exponents (``index_add_`` into a table of fixed size; ``torch.bincount`` is not used because on
+CUDA it reads its input's extrema on the host to size its output, a host synchronisation; 256
+entries for fp32 bits, 2048 for fp64 bits), and the number of
 non-zero elements of each piece is added to its layer (``count_nonzero``). After the loop a
 float64 matrix product maps the raw exponents onto the fixed bins (an exact integer sum). For a
 normal value ``floor(log2|g|)`` is the unbiased exponent, so the bins are exact: no ``log2`` is
@@ -93,32 +95,24 @@ class GradHistogramSignal(PackedSignal):
     def sum_size(self) -> int:
         return len(self.layers) * (self.nb + 1)
 
-    def _bin(self, raw: int, fmt: tuple) -> int:
-        """The bin of raw biased exponent ``raw`` of format ``fmt``."""
-        _, _, mask, bias, _ = fmt
-        if raw == 0:
-            return 0
-        if raw == mask:
-            return self.nb - 1
-        e = raw - bias
-        if e < min(self.lo, self.et):
-            return 1
-        if e < self.lo:
-            return 2
-        if e < self.hi:
-            return 3 + e - self.lo
-        return 3 + self.n
-
     def _map(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """float64 ``[mask + 1, nb]`` 0/1 matrix from raw exponents to bins (cached per device)."""
+        """float64 ``[mask + 1, nb]`` 0/1 matrix from the raw biased exponents of bit format
+        ``dtype`` to the bins (module docstring), built on ``device`` with device operations (no
+        host-to-device copy, which would wait for the device) and cached per device."""
         key = (dtype, device)
         m = self._maps.get(key)
         if m is None:
-            fmt = _FORMATS[dtype]
-            a = np.zeros((fmt[2] + 1, self.nb), dtype=np.float64)
-            for raw in range(fmt[2] + 1):
-                a[raw, self._bin(raw, fmt)] = 1.0
-            m = self._maps[key] = torch.from_numpy(a).to(device)
+            _, _, mask, bias, _ = _FORMATS[dtype]
+            raw = torch.arange(mask + 1, device=device)
+            e = raw - bias  # floor(log2|x|) of a normal value
+            b = torch.full_like(raw, 3 + self.n)  # finite, >= 2**hi
+            b = torch.where(e < self.hi, 3 + e - self.lo, b)
+            b = torch.where(e < self.lo, torch.full_like(raw, 2), b)
+            b = torch.where(e < min(self.lo, self.et), torch.full_like(raw, 1), b)
+            b = torch.where(raw == mask, torch.full_like(raw, self.nb - 1), b)  # NaN, Inf
+            b = torch.where(raw == 0, torch.zeros_like(raw), b)  # zeros and subnormals of the format
+            m = torch.zeros((mask + 1, self.nb), dtype=torch.float64, device=device)
+            m = self._maps[key] = m.scatter_(1, b.unsqueeze(1), 1.0)
         return m
 
     def local(self, inst: Any, pieces: Sequence[torch.Tensor | None],
