@@ -9,7 +9,7 @@ feature is 0 (so ``inp.weight`` has exact-zero gradient columns) and records on 
 record's ``grad_histogram``, the full reduced gradient of each step gathered right before
 distgrad reads it (DeepSpeed ``safe_get_full_grad`` in ``_take_model_step``; FSDP2
 ``full_tensor()`` in an optimizer step pre-hook registered after distgrad's), in float64, and
-the collectives and host syncs made inside distgrad's ``collect``/``finish`` per step.
+the collectives and host syncs made inside distgrad's boundary methods per step (common.BoundaryCounter).
 Writes JSON to the path given by --out.
 """
 
@@ -32,8 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import distgrad
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cause_cases import Counting  # noqa: E402
-from common import TinyModel, batch_for  # noqa: E402
+from common import BoundaryCounter, TinyModel, batch_for  # noqa: E402
 
 STEPS = 3
 
@@ -61,7 +60,7 @@ def ds_case(stage: int, dtype: str, hist_dtype: str, rank: int) -> dict:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=cfg)
     inst = distgrad.instrument(engine, prometheus=False, histogram={"enabled": True, "dtype": hist_dtype})
-    count = Counting(inst)
+    count = BoundaryCounter(inst)
     refs: list[dict] = []
     inner = engine._take_model_step
 
@@ -71,18 +70,16 @@ def ds_case(stage: int, dtype: str, hist_dtype: str, rank: int) -> dict:
         return inner(*a, **kw)
 
     engine._take_model_step = capture
-    records, counts = [], []
+    records = []
     try:
         for step in range(STEPS):
             x, y = _batch(step, rank, torch.bfloat16 if dtype == "bf16" else torch.float32)
             engine.backward(engine(x, y))
-            count.take()
-            engine.step()
-            counts.append(count.take())
+            count.around(engine.step)
             records.append(inst.last_record.to_dict() if inst.last_record else None)
     finally:
         count.restore()
-    out = {"records": records, "full": refs, "counts": counts, "counters": dict(inst.counters),
+    out = {"records": records, "full": refs, "counts": count.counts, "counters": dict(inst.counters),
            "compute_dtype": str(inst.source.compute_dtype)}
     inst.close()
     return out
@@ -98,23 +95,21 @@ def fsdp2_case(rank: int) -> dict:
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt = torch.optim.AdamW([p for _, p in trainable], lr=1e-3)
     inst = distgrad.instrument(model, optimizer=opt, prometheus=False, histogram={"enabled": True})
-    count = Counting(inst)
+    count = BoundaryCounter(inst)
     refs: list[dict] = []
     opt.register_step_pre_hook(lambda o, a, k: refs.append(_full(
         (n, p.grad.full_tensor()) for n, p in trainable if p.grad is not None)))
-    records, counts = [], []
+    records = []
     try:
         for step in range(STEPS):
             x, y = _batch(step, rank, torch.float32)
             model(x, y).backward()
-            count.take()
-            opt.step()
-            counts.append(count.take())
+            count.around(opt.step)
             opt.zero_grad(set_to_none=True)
             records.append(inst.last_record.to_dict() if inst.last_record else None)
     finally:
         count.restore()
-    out = {"records": records, "full": refs, "counts": counts, "counters": dict(inst.counters),
+    out = {"records": records, "full": refs, "counts": count.counts, "counters": dict(inst.counters),
            "compute_dtype": str(inst.source.compute_dtype)}
     inst.close()
     return out
