@@ -172,6 +172,9 @@ def test_through_instrument_one_process(dtype, tmp_path):
         assert list(groups) == ["0", "1", "head"]
         check(h, {k: np.concatenate(v) for k, v in groups.items()}, -64, 16, -126)
         assert sum(h.zeros) > 0 and sum(h.underflow) + sum(h.below) > 0
+        # the core statistics count the same zeros and non-finite elements, another way
+        assert h.zero_ratio() == rec.aggregates.layer_zero_ratio
+        assert dict(zip(h.layers, map(float, h.nonfinite))) == rec.aggregates.layer_nonfinite
         back = StepRecord.from_dict(rec.to_dict())
         assert back.grad_histogram == h
     # the JSONL record carries it
