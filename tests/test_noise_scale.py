@@ -31,11 +31,11 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
 
 
-def _run(divide: bool, steps: int = 4, k: int = 3, b: int = 4, lr: float = 0.05):
+def _run(divide: bool, steps: int = 4, k: int = 3, b: int = 4, lr: float = 0.05, async_records: str = "off"):
     m = _mlp()
     ref = copy.deepcopy(m).double()
     opt = torch.optim.SGD(m.parameters(), lr=lr)
-    dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"},
+    dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": async_records},
                              noise_scale={"enabled": True, "micro_batch_size": b, "ema_decay": 0.8})
     recs, refs = [], []
     dg.add_hook(recs.append)
@@ -59,9 +59,10 @@ def _run(divide: bool, steps: int = 4, k: int = 3, b: int = 4, lr: float = 0.05)
     return recs, refs
 
 
-@pytest.mark.parametrize("divide", [True, False], ids=["loss-divided-by-k", "loss-not-divided"])
-def test_per_step_components_and_estimates_against_float64_micro_batch_gradients(divide):
-    recs, refs = _run(divide)
+@pytest.mark.parametrize("divide,async_records", [(True, "off"), (False, "off"), (True, "on")],
+                         ids=["loss-divided-by-k", "loss-not-divided", "async-records"])
+def test_per_step_components_and_estimates_against_float64_micro_batch_gradients(divide, async_records):
+    recs, refs = _run(divide, async_records=async_records)
     assert [r.step for r in recs] == [0, 1, 2, 3]
     ema_g2 = ema_tr = 0.0
     for t, (rec, (small, big)) in enumerate(zip(recs, refs), start=1):

@@ -1,9 +1,9 @@
 """Multi-rank driver of the gradient noise scale and curvature tests
 (tests/test_noise_scale_multirank.py) under ``torchrun --nproc_per_node 2``, gloo, CPU.
 
-Noise-scale cases (``ddp``, ``z2``, ``z3``, ``fsdp1``, ``fsdp2``; and ``z0-fp16``, ``z2-fp16``, ``z3-fp16``:
-FP16_STEPS steps under DeepSpeed fp16, loss scale 2**8, components only): the model ``Dot`` whose per-sample gradient is its
-input (loss_i = w . z_i), z_i drawn with a known mean G and covariance diag(C), weights fixed
+Noise-scale cases (``ddp``, ``z2``, ``z3``, ``fsdp1``, ``fsdp2``; and ``z0-fp16``, ``z2-fp16``,
+``z3-fp16``: FP16_STEPS steps under DeepSpeed fp16, loss scale 2**8, components only): the model
+``Dot`` whose per-sample gradient is its input (loss_i = w . z_i), z_i drawn with a known mean G and covariance diag(C), weights fixed
 (learning rate 0), GAS micro-batches of B samples per rank and step, STEPS steps. Per step the
 driver records distgrad's :class:`~distgrad.record_gns.NoiseScale` and the float64 reference of
 its two components from the data of every rank (each rank regenerates every rank's batches):
@@ -133,7 +133,8 @@ def run_noise(key: str, rank: int, world: int) -> dict:
     counter.restore()
     inst.close()
     out = {"records": [None if r.noise_scale is None else r.noise_scale.to_dict() for r in recs],
-           "steps": [r.step for r in recs], "reference": [reference(s, world, key.endswith("-fp16")) for s in range(steps)],
+           "steps": [r.step for r in recs],
+           "reference": [reference(s, world, key.endswith("-fp16")) for s in range(steps)],
            "internal_errors": inst.counters["internal_errors"], "counts": counter.counts,
            "loss_scale": [r.loss_scale for r in recs]}
     return out
@@ -213,7 +214,8 @@ def main() -> None:
     type(get_accelerator()).is_fp16_supported = lambda self: True
     stats.stats_table([torch.ones(3)], torch.device("cpu"))  # one-time kernel set-up
     results = {}
-    for key in ("ddp", "z2", "z3", "fsdp1", "fsdp2", "z0-fp16", "z2-fp16", "z3-fp16", "curv-z2", "curv-z3", "curv-fsdp2"):
+    for key in ("ddp", "z2", "z3", "fsdp1", "fsdp2", "z0-fp16", "z2-fp16", "z3-fp16",
+                "curv-z2", "curv-z3", "curv-fsdp2"):
         t = time.time()
         try:
             results[key] = (run_curvature if key.startswith("curv-") else run_noise)(key, rank, world)
