@@ -189,6 +189,7 @@ def _torch_source(model: Any, optimizer: Any, scaler: Any) -> Any:
     check_boundary_args(model, optimizer, scaler)
     source = torch_source(model)
     source.scaler = scaler  # before the sinks start: they export overflow series only with a scaler
+    source.optimizer = optimizer  # its state (Adam moments) for the optimizer-aware signals
     return source
 
 

@@ -64,6 +64,24 @@ class GradSource(abc.ABC):
         NotImplementedError (the option is then refused at ``instrument()`` time)."""
         raise NotImplementedError(f"{self.engine_name}: master weights are not located")
 
+    def optimizer_slots(self) -> "list[Any] | None":
+        """Per parameter (length P, laid out like :meth:`local_pieces`), the
+        :class:`~distgrad.engines.optimizer_state.OptimizerSlot` of the optimizer entry that holds
+        this rank's piece (None where the rank holds none or the optimizer does not step it), or
+        None when this engine cannot locate the optimizer state (default). Read at the boundary,
+        before the optimizer step: the state is then that of the previous step."""
+        return None
+
+    def local_state_pieces(self, key: str) -> "list[torch.Tensor | None] | None":
+        """Length-P list of 1-D views of this rank's piece of optimizer state ``key`` (e.g.
+        ``"exp_avg"``, ``"exp_avg_sq"``), element-aligned with :meth:`local_pieces` (the fp32
+        state of a DeepSpeed partition, an FSDP shard, a DDP replica's full state); None per
+        parameter without such state yet; None overall when :meth:`optimizer_slots` is None."""
+        slots = self.optimizer_slots()
+        if slots is None:
+            return None
+        return [None if s is None else s.piece(key) for s in slots]
+
     def grad_scale(self) -> float:
         """Factor the gradients currently carry (fp16 loss scale) or 1.0."""
         return 1.0

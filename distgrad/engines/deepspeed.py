@@ -182,6 +182,55 @@ class DeepSpeedSource(GradSource):
             out.append(w.narrow(0, 0, keep))
         return out
 
+    def optimizer_slots(self) -> list[Any] | None:
+        """The torch optimizer's state next to each gradient piece
+        (:mod:`distgrad.engines.optimizer_state`): stage 0 the parameters' own state (fp32, no
+        wrapper only), stage 1/2 the fp32 flat partition of the parameter's group cut at
+        ``_hp_mapping.hp_fragment_address``, stage 3 ``fp32_partitioned_groups_flat`` at
+        ``grad_position`` without padding. None when not located (a fp16 stage-0 wrapper,
+        ZeRO-3 optimizer state swapped to NVMe, an unknown layout). ZeRO-3's hyperparameters: the
+        inner group ``sub_group_to_group_id[g]`` (its ``params`` are emptied outside the step)."""
+        from distgrad.engines.optimizer_state import OptimizerSlot, flat, group_of, narrow, torch_slots
+
+        zopt = self.engine.optimizer
+        if self.zero_stage == 0:
+            if isinstance(zopt, torch.optim.Optimizer) and not hasattr(zopt, "optimizer"):
+                return torch_slots(zopt, [(p, flat) for p in self._params])
+            if not any(getattr(p, "_hp_mapping", None) is not None for p in self._params):
+                return None
+        inner = getattr(zopt, "optimizer", None)
+        if inner is None or not hasattr(inner, "state"):
+            return None
+        out: list[Any] = []
+        if self.zero_stage == 3:
+            if getattr(zopt, "optimizer_swapper", None) is not None or not hasattr(zopt, "grad_position"):
+                return None
+            for p in self._params:
+                g, offset, numel = zopt.grad_position[zopt.get_param_id(p)]
+                key = zopt.fp32_partitioned_groups_flat[g]
+                keep = max(0, min(int(numel), int(p.ds_numel) - self.rank * int(numel)))
+                # the inner optimizer's groups hold the flat only during its step
+                grp = inner.param_groups[zopt.sub_group_to_group_id[g]]
+                out.append(None if keep == 0 else
+                           OptimizerSlot(inner, grp, key, narrow(int(offset), int(numel), keep)))
+            return out
+        flats = getattr(zopt, "single_partition_of_fp32_groups", None)
+        if flats is None:
+            flats = getattr(zopt, "fp32_groups_flat_partition", None)  # BF16_Optimizer
+        if flats is None:
+            return None
+        for p in self._params:
+            m = getattr(p, "_hp_mapping", None)
+            if m is None:
+                out.append(None)
+                continue
+            key = flats[m.param_group_index]
+            grp = group_of(inner, key)
+            addr = m.hp_fragment_address
+            out.append(None if grp is None else
+                       OptimizerSlot(inner, grp, key, narrow(int(addr.start), int(addr.numel))))
+        return out
+
     @staticmethod
     def _fragment_12(p: torch.nn.Parameter) -> torch.Tensor | None:
         mapping = getattr(p, "_hp_mapping", None)

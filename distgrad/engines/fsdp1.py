@@ -215,6 +215,15 @@ class FSDP1Source(TorchSource):
         """From ``_shard_param_infos[i].intra_param_start_idx`` / ``numel_in_shard`` (private)."""
         return list(self._offsets)
 
+    def _state_entries(self) -> list[tuple[torch.Tensor, Any] | None]:
+        """``use_orig_params=True``: each original parameter's state has the shape of its local
+        1-D shard view; False: the FlatParameter's state, cut like its gradient."""
+        from distgrad.engines.optimizer_state import flat, narrow
+
+        if self.use_orig_params:
+            return [(p, flat) if off is not None else None for p, off in zip(self._params, self._offsets)]
+        return [None if w is None else (w[0], narrow(w[1], w[2])) for w in self._slices]
+
     def local_param_pieces(self) -> Sequence[torch.Tensor | None]:
         """This rank's shard of the (full-precision) parameters, laid out like the gradient
         pieces: the original parameter's sharded 1-D view (use_orig_params=True) or the same

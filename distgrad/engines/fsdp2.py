@@ -120,6 +120,10 @@ class FSDP2Source(TorchSource):
             out.append((rank * c * row, rows * row) if rows else None)
         return out
 
+    def _state_entries(self) -> list[tuple[torch.Tensor, Any] | None]:
+        """State tensors are DTensors placed like their parameter: ``to_local()`` flattened."""
+        return [(p, _local_flat) for p in self._params]
+
     def local_param_pieces(self) -> Sequence[torch.Tensor | None]:
         """This rank's chunk of each sharded parameter, ``p.to_local()`` flattened."""
         return [p.detach().to_local().reshape(-1) for p in self._params]
@@ -131,3 +135,8 @@ class FSDP2Source(TorchSource):
         pieces = [p.grad.to_local().reshape(-1) if p.grad is not None else None for p in self._params]
         self._note_dtype(pieces)
         return pieces
+
+
+def _local_flat(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor state tensor's local block (a plain tensor as is), flattened."""
+    return (t.to_local() if hasattr(t, "to_local") else t).reshape(-1)

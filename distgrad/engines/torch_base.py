@@ -97,7 +97,23 @@ class TorchSource(GradSource):
 
     group: Any = None
     scaler: Any = None
+    #: the ``torch.optim.Optimizer`` given to ``instrument()`` (set there), for its state
+    optimizer: Any = None
     _device: torch.device = torch.device("cpu")
+
+    def _state_entries(self) -> list[tuple[torch.Tensor, Any] | None]:
+        """Per parameter, the tensor the optimizer state is keyed by and the cut of a state
+        tensor into the gradient piece (:mod:`distgrad.engines.optimizer_state`); default: the
+        parameter itself, whole (plain module, DDP: the core takes this rank's share)."""
+        from distgrad.engines.optimizer_state import flat
+
+        return [(p, flat) for p in self._params]  # type: ignore[attr-defined]
+
+    def optimizer_slots(self) -> list[Any] | None:
+        """Slots of the optimizer given to ``instrument()`` (None without one)."""
+        from distgrad.engines.optimizer_state import torch_slots
+
+        return None if self.optimizer is None else torch_slots(self.optimizer, self._state_entries())
 
     def device(self) -> torch.device:
         return self._device
