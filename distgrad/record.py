@@ -442,6 +442,8 @@ class StepRecord:
         culprit_module: the first step of a non-finite streak replayed: the module whose forward
             output first went NaN/Inf on the culprit rank, or why none is named
             (:class:`~distgrad.record_culprit.CulpritModule`, :mod:`distgrad.replay`).
+        optimizer_signals: Adam-family signals (:class:`~distgrad.record_optimizer.OptimizerSignals`),
+            None when off, on the first optimizer step (no moment yet) and on overflow steps.
     """
 
     step: int
@@ -483,6 +485,7 @@ class StepRecord:
     action: ActionPart | None = None
     curvature: Curvature | None = None
     culprit_module: "CulpritModule | None" = None
+    optimizer_signals: OptimizerSignals | None = None
 
     @property
     def nonfinite(self) -> bool:
@@ -542,3 +545,6 @@ from distgrad.record_culprit import CulpritModule  # noqa: E402
 
 _PARTS.update(culprit_module=CulpritModule)
 NonfiniteEvent._nested = {**NonfiniteEvent._nested, "culprit_module": CulpritModule}
+from distgrad.record_optimizer import OptimizerSignals  # noqa: E402
+
+_PARTS.update(optimizer_signals=OptimizerSignals)

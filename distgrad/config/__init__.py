@@ -33,6 +33,7 @@ from distgrad.config.sections import (
     TracerConfig,
 )
 from distgrad.config.sections import CurvatureConfig, NoiseScaleConfig
+from distgrad.config.sections import OptimizerSignalsConfig
 
 #: top-level keys that mark a DeepSpeed config (whose "distgrad" section holds distgrad's settings)
 _DEEPSPEED_KEYS = frozenset({
@@ -172,6 +173,8 @@ class DistgradConfig(BaseModel):
     noise_scale: NoiseScaleConfig = Field(default_factory=NoiseScaleConfig, description=NoiseScaleConfig.__doc__)
     action: ActionConfig = Field(default_factory=ActionConfig, description=ActionConfig.__doc__)
     curvature: CurvatureConfig = Field(default_factory=CurvatureConfig, description=CurvatureConfig.__doc__)
+    optimizer_signals: OptimizerSignalsConfig = Field(default_factory=OptimizerSignalsConfig,
+                                                      description=OptimizerSignalsConfig.__doc__)
 
     def __init__(self, **data: Any) -> None:
         nested, legacy = _normalise(data) if data else ({}, {})
@@ -281,4 +284,5 @@ __all__ = [
     "SinksConfig", "JsonlConfig", "TensorBoardConfig", "NamingConfig", "NamingRule", "LossConfig",
     "NoiseScaleConfig", "CurvatureConfig",
     "ActionConfig",
+    "OptimizerSignalsConfig",
 ]

@@ -1,0 +1,54 @@
+"""The record part of the optimizer-aware signals (:mod:`distgrad.signals.adam`):
+``StepRecord.optimizer_signals``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from distgrad.record import _Part
+
+
+@dataclass
+class OptimizerSignals(_Part):
+    """Adam-family signals of one sampled step, exact over all ranks' shards (see
+    :mod:`distgrad.signals.adam` for the definitions). ``g`` is the reduced, unscaled, pre-clip
+    gradient read at the boundary; ``m``, ``v`` Adam's ``exp_avg`` / ``exp_avg_sq`` before this
+    step's update; ``v_hat = v / (1 - beta2**t)`` with the optimizer's own step count ``t`` (the
+    updates already applied) and ``beta2``; ``d = max(v_hat, eps**2)``.
+
+    Attributes:
+        optimizer: the optimizer's class name (``"AdamW"``, ``"FusedAdam"``, ...).
+        spike_threshold: theta of the spike fraction (``optimizer_signals.spike_threshold``).
+        elements: gradient elements with optimizer state (over all ranks, each counted once).
+        elements_without_state: gradient elements the optimizer holds no moment for (not in
+            the optimizer, or never stepped); left out of every value below.
+        update_rms: ``sqrt(mean(g**2 / d))`` (dimensionless; ~1 when the second moment tracks
+            the gradient, >> 1 when the gradient outgrows it: Wortsman et al. 2023).
+        spike_fraction: fraction of elements with ``g**2 > spike_threshold * d``.
+        grad_momentum_cosine: ``g . m / (|g| |m|)`` (NaN when a norm is 0).
+        exp_avg_norm, exp_avg_sq_norm: L2 norms of the raw states ``m`` (gradient unit) and ``v``
+            (gradient unit squared).
+        fisher_trace: ``sum(v_hat)``: trace of the empirical diagonal Fisher estimate Adam keeps
+            (gradient unit squared; of the mini-batch gradient, Kunstner et al. 2019's caveats).
+        layer_*: the same per layer label (``{layer: value}``).
+        fisher_top_layers: the ``optimizer_signals.top_layers`` layers of largest Fisher trace,
+            largest first.
+    """
+
+    optimizer: str = ""
+    spike_threshold: float = float("nan")
+    elements: float = 0.0
+    elements_without_state: float = 0.0
+    update_rms: float = float("nan")
+    spike_fraction: float = float("nan")
+    grad_momentum_cosine: float = float("nan")
+    exp_avg_norm: float = float("nan")
+    exp_avg_sq_norm: float = float("nan")
+    fisher_trace: float = float("nan")
+    layer_update_rms: dict[str, float] = field(default_factory=dict)
+    layer_spike_fraction: dict[str, float] = field(default_factory=dict)
+    layer_grad_momentum_cosine: dict[str, float] = field(default_factory=dict)
+    layer_exp_avg_norm: dict[str, float] = field(default_factory=dict)
+    layer_exp_avg_sq_norm: dict[str, float] = field(default_factory=dict)
+    layer_fisher_trace: dict[str, float] = field(default_factory=dict)
+    fisher_top_layers: list[str] = field(default_factory=list)

@@ -1,0 +1,248 @@
+"""Optimizer-aware signals of Adam-family optimizers, from the optimizer state shards that sit
+next to the gradient shards (:meth:`~distgrad.engines.base.GradSource.optimizer_slots`).
+
+Definitions (per layer label and globally; sums over every element the job holds, each counted
+once, so they are exact under any sharding):
+
+- ``g``: the reduced gradient the optimizer is about to consume, read at the boundary, divided by
+  the loss scale it still carries (DeepSpeed fp16), **before** any gradient clipping (DeepSpeed
+  clips inside its step, after the boundary; PyTorch loops are read before ``clip_grad_norm_``
+  or the step is refused). With clipping the update uses ``c * g``, ``c = distgrad_clip_ratio``:
+  the update RMS of the clipped gradient is ``c * update_rms``; the cosine does not change.
+- ``m``, ``v``: ``exp_avg`` and ``exp_avg_sq`` **before this step's update** (the state the
+  previous step left). ``t``: the optimizer's own count of applied updates (``state["step"]``,
+  DeepSpeed FusedAdam: ``group["step"]``); ``beta2``, ``eps`` from the parameter's group.
+  ``v_hat = v / (1 - beta2**t)`` (``v`` as is when the group sets ``bias_correction: False``);
+  ``d = max(v_hat, eps**2)``.
+- update RMS ``sqrt(sum(g**2 / d) / n)``: the RMS of the update Adam would make with ``v`` not
+  yet refreshed (Wortsman et al. 2023, "Stable and low-precision training for large-scale
+  vision-language models", arXiv 2304.13013, section 3.4: loss spikes follow 1-8 steps after it
+  exceeds ~1 in a layer).
+- spike fraction ``#(g**2 > theta * d) / n`` (SPAM, Huang et al., ICLR 2025: gradient spikes
+  relative to the second moment; ``theta = optimizer_signals.spike_threshold``).
+- moment norms ``|m|``, ``|v|`` (raw state), the diagonal Fisher estimate ``v_hat`` (trace
+  ``sum(v_hat)``; an empirical Fisher of the mini-batch gradient), and the cosine
+  ``g . m / (|g| |m|)`` (``maximize=True``: m tracks ``-g``, the sign is flipped back).
+
+Which optimizers: ``torch.optim.Adam`` / ``AdamW`` (not ``amsgrad``, whose denominator is
+``max_exp_avg_sq``; not Adam with coupled L2 ``weight_decay > 0``, whose moments track
+``g + wd * w``), DeepSpeed ``FusedAdam`` and ``DeepSpeedCPUAdam`` (in AdamW mode, or without
+weight decay). Anything else: off with one warning (``enabled: auto``) or a ConfigError naming
+``optimizer_signals.enabled`` (``on``). A torch ``GradScaler`` is refused the same way (the
+scale the gradients carry at the read is not known on the device without a sync).
+
+Not computed on the first optimizer step (no moment exists before it: the record part is None)
+nor on fp16 overflow steps. Cost: one read of ``g``, ``m`` and ``v`` per sampled step (about
+ten elementwise operations, float32, float64 sums), ``8 L + 1`` float64 in the SUM collective
+(L layer labels), nothing kept between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from distgrad.signals import PackedSignal, register
+
+log = logging.getLogger("distgrad")
+
+#: optimizer class names whose state is Adam's (exp_avg, exp_avg_sq, step)
+ADAM_FAMILY = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam")
+#: per-layer SUM columns
+COLS = ("n", "ratio", "spikes", "gm", "gg", "mm", "vv", "vhat")
+
+
+def _inner_optimizer(inst: Any) -> Any:
+    """The torch optimizer whose state is read: the one given to ``instrument()``, or the one
+    inside DeepSpeed's ZeRO / mixed-precision wrapper (``engine.optimizer.optimizer``)."""
+    src = inst.source
+    opt = getattr(src, "optimizer", None)
+    if opt is None and getattr(src, "engine", None) is not None:
+        opt = src.engine.optimizer
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            opt = inner
+    return opt
+
+
+def refusal(inst: Any) -> str | None:
+    """Why the signals cannot be computed for this instrument (None: they can)."""
+    opt = _inner_optimizer(inst)
+    if opt is None:
+        return "no optimizer is known to distgrad"
+    name = type(opt).__name__
+    if name not in ADAM_FAMILY:
+        return f"the optimizer is {name}, not one of the Adam family {ADAM_FAMILY}"
+    for g in opt.param_groups:
+        bad = group_problem(name, g)
+        if bad:
+            return bad
+    if getattr(inst.source, "scaler", None) is not None and inst.source.has_loss_scaler():
+        return "a torch GradScaler is in use (the loss scale at the read is not known without a host sync)"
+    try:
+        slots = inst.source.optimizer_slots()
+    except Exception as e:  # noqa: BLE001 - a layout the adapter cannot read
+        return f"the optimizer state could not be located next to the gradient shards ({e})"
+    if slots is None:
+        return (f"the {inst.source.engine_name} adapter cannot locate the optimizer state next to the gradient "
+                "shards in this configuration")
+    return None
+
+
+def group_problem(name: str, g: dict) -> str | None:
+    """Why a param group's Adam variant is not the one the definitions assume, or None."""
+    if g.get("amsgrad"):
+        return "amsgrad=True (the update divides by max_exp_avg_sq, not exp_avg_sq)"
+    wd = float(g.get("weight_decay", 0.0) or 0.0)
+    coupled = (name == "Adam" and not g.get("decoupled_weight_decay", False)) or \
+        (name == "FusedAdam" and not g.get("adam_w_mode", True)) or \
+        (name == "DeepSpeedCPUAdam" and not g.get("adamw_mode", True))
+    if coupled and wd > 0:
+        return (f"{name} with coupled L2 weight_decay={wd} (its moments track g + weight_decay * w, not the "
+                "gradient): use AdamW or weight_decay 0")
+    return None
+
+
+class AdamSignal(PackedSignal):
+    """Update RMS, spike fraction, moment norms, Fisher trace and gradient-momentum cosine per
+    layer label and globally (definitions: module docstring).
+
+    SUM part (float64): ``[L, 8]`` per layer ``(n, sum g^2/d, #spikes, sum g.m, sum g^2,
+    sum m^2, sum v^2, sum v_hat)`` then the gradient elements without optimizer state. No MAX
+    part.
+    """
+
+    name = "optimizer_signals"
+
+    def __init__(self, inst: Any, layer_keys: list[str]) -> None:
+        cfg = inst.config.optimizer_signals
+        self.theta = float(cfg.spike_threshold)
+        self.top = int(cfg.top_layers)
+        index: dict[str, int] = {}
+        self.inv = [index.setdefault(k, len(index)) for k in layer_keys]
+        self.layers = list(index)
+        self.opt_name = type(_inner_optimizer(inst)).__name__
+
+    @property
+    def sum_size(self) -> int:
+        return len(self.layers) * len(COLS) + 1
+
+    def local(self, inst: Any, pieces: Sequence[torch.Tensor | None],
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        slots = inst.pieces(inst.source.optimizer_slots())
+        ms = inst.own.take(inst.pieces([None if s is None else s.piece("exp_avg") for s in slots]))
+        vs = inst.own.take(inst.pieces([None if s is None else s.piece("exp_avg_sq") for s in slots]))
+        scale = float(inst.source.grad_scale()) if inst.source.has_loss_scaler() else 1.0
+        f64 = torch.float64
+        sums: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        missing = 0
+        for i, g in enumerate(pieces):
+            if g is None or g.numel() == 0:
+                continue
+            slot, m, v = slots[i], ms[i], vs[i]
+            t = slot.step_count() if slot is not None else None
+            if m is None or v is None or t is None or (not isinstance(t, torch.Tensor) and t == 0):
+                missing += g.numel()  # never stepped (first step) or not stepped by this optimizer
+                continue
+            bad = group_problem(self.opt_name, slot.group)
+            if bad:  # a param group changed after instrument(): this step's signal is dropped
+                raise ValueError(f"optimizer_signals: {bad}")
+            sums[self.inv[i]].append(self._sums(g, m, v, t, slot.group, scale).to(device))
+        zero = torch.zeros(len(COLS), dtype=f64, device=device)
+        body = torch.stack([torch.stack(r).sum(0) if r else zero for r in sums])  # [L, 8]
+        tail = torch.full((1,), float(missing), dtype=f64, device=device)  # a fill, no host copy
+        return torch.cat([body.reshape(-1), tail]), None
+
+    def _sums(self, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t: Any, group: dict,
+              scale: float) -> torch.Tensor:
+        """The 8 float64 sums of one piece (on the gradient's device): elementwise float32,
+        sums in float64."""
+        f64 = torch.float64
+        beta2 = float(group["betas"][1])
+        eps = float(group["eps"])
+        bc: Any = 1.0
+        if group.get("bias_correction", True):
+            if isinstance(t, torch.Tensor):  # no host read: a CPU scalar, or on the gradient's device
+                t = t.to(dtype=f64) if t.device.type == "cpu" else t.to(g.device, f64)
+                bc = (1.0 - torch.pow(beta2, t)).float()
+            else:
+                bc = 1.0 - beta2 ** float(t)
+        gf = g.float() if scale == 1.0 else g.float() / scale
+        mf, vf = m.float(), v.float()
+        vhat = vf / bc
+        den = vhat.clamp_min(eps * eps)
+        g2 = gf * gf
+        sign = -1.0 if group.get("maximize", False) else 1.0
+        return torch.stack([
+            torch.full((), float(g.numel()), dtype=f64, device=g.device),
+            (g2 / den).sum(dtype=f64),
+            (g2 > self.theta * den).sum().to(f64),
+            (gf * mf).sum(dtype=f64) * sign,
+            g2.sum(dtype=f64),
+            (mf * mf).sum(dtype=f64),
+            (vf * vf).sum(dtype=f64),
+            vhat.sum(dtype=f64),
+        ])
+
+    def finish(self, inst: Any, rec: Any, sum_part: np.ndarray, max_part: np.ndarray, grad_scale: float) -> None:
+        from distgrad.record_optimizer import OptimizerSignals
+
+        L = len(self.layers)
+        cols = sum_part[: L * len(COLS)].reshape(L, len(COLS))
+        missing = float(sum_part[-1])
+        if rec.overflow or cols[:, 0].sum() == 0:
+            return  # first step (no moment yet), or an fp16 overflow the optimizer skips
+        tot = cols.sum(0)
+        vals = [_values(r) for r in cols]
+        g = _values(tot)
+        keep = [k for k, r in zip(self.layers, cols) if r[0] > 0]
+        per = {k: v for k, v, r in zip(self.layers, vals, cols) if r[0] > 0}
+        fisher = {k: per[k]["fisher"] for k in keep}
+        top = sorted(keep, key=lambda k: -fisher[k] if math.isfinite(fisher[k]) else math.inf)[: self.top]
+        rec.optimizer_signals = OptimizerSignals(
+            optimizer=self.opt_name, spike_threshold=self.theta, elements=float(tot[0]),
+            elements_without_state=missing, update_rms=g["rms"], spike_fraction=g["spikes"],
+            grad_momentum_cosine=g["cos"], exp_avg_norm=g["m"], exp_avg_sq_norm=g["v"], fisher_trace=g["fisher"],
+            layer_update_rms={k: per[k]["rms"] for k in keep},
+            layer_spike_fraction={k: per[k]["spikes"] for k in keep},
+            layer_grad_momentum_cosine={k: per[k]["cos"] for k in keep},
+            layer_exp_avg_norm={k: per[k]["m"] for k in keep},
+            layer_exp_avg_sq_norm={k: per[k]["v"] for k in keep},
+            layer_fisher_trace=fisher, fisher_top_layers=top)
+
+
+def _values(r: np.ndarray) -> dict[str, float]:
+    """The signals of one row of sums ``(n, ratio, spikes, gm, gg, mm, vv, vhat)``."""
+    n, ratio, spikes, gm, gg, mm, vv, vhat = (float(x) for x in r)
+    if n <= 0:
+        return {k: math.nan for k in ("rms", "spikes", "cos", "m", "v", "fisher")}
+    denom = math.sqrt(gg) * math.sqrt(mm)
+    return {"rms": math.sqrt(ratio / n), "spikes": spikes / n,
+            "cos": gm / denom if denom > 0 else math.nan,
+            "m": math.sqrt(mm), "v": math.sqrt(vv), "fisher": vhat}
+
+
+@register("optimizer_signals")
+def _factory(inst: Any) -> AdamSignal | None:
+    """On for Adam-family optimizers whose state the adapter locates (``enabled: auto``); a
+    ConfigError naming ``optimizer_signals.enabled`` when ``on`` and it cannot be served."""
+    from distgrad.config import ConfigError
+    from distgrad.grouping import group_keys
+
+    mode = inst.config.optimizer_signals.enabled
+    if mode == "off":
+        return None
+    why = refusal(inst)
+    if why is not None:
+        if mode == "on":
+            raise ConfigError(f"distgrad config: 'optimizer_signals.enabled' is on but {why}; set "
+                              "optimizer_signals.enabled: auto (or off) to train without these signals")
+        if inst.global_rank == 0:
+            log.warning("distgrad: optimizer-aware signals (update RMS, spike fraction, Fisher, momentum cosine) "
+                        "are off: %s", why)
+        return None
+    return AdamSignal(inst, group_keys(inst.names, "layer", inst.config.naming.tuples))

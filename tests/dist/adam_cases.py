@@ -1,0 +1,138 @@
+"""Multi-rank driver of the optimizer-aware signals (run by tests/test_optimizer_signals_multirank.py
+under ``torchrun --nproc_per_node 2``, one launch): DeepSpeed ZeRO-2, ZeRO-3 and FSDP2, each with
+AdamW, train 4 optimizer steps of TinyModel with distgrad attached (default configuration: the
+signals are on for AdamW). Before distgrad reads each step, every rank gathers (test only,
+collectives outside distgrad's boundary) the full reduced gradient and the full optimizer state
+``exp_avg`` / ``exp_avg_sq`` (DeepSpeed ``safe_get_full_grad`` / ``safe_get_full_optimizer_state``,
+FSDP2 ``full_tensor()``); rank 0 writes them with distgrad's records, the collectives and host
+syncs distgrad made per step, and the optimizer's hyperparameters, as JSON to --out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import deepspeed
+import deepspeed.comm
+import torch
+import torch.distributed as dist
+
+import distgrad
+from distgrad.canonical import clean_name
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import BoundaryCounter, TinyModel, batch_for  # noqa: E402
+
+STEPS = 4
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.01
+
+
+def _full(t) -> list | None:
+    return None if t is None else t.detach().double().cpu().reshape(-1).tolist()
+
+
+def deepspeed_case(stage: int) -> dict:
+    from deepspeed.utils import safe_get_full_grad, safe_get_full_optimizer_state
+
+    torch.manual_seed(1234)
+    model = TinyModel()
+    cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1,
+           "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, "wall_clock_breakdown": False,
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                     "weight_decay": WD, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=cfg)
+    inst = distgrad.instrument(engine, prometheus=False)
+    named = [(clean_name(n), p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    assert [n for n, _ in named] == inst.names
+    refs: list[dict] = []
+    inner = engine._take_model_step
+
+    def capture(*a, **kw):
+        ref = {"step": int(engine.global_steps), "grad": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        for n, p in named:
+            ref["grad"][n] = _full(safe_get_full_grad(p))
+            if engine.global_steps > 0:  # no state before the first step
+                ref["exp_avg"][n] = _full(safe_get_full_optimizer_state(p, "exp_avg"))
+                ref["exp_avg_sq"][n] = _full(safe_get_full_optimizer_state(p, "exp_avg_sq"))
+        refs.append(ref)
+        return inner(*a, **kw)
+
+    engine._take_model_step = capture
+    counter = BoundaryCounter(inst)
+    records = []
+    try:
+        for step in range(STEPS):
+            x, y = batch_for(step, 0, dist.get_rank())
+            engine.backward(engine(x, y))
+            counter.around(engine.step)
+            records.append(inst.last_record.to_dict() if inst.last_record else None)
+    finally:
+        counter.restore()
+    out = {"records": records, "refs": refs, "counts": counter.counts, "counters": dict(inst.counters),
+           "optimizer": type(engine.optimizer.optimizer).__name__}
+    inst.close()
+    return out
+
+
+def fsdp2_case() -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(1234)
+    model = TinyModel()
+    for b in model.blocks:
+        fully_shard(b)
+    fully_shard(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=BETAS, eps=EPS,
+                            weight_decay=WD)
+    named = [(clean_name(n, strip_module=False), p) for n, p in model.named_parameters() if p.requires_grad]
+    refs: list[dict] = []
+    state = {"step": 0}
+
+    def capture(o, args, kwargs):  # registered before distgrad's pre-hook: runs first
+        ref = {"step": state["step"], "grad": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        for n, p in named:
+            ref["grad"][n] = _full(p.grad.full_tensor() if p.grad is not None else None)
+            s = o.state.get(p, {})
+            if s:
+                ref["exp_avg"][n] = _full(s["exp_avg"].full_tensor())
+                ref["exp_avg_sq"][n] = _full(s["exp_avg_sq"].full_tensor())
+        refs.append(ref)
+        state["step"] += 1
+
+    opt.register_step_pre_hook(capture)
+    inst = distgrad.instrument(model, optimizer=opt, prometheus=False)
+    assert [n for n, _ in named] == inst.names
+    counter = BoundaryCounter(inst)
+    records = []
+    try:
+        for step in range(STEPS):
+            x, y = batch_for(step, 0, dist.get_rank())
+            model(x, y).backward()
+            counter.around(opt.step)
+            opt.zero_grad()
+            records.append(inst.last_record.to_dict() if inst.last_record else None)
+    finally:
+        counter.restore()
+    out = {"records": records, "refs": refs, "counts": counter.counts, "counters": dict(inst.counters),
+           "optimizer": type(opt).__name__}
+    inst.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    cases = {"zero2": deepspeed_case(2), "zero3": deepspeed_case(3), "fsdp2": fsdp2_case()}
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump({"cases": cases, "betas": BETAS, "eps": EPS, "world": dist.get_world_size()}, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

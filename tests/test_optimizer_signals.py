@@ -1,0 +1,128 @@
+"""Optimizer-aware signals (distgrad.signals.adam) on one process: every value of
+``StepRecord.optimizer_signals`` against a float64 recomputation from the gradient and the
+AdamW state the optimizer held before its step (bias correction at steps 1 and 2 included), what
+happens on the first step and with other optimizers."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import distgrad
+from distgrad.config import ConfigError
+from distgrad.grouping import group_keys
+
+
+def reference(grads: dict, state: dict, group: dict, theta: float, keys: dict) -> dict:
+    """Float64 signals per layer and globally from full gradients and the optimizer state
+    before the step (``state[name] = (step, exp_avg, exp_avg_sq)``)."""
+    beta1, beta2 = group["betas"]
+    eps = group["eps"]
+    acc: dict[str, np.ndarray] = {}
+    for name, g in grads.items():
+        t, m, v = state[name]
+        vhat = v / (1.0 - beta2 ** t)
+        d = np.maximum(vhat, eps * eps)
+        row = np.array([g.size, np.sum(g * g / d), np.sum(g * g > theta * d), np.sum(g * m), np.sum(g * g),
+                        np.sum(m * m), np.sum(v * v), np.sum(vhat)])
+        for k in (keys[name], "__all__"):
+            acc[k] = acc.get(k, 0) + row
+    out = {}
+    for k, (n, r, s, gm, gg, mm, vv, vh) in acc.items():
+        out[k] = {"rms": math.sqrt(r / n), "spikes": s / n, "cos": gm / math.sqrt(gg * mm), "m": math.sqrt(mm),
+                  "v": math.sqrt(vv), "fisher": vh}
+    return out
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("async_records", ["off", "on"])
+def test_adamw_signals_match_float64(async_records):
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    theta = 2.0
+    dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False},
+                             statistics={"async_records": async_records},
+                             optimizer_signals={"spike_threshold": theta, "top_layers": 2})
+    names = [n for n, _ in m.named_parameters()]
+    keys = dict(zip(names, group_keys(names, "layer")))
+    expected = {}
+
+    def before(o, args, kwargs):  # the state the step starts from, in float64
+        st = {}
+        for n, p in m.named_parameters():
+            s = o.state.get(p, {})
+            st[n] = (float(s["step"]), s["exp_avg"].double().numpy().ravel(),
+                     s["exp_avg_sq"].double().numpy().ravel()) if s else None
+        grads = {n: p.grad.double().numpy().ravel() for n, p in m.named_parameters()}
+        expected[len(expected)] = (grads, st)
+
+    opt.register_step_pre_hook(before)
+    recs = []
+    dg.add_hook(recs.append)
+    for _ in range(5):
+        loss = m(torch.randn(8, 6)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    dg.close()
+    by_step = {r.step: r for r in recs}
+    assert sorted(by_step) == [0, 1, 2, 3, 4]
+    assert by_step[0].optimizer_signals is None  # no moment before the first step
+    assert all(s is None for s in expected[0][1].values())
+    for step in (1, 2, 3, 4):
+        grads, st = expected[step]
+        assert {s[0] for s in st.values()} == {float(step)}  # steps 1 and 2: strongest bias correction
+        ref = reference(grads, st, opt.param_groups[0], theta, keys)
+        o = by_step[step].optimizer_signals
+        assert o is not None and o.optimizer == "AdamW" and o.elements == sum(g.size for g in grads.values())
+        assert o.elements_without_state == 0
+        got_global = {"rms": o.update_rms, "spikes": o.spike_fraction, "cos": o.grad_momentum_cosine,
+                      "m": o.exp_avg_norm, "v": o.exp_avg_sq_norm, "fisher": o.fisher_trace}
+        for k, v in ref["__all__"].items():
+            assert got_global[k] == pytest.approx(v, rel=1e-5, abs=1e-12), (step, k)
+        layers = sorted(set(keys.values()))
+        assert sorted(o.layer_update_rms) == layers
+        for layer in layers:
+            got = {"rms": o.layer_update_rms[layer], "spikes": o.layer_spike_fraction[layer],
+                   "cos": o.layer_grad_momentum_cosine[layer], "m": o.layer_exp_avg_norm[layer],
+                   "v": o.layer_exp_avg_sq_norm[layer], "fisher": o.layer_fisher_trace[layer]}
+            for k, v in ref[layer].items():
+                assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-12), (step, layer, k)
+        top = sorted(layers, key=lambda k: -ref[k]["fisher"])[:2]
+        assert o.fisher_top_layers == top
+        assert 0 < o.spike_fraction < 1  # theta 2 splits the elements: the comparison is exercised
+    # the part survives the JSON round trip
+    again = type(recs[-1]).from_dict(recs[-1].to_dict())
+    assert again.optimizer_signals == recs[-1].optimizer_signals
+
+
+def test_other_optimizers_are_refused_loudly_once(caplog):
+    m = _model()
+    with caplog.at_level(logging.WARNING, logger="distgrad"):
+        dg = distgrad.instrument(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), exporter={"enabled": False})
+    assert [r for r in caplog.records if "optimizer-aware signals" in r.getMessage() and "SGD" in r.getMessage()]
+    assert not dg.signals.signals or all(s.name != "optimizer_signals" for s in dg.signals.signals)
+    dg.close()
+    with pytest.raises(ConfigError, match="optimizer_signals.enabled"):
+        distgrad.instrument(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), exporter={"enabled": False},
+                            optimizer_signals={"enabled": "on"})
+    # coupled L2 weight decay: Adam's moments are not those of the gradient
+    with pytest.raises(ConfigError, match="coupled L2"):
+        distgrad.instrument(m, optimizer=torch.optim.Adam(m.parameters(), weight_decay=0.01),
+                            exporter={"enabled": False}, optimizer_signals={"enabled": "on"})
+    with pytest.raises(ConfigError, match="amsgrad"):
+        distgrad.instrument(m, optimizer=torch.optim.AdamW(m.parameters(), amsgrad=True),
+                            exporter={"enabled": False}, optimizer_signals={"enabled": "on"})
+    dg = distgrad.instrument(m, optimizer=torch.optim.Adam(m.parameters()), exporter={"enabled": False},
+                             optimizer_signals={"enabled": "off"})
+    assert all(s.name != "optimizer_signals" for s in dg.signals.signals)
+    dg.close()
