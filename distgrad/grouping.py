@@ -44,9 +44,11 @@ metric; ``Metric.series()`` is the series of one metric per value of its scope l
   ``distgrad_param_grad_nonfinite{kind=nan|inf}`` (2); ``+UPDATE_RATIO_SERIES`` (1,
   ``distgrad_param_update_ratio``) when the update-ratio option is on;
 * ``L``: layer groups (layer-granularity keys, LoRA groups included);
-  ``LAYER_SERIES = 6``: ``distgrad_layer_grad_{norm, nonfinite, zero_ratio, headroom_ratio,
-  underflow_ratio}`` and ``distgrad_layer_curvature`` (the last two with ``histogram.enabled`` /
-  ``curvature.enabled`` only; counted always);
+  ``LAYER_SERIES = 8``: ``distgrad_layer_grad_{norm, nonfinite, zero_ratio, headroom_ratio,
+  underflow_ratio}``, ``distgrad_layer_curvature`` and ``distgrad_layer_{update_rms,
+  adam_spike_fraction}`` (the underflow ratio, the curvature and the last two with
+  ``histogram.enabled`` / ``curvature.enabled`` / an Adam-family optimizer only; counted
+  always; the optimizer signals' other per-layer values are in the JSONL record only);
 * ``K``: module-kind groups (kind-granularity keys); ``KIND_SERIES = 1``
   (``distgrad_module_kind_grad_norm``);
 * ``GLOBAL_SERIES`` (about 180; the exact value is counted from the catalogue at import): the
@@ -54,17 +56,18 @@ metric; ``Metric.series()`` is the series of one metric per value of its scope l
   unlabelled ones, the three-valued ``detector`` families, ``distgrad_sink_errors_total{sink}``
   for its 4 sinks, ``distgrad_refused_steps_total{reason}`` for its 3 reasons,
   ``distgrad_nonfinite_params`` capped at 20, ``distgrad_nonfinite_culprit`` capped at 8, the loss components (3 x 8, and 8 x 2 spike
-  counters), the token-loss bins (15), data sources (2 x 9), the gradient noise scale (5), the curvature (1) and the opt-in action's
-  counter (2 causes) and stop gauge) plus :data:`GLOBAL_RESERVE`
+  counters), the token-loss bins (15), data sources (2 x 9), the gradient noise scale (5), the curvature (1), the opt-in action's
+  counter (2 causes) and stop gauge, and the optimizer signals (4 + 2 moment norms)) plus :data:`GLOBAL_RESERVE`
   (5) for exporter-side extras and metrics still to come. (prometheus_client's ``*_created``
   samples and process collectors are not served by distgrad's exporter.)
 
 The default budget is :data:`DEFAULT_SERIES_BUDGET` ``= 2000`` and the default ``top_k`` is
 :data:`DEFAULT_TOP_K` ``= 100``. Example, LLaMA-70B (723 tensors, 80 blocks): L = 83 (80 blocks +
-embed, norm, head), K = 10, fixed part LAYER_SERIES*83 + 10 + GLOBAL_SERIES (about 690 with
-LAYER_SERIES = 6), so at most floor((2000 - 690) / 10) = 131 parameters can have per-parameter
-series; with the default top-k, 10*100 + 690 = about 1690 series, and a step with many
-non-finite parameters is capped below the budget (:func:`select_series`).
+embed, norm, head), K = 10, fixed part LAYER_SERIES*83 + 10 + GLOBAL_SERIES (856 with
+LAYER_SERIES = 8 and GLOBAL_SERIES = 182), so at most floor((2000 - 856) / 10) = 114 parameters
+can have per-parameter series; with the default top-k, 10*100 + 856 = 1856 series (1956 with the
+update ratio), and a step with many non-finite parameters is capped below the budget
+(:func:`select_series`).
 """
 
 from __future__ import annotations
@@ -279,7 +282,7 @@ def select_series(
     Rule: every parameter with a non-finite element (``nan + inf > 0``) or a non-finite norm is
     kept, those with the most non-finite elements first (ties: parameter order); then the
     ``top_k`` largest finite norms among the others (ties: parameter order). The total is capped
-    at the budget's capacity ``floor((budget - 5 L - K - G) / 10)`` (module docstring), with L and
+    at the budget's capacity ``floor((budget - 8 L - K - G) / 10)`` (module docstring), with L and
     K the layer and module-kind groups of ``stats.names``, so that
     ``series_count(P, L, K, result) <= budget`` always holds.
 

@@ -81,6 +81,7 @@ LABELS: dict[str, Label] = {lab.name: lab for lab in (
     Label("component", "loss component, as passed to `observe_loss(components=...)` (declared at first use, at "
                        "most 8)"),
     Label("source", "data source of per-token losses: the configured `loss.sources` (at most 8) and `other`"),
+    Label("moment", "Adam optimizer state", ("exp_avg", "exp_avg_sq")),
     Label("le", "upper edge of a fixed token-loss bin, in nats (`distgrad.token_loss.EDGES`)",
           ("0.01", "0.05", "0.1", "0.25", "0.5", "1", "2", "3", "4", "5", "6", "8", "10", "15", "20")),
 )}
@@ -106,6 +107,8 @@ CONDITIONS: dict[str, str] = {
     "action": "with an opt-in action configured (`action.on_nonfinite` / `action.on_spike`): the counter from "
               "`instrument()` on, at 0 for each cause; the gauge after the first sampled step",
     "curvature": "`curvature.enabled: true`, from the second sampled step on (see docs/signals.md)",
+    "adam": "an Adam-family optimizer (`optimizer_signals.enabled: auto`, the default), after a sampled step "
+            "from the second optimizer step on (no moment exists before the first)",
     "data_time": "after a sampled step whose data time is known on some rank (the boundary sees the forward: "
                  "PyTorch models with `optimizer=`, DeepSpeed engines; or the loop calls `observe_data_time`)",
 }
@@ -318,6 +321,23 @@ CATALOGUE: tuple[Metric, ...] = (
        "the smallest normal value of the training dtype (as held, loss-scaled).", "histogram",
        doc="`distgrad_layer_grad_underflow_ratio` over the whole model"),
     _g("distgrad_grad_zero_ratio", "ratio", "Fraction of all gradient elements exactly 0.", "histogram"),
+    # --- optimizer-aware signals (Adam family; distgrad/signals/adam.py, docs/signals.md) -----------
+    _g("distgrad_update_rms", "1", "sqrt(mean(g^2 / max(v_hat, eps^2))) over the model: the RMS of Adam's update "
+       "with the second moment before this step.", "adam",
+       doc="`sqrt(mean(g^2 / max(v_hat, eps^2)))` over every element: `g` the reduced, unscaled, pre-clip gradient, "
+           "`v_hat` Adam's bias-corrected `exp_avg_sq` before this step's update (~1 when the second moment "
+           "tracks the gradient, well above 1 when the gradient outgrows it: an early warning of loss spikes, "
+           "Wortsman et al. 2023; see docs/signals.md)"),
+    _g("distgrad_adam_spike_fraction", "ratio", "Fraction of gradient elements with g^2 > theta * max(v_hat, eps^2) "
+       "(theta: optimizer_signals.spike_threshold).", "adam"),
+    _g("distgrad_grad_momentum_cosine", "1", "Cosine between the gradient and Adam's first moment (exp_avg) before "
+       "the step.", "adam"),
+    _g("distgrad_optimizer_moment_norm", "grad", "L2 norm of an Adam state over the model (exp_avg in the gradient's "
+       "unit, exp_avg_sq in its square).", "adam", ("moment",)),
+    _g("distgrad_fisher_trace", "grad^2", "sum(v_hat): trace of the diagonal empirical Fisher estimate Adam keeps "
+       "(gradient unit squared).", "adam",
+       doc="`sum(v_hat)` over the model: trace of the diagonal empirical Fisher estimate of the mini-batch gradient "
+           "that Adam's second moment is (gradient unit squared); the top layers are in the JSONL record"),
     # --- per layer / module kind ------------------------------------------------------------
     _g("distgrad_layer_grad_norm", "grad", "Root-sum-square of the layer's parameter grad norms.", labels=("layer",)),
     _g("distgrad_layer_grad_nonfinite", "elements", "NaN+Inf gradient elements in the layer.", labels=("layer",)),
@@ -328,6 +348,9 @@ CATALOGUE: tuple[Metric, ...] = (
        doc="fraction of the layer's gradient elements with `0 < |g| < tiny`, `tiny` the smallest normal value of "
            "the training dtype (`histogram.dtype`; 2^-14 for fp16, 2^-126 for bf16/fp32), compared with the gradient "
            "as held, i.e. loss-scaled under fp16: subnormal in that dtype, or lost to 0 (see docs/signals.md)"),
+    _g("distgrad_layer_update_rms", "1", "distgrad_update_rms over the layer's elements.", "adam", ("layer",)),
+    _g("distgrad_layer_adam_spike_fraction", "ratio", "distgrad_adam_spike_fraction over the layer's elements.",
+       "adam", ("layer",)),
     _g("distgrad_module_kind_grad_norm", "grad", "Root-sum-square grad norm over all parameters of a module kind.",
        labels=("module_kind",)),
     # --- non-finite events ----------------------------------------------------------------------

@@ -19,12 +19,15 @@ class OptimizerSignals(_Part):
     Attributes:
         optimizer: the optimizer's class name (``"AdamW"``, ``"FusedAdam"``, ...).
         spike_threshold: theta of the spike fraction (``optimizer_signals.spike_threshold``).
+        clip_ratio: ``c = min(1, max_norm / (|g| + 1e-6))`` of global-norm clipping (the engine's
+            threshold or ``clip.max_grad_norm``; 1.0 when none is known), applied to the update RMS.
         elements: gradient elements with optimizer state (over all ranks, each counted once).
         elements_without_state: gradient elements the optimizer holds no moment for (not in
             the optimizer, or never stepped); left out of every value below.
-        update_rms: ``sqrt(mean(g**2 / d))`` (dimensionless; ~1 when the second moment tracks
-            the gradient, >> 1 when the gradient outgrows it: Wortsman et al. 2023).
-        spike_fraction: fraction of elements with ``g**2 > spike_threshold * d``.
+        update_rms: ``clip_ratio * sqrt(mean(g**2 / d))``: the RMS of the update of the clipped
+            gradient the optimizer applies (dimensionless; ~1 when the second moment tracks the
+            gradient, >> 1 when the gradient outgrows it: Wortsman et al. 2023).
+        spike_fraction: fraction of elements with ``g**2 > spike_threshold * d`` (pre-clip ``g``).
         grad_momentum_cosine: ``g . m / (|g| |m|)`` (NaN when a norm is 0).
         exp_avg_norm, exp_avg_sq_norm: L2 norms of the raw states ``m`` (gradient unit) and ``v``
             (gradient unit squared).
@@ -37,6 +40,7 @@ class OptimizerSignals(_Part):
 
     optimizer: str = ""
     spike_threshold: float = float("nan")
+    clip_ratio: float = 1.0
     elements: float = 0.0
     elements_without_state: float = 0.0
     update_rms: float = float("nan")

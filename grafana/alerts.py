@@ -276,6 +276,21 @@ def _groups() -> dict[str, Any]:
             "rank; the run ends or has ended.",
         ),
     ]
+    adam = a["DistgradAdamUpdateExcursion"]
+    training += [
+        _rule(
+            "DistgradAdamUpdateExcursion",
+            f"(\n  quantile_over_time(0.5, distgrad_update_rms{sel()}[{adam['window']}]) > {adam['rms']}\n"
+            f"  or quantile_over_time(0.5, distgrad_adam_spike_fraction{sel()}[{adam['window']}]) > "
+            f"{adam['fraction']}\n)\nand on (job, instance) distgrad_optimizer_step{sel()} >= {adam['min_step']}\n",
+            "Adam's second moment no longer tracks the gradient in {{ $labels.job }}.",
+            f"For {adam['for']}, the gradients of {WHO} have outgrown what Adam's second moment expects "
+            f"(median over {adam['window']} of the update RMS above {adam['rms']}, ~1 when healthy, or of the "
+            f"fraction of elements with g^2 > theta * v_hat above {adam['fraction']}). Now: update RMS "
+            f"{tvalue('distgrad_update_rms', '%.3g')}, spike fraction {tvalue('distgrad_adam_spike_fraction', '%.3g')} "
+            f"at sampled step {tvalue('distgrad_optimizer_step')}. Loss spikes tend to follow within a few steps.",
+        ),
+    ]
     exporter = [
         _rule(
             "DistgradExporterDown",

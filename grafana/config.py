@@ -55,6 +55,15 @@ ALERTS: dict[str, dict[str, Any]] = {
     # cause, so any skip alerts (per cause); a stop it requested is critical (the run ends)
     "DistgradUpdatesSkipped": {"severity": "warning", "for": "0s", "window": "30m"},
     "DistgradStopRequested": {"severity": "critical", "for": "0s"},
+    # Adam's second moment no longer tracks the gradient (distgrad.signals.adam): the median
+    # over the last `window` of the global update RMS sqrt(mean(g^2 / v_hat)) above rms, or of
+    # the fraction of elements with g^2 > spike_threshold * v_hat above fraction, for `for`, once
+    # the optimizer has taken min_step steps (before, v_hat rests on a handful of samples and the
+    # ratio is routinely far above 1). The median ignores the isolated outliers healthy language
+    # models show (a rare token's embedding row after a long absence: one sample at 10-1000);
+    # healthy runs sit at a median of ~1 and ~1e-4 (docs/signals.md, "Alert").
+    "DistgradAdamUpdateExcursion": {"severity": "warning", "for": "5m", "window": "10m", "rms": 2.0,
+                                    "fraction": 0.01, "min_step": 100},
 }
 
 #: Dashboard settings shared by every dashboard.

@@ -22,6 +22,7 @@ from distgrad.record_action import ActionPart
 from distgrad.record import Culprit, LossComponents, ParamStats, RankCount, ScalerState, StepRecord, TokenLossStats
 from distgrad.record_histogram import GradHistogram
 from distgrad.record_culprit import CulpritModule
+from distgrad.record_optimizer import OptimizerSignals
 from distgrad.token_loss import EDGES
 from distgrad.sinks.prometheus import PrometheusSink
 
@@ -92,6 +93,12 @@ def _sink(features: set[str]) -> PrometheusSink:
                                      ema_noise_trace=10.0, noise_scale=10.0 / 0.7, ema_steps=1)
     if "curvature" in f:
         rec.curvature = Curvature(layer={"0": 0.5, "1": -0.1}, total=0.3, update_sq=1e-4)
+    if "adam" in f:
+        rec.optimizer_signals = OptimizerSignals(
+            optimizer="AdamW", spike_threshold=50.0, elements=8.0, update_rms=0.9, spike_fraction=0.0,
+            grad_momentum_cosine=0.5, exp_avg_norm=0.1, exp_avg_sq_norm=0.01, fisher_trace=0.02,
+            layer_update_rms={"0": 0.8, "1": 1.0}, layer_spike_fraction={"0": 0.0, "1": 0.0},
+            layer_grad_momentum_cosine={"0": 0.4, "1": 0.6}, fisher_top_layers=["1", "0"])  # cosine: JSONL only
     diag.on_record(rec)
     sink.write(rec)
     return sink

@@ -18,9 +18,12 @@ from distgrad.config import ConfigError
 from distgrad.grouping import group_keys
 
 
-def reference(grads: dict, state: dict, group: dict, theta: float, keys: dict) -> dict:
-    """Float64 signals per layer and globally from full gradients and the optimizer state
-    before the step (``state[name] = (step, exp_avg, exp_avg_sq)``)."""
+def reference(grads: dict, state: dict, group: dict, theta: float, keys: dict, clip: float | None = None) -> dict:
+    """Float64 signals per layer and globally from full pre-clip gradients and the optimizer state
+    before the step (``state[name] = (step, exp_avg, exp_avg_sq)``); ``clip``: the global-norm
+    clip threshold, whose coefficient scales the update RMS (torch's clip_grad_norm_ formula)."""
+    norm = math.sqrt(sum(float(np.sum(g * g)) for g in grads.values()))
+    c = 1.0 if clip is None else min(1.0, clip / (norm + 1e-6))
     beta1, beta2 = group["betas"]
     eps = group["eps"]
     acc: dict[str, np.ndarray] = {}
@@ -34,23 +37,40 @@ def reference(grads: dict, state: dict, group: dict, theta: float, keys: dict) -
             acc[k] = acc.get(k, 0) + row
     out = {}
     for k, (n, r, s, gm, gg, mm, vv, vh) in acc.items():
-        out[k] = {"rms": math.sqrt(r / n), "spikes": s / n, "cos": gm / math.sqrt(gg * mm), "m": math.sqrt(mm),
+        out[k] = {"rms": c * math.sqrt(r / n), "spikes": s / n, "cos": gm / math.sqrt(gg * mm), "m": math.sqrt(mm),
                   "v": math.sqrt(vv), "fisher": vh}
     return out
 
 
+class _Net(nn.Module):
+    """Layer labels 0, 1 (two blocks), head, norm: several layers for the per-layer values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(6, 16), nn.Linear(16, 16)])
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        for lin in self.layers:
+            x = torch.tanh(lin(x))
+        return self.head(self.norm(x))
+
+
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    return _Net()
 
 
-@pytest.mark.parametrize("async_records", ["off", "on"])
-def test_adamw_signals_match_float64(async_records):
+@pytest.mark.parametrize("async_records,clip", [("off", None), ("on", None), ("off", 0.05)])
+def test_adamw_signals_match_float64(async_records, clip):
+    """Steps 1-4 (step 0 has no moment); with ``clip`` the loop reads the gradients, then clips
+    them with clip_grad_norm_ (the optimizer's moments then track clipped gradients)."""
     m = _model()
     opt = torch.optim.AdamW(m.parameters(), lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
     theta = 2.0
     dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False},
-                             statistics={"async_records": async_records},
+                             statistics={"async_records": async_records}, clip={"max_grad_norm": clip},
                              optimizer_signals={"spike_threshold": theta, "top_layers": 2})
     names = [n for n, _ in m.named_parameters()]
     keys = dict(zip(names, group_keys(names, "layer")))
@@ -62,15 +82,19 @@ def test_adamw_signals_match_float64(async_records):
             s = o.state.get(p, {})
             st[n] = (float(s["step"]), s["exp_avg"].double().numpy().ravel(),
                      s["exp_avg_sq"].double().numpy().ravel()) if s else None
-        grads = {n: p.grad.double().numpy().ravel() for n, p in m.named_parameters()}
-        expected[len(expected)] = (grads, st)
+        expected[len(expected)] = (dict(pre_clip), st)
 
     opt.register_step_pre_hook(before)
     recs = []
     dg.add_hook(recs.append)
+    pre_clip: dict = {}
     for _ in range(5):
         loss = m(torch.randn(8, 6)).pow(2).mean()
         loss.backward()
+        pre_clip.update({n: p.grad.double().numpy().ravel().copy() for n, p in m.named_parameters()})
+        if clip is not None:
+            dg.read_gradients_now()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
         opt.step()
         opt.zero_grad()
     dg.close()
@@ -81,8 +105,10 @@ def test_adamw_signals_match_float64(async_records):
     for step in (1, 2, 3, 4):
         grads, st = expected[step]
         assert {s[0] for s in st.values()} == {float(step)}  # steps 1 and 2: strongest bias correction
-        ref = reference(grads, st, opt.param_groups[0], theta, keys)
+        ref = reference(grads, st, opt.param_groups[0], theta, keys, clip)
         o = by_step[step].optimizer_signals
+        if clip is not None:  # the clip acts: the update RMS is that of the clipped gradient
+            assert o.clip_ratio == pytest.approx(by_step[step].clip.ratio, rel=1e-12) and o.clip_ratio < 0.9
         assert o is not None and o.optimizer == "AdamW" and o.elements == sum(g.size for g in grads.values())
         assert o.elements_without_state == 0
         got_global = {"rms": o.update_rms, "spikes": o.spike_fraction, "cos": o.grad_momentum_cosine,
@@ -90,7 +116,7 @@ def test_adamw_signals_match_float64(async_records):
         for k, v in ref["__all__"].items():
             assert got_global[k] == pytest.approx(v, rel=1e-5, abs=1e-12), (step, k)
         layers = sorted(set(keys.values()))
-        assert sorted(o.layer_update_rms) == layers
+        assert sorted(o.layer_update_rms) == layers == ["0", "1", "head", "norm"]
         for layer in layers:
             got = {"rms": o.layer_update_rms[layer], "spikes": o.layer_spike_fraction[layer],
                    "cos": o.layer_grad_momentum_cosine[layer], "m": o.layer_exp_avg_norm[layer],
@@ -126,3 +152,20 @@ def test_other_optimizers_are_refused_loudly_once(caplog):
                              optimizer_signals={"enabled": "off"})
     assert all(s.name != "optimizer_signals" for s in dg.signals.signals)
     dg.close()
+
+
+def test_deepspeed_adam_modes_are_read_from_the_optimizer():
+    """DeepSpeed's FusedAdam / DeepSpeedCPUAdam keep Adam vs AdamW on the optimizer
+    (``adam_w_mode``), not in the param group: coupled L2 there is refused too."""
+    from types import SimpleNamespace
+
+    from distgrad.signals.adam import group_problem
+
+    group = {"weight_decay": 0.1, "betas": (0.9, 0.999), "eps": 1e-8}
+    for name in ("FusedAdam", "DeepSpeedCPUAdam"):
+        assert "coupled L2" in group_problem(name, group, SimpleNamespace(adam_w_mode=0))
+        assert group_problem(name, group, SimpleNamespace(adam_w_mode=1)) is None
+        assert group_problem(name, {**group, "weight_decay": 0.0}, SimpleNamespace(adam_w_mode=0)) is None
+    assert group_problem("AdamW", group) is None
+    assert "coupled L2" in group_problem("Adam", group)
+    assert group_problem("Adam", {**group, "decoupled_weight_decay": True}) is None

@@ -1,5 +1,6 @@
 """Optimizer-aware signals under sharding, on 2 gloo CPU ranks (tests/dist/adam_cases.py, one
-launch): DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 with AdamW. Each rank reads its own shard of the
+launch): DeepSpeed ZeRO-2, ZeRO-3, FSDP2, FSDP1 (use_orig_params=True) and DDP
+(each rank counting its share of the replicated state) with AdamW. Each rank reads its own shard of the
 gradient and of ``exp_avg`` / ``exp_avg_sq``; the record must equal (rtol 1e-5) a float64
 computation from the full unsharded gradient and the full optimizer state gathered by the
 frameworks' own functions, with the optimizer's step count taken from the step index (an
@@ -24,9 +25,13 @@ def adam_results(tmp_path_factory):
     return launch("adam_cases.py", tmp_path_factory.mktemp("adam") / "adam.json")
 
 
-def reference(ref: dict, betas, eps: float, theta: float) -> dict:
-    """Float64 signals per layer label and globally (``"__all__"``) of one step."""
+def reference(ref: dict, betas, eps: float, theta: float, clip: float | None) -> dict:
+    """Float64 signals per layer label and globally (``"__all__"``) of one step; ``clip``: the
+    engine's global-norm clip threshold, whose coefficient (DeepSpeed's formula, from the full
+    gradient's norm) scales the update RMS."""
     names = list(ref["grad"])
+    norm = math.sqrt(sum(float(np.sum(np.asarray(g) ** 2)) for g in ref["grad"].values()))
+    c = 1.0 if clip is None else min(1.0, clip / (norm + 1e-6))
     keys = dict(zip(names, group_keys(names, "layer")))
     t = ref["step"]  # updates applied before this step (every step is applied here)
     acc: dict[str, np.ndarray] = {}
@@ -39,24 +44,46 @@ def reference(ref: dict, betas, eps: float, theta: float) -> dict:
                         np.sum(m * m), np.sum(v * v), np.sum(vhat)])
         for k in (keys[n], "__all__"):
             acc[k] = acc.get(k, 0) + row
-    return {k: {"rms": math.sqrt(r / n), "spikes": s / n, "cos": gm / math.sqrt(gg * mm), "m": math.sqrt(mm),
+    return {k: {"rms": c * math.sqrt(r / n), "spikes": s / n, "cos": gm / math.sqrt(gg * mm), "m": math.sqrt(mm),
                 "v": math.sqrt(vv), "fisher": vh}
             for k, (n, r, s, gm, gg, mm, vv, vh) in acc.items()}
 
 
-@pytest.mark.parametrize("case", ["zero2", "zero3", "fsdp2"])
+def moments_from_history(refs: list[dict], betas) -> None:
+    """Fill ``exp_avg`` / ``exp_avg_sq`` of each step's reference from the full gradients of the
+    steps before it (AdamW without clipping: ``m = sum (1-b1) b1^(k-1-i) g_i``, same for ``v`` with
+    ``g_i^2`` and b2): an independent rebuild of the optimizer's full state."""
+    for k, ref in enumerate(refs):
+        if k == 0:
+            continue
+        for n in ref["grad"]:
+            gs = [np.asarray(refs[i]["grad"][n]) for i in range(k)]
+            ref["exp_avg"][n] = sum((1 - betas[0]) * betas[0] ** (k - 1 - i) * g for i, g in enumerate(gs)).tolist()
+            ref["exp_avg_sq"][n] = sum((1 - betas[1]) * betas[1] ** (k - 1 - i) * g * g
+                                       for i, g in enumerate(gs)).tolist()
+
+
+@pytest.mark.parametrize("case", ["zero2", "zero3", "fsdp2", "fsdp1", "ddp"])
 def test_sharded_signals_equal_the_full_state_computation(adam_results, case):
     c = adam_results["cases"][case]
     assert adam_results["world"] == 2 and c["optimizer"] == "AdamW"
+    if case == "fsdp1":  # the FlatParameter's state (use_orig_params=False) is refused, loudly
+        assert "optimizer_signals.enabled" in c["flat_refused"] and "fsdp1" in c["flat_refused"]
+        moments_from_history(c["refs"], adam_results["betas"])
     assert c["counters"]["internal_errors"] == 0
     recs = [StepRecord.from_dict(r) for r in c["records"]]
     assert [r.step for r in recs] == list(range(len(recs)))
     assert recs[0].optimizer_signals is None  # no moment before the first step
+    ratios = [r.optimizer_signals.clip_ratio for r in recs[1:]]
+    if c.get("clip"):  # DeepSpeed clips at 1.0 by default: one step's norm (3.0) exceeds it
+        assert min(ratios) < 0.5 and max(ratios) == 1.0
+    else:
+        assert ratios == [1.0] * len(ratios)
     for rec, ref in zip(recs[1:], c["refs"][1:]):
         o = rec.optimizer_signals
         assert o is not None and o.elements_without_state == 0
         assert o.elements == sum(len(g) for g in ref["grad"].values())
-        exp = reference(ref, adam_results["betas"], adam_results["eps"], o.spike_threshold)
+        exp = reference(ref, adam_results["betas"], adam_results["eps"], o.spike_threshold, c.get("clip"))
         got = {"rms": o.update_rms, "spikes": o.spike_fraction, "cos": o.grad_momentum_cosine,
                "m": o.exp_avg_norm, "v": o.exp_avg_sq_norm, "fisher": o.fisher_trace}
         for k, v in exp["__all__"].items():

@@ -217,12 +217,15 @@ class FSDP1Source(TorchSource):
 
     def _state_entries(self) -> list[tuple[torch.Tensor, Any] | None]:
         """``use_orig_params=True``: each original parameter's state has the shape of its local
-        1-D shard view; False: the FlatParameter's state, cut like its gradient."""
-        from distgrad.engines.optimizer_state import flat, narrow
+        1-D shard view (cut like its gradient: whole)."""
+        from distgrad.engines.optimizer_state import flat
 
-        if self.use_orig_params:
-            return [(p, flat) if off is not None else None for p, off in zip(self._params, self._offsets)]
-        return [None if w is None else (w[0], narrow(w[1], w[2])) for w in self._slices]
+        return [(p, flat) if off is not None else None for p, off in zip(self._params, self._offsets)]
+
+    def optimizer_slots(self) -> list[Any] | None:
+        """``use_orig_params=True`` only; ``False`` (state of the FlatParameter) is not located
+        (None: the optimizer signals are refused with that reason)."""
+        return super().optimizer_slots() if self.use_orig_params else None
 
     def local_param_pieces(self) -> Sequence[torch.Tensor | None]:
         """This rank's shard of the (full-precision) parameters, laid out like the gradient

@@ -7,14 +7,18 @@ once, so they are exact under any sharding):
 - ``g``: the reduced gradient the optimizer is about to consume, read at the boundary, divided by
   the loss scale it still carries (DeepSpeed fp16), **before** any gradient clipping (DeepSpeed
   clips inside its step, after the boundary; PyTorch loops are read before ``clip_grad_norm_``
-  or the step is refused). With clipping the update uses ``c * g``, ``c = distgrad_clip_ratio``:
-  the update RMS of the clipped gradient is ``c * update_rms``; the cosine does not change.
+  or the step is refused). Global-norm clipping multiplies every element by the same
+  ``c = min(1, max_norm / (|g| + 1e-6))``, known once the norm is reduced: the update RMS is
+  reported for the gradient the optimizer applies, ``c * g`` (``c`` from the engine's clip
+  threshold or ``clip.max_grad_norm``, 1 when none is known; recorded as ``clip_ratio``); the
+  cosine does not depend on ``c``; the spike fraction is counted on the pre-clip ``g`` (a
+  per-element test needs ``c`` on the device before the collective that gives it).
 - ``m``, ``v``: ``exp_avg`` and ``exp_avg_sq`` **before this step's update** (the state the
   previous step left). ``t``: the optimizer's own count of applied updates (``state["step"]``,
   DeepSpeed FusedAdam: ``group["step"]``); ``beta2``, ``eps`` from the parameter's group.
   ``v_hat = v / (1 - beta2**t)`` (``v`` as is when the group sets ``bias_correction: False``);
   ``d = max(v_hat, eps**2)``.
-- update RMS ``sqrt(sum(g**2 / d) / n)``: the RMS of the update Adam would make with ``v`` not
+- update RMS ``c * sqrt(sum(g**2 / d) / n)``: the RMS of the update Adam would make with ``v`` not
   yet refreshed (Wortsman et al. 2023, "Stable and low-precision training for large-scale
   vision-language models", arXiv 2304.13013, section 3.4: loss spikes follow 1-8 steps after it
   exceeds ~1 in a layer).
@@ -54,6 +58,9 @@ log = logging.getLogger("distgrad")
 ADAM_FAMILY = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam")
 #: per-layer SUM columns
 COLS = ("n", "ratio", "spikes", "gm", "gg", "mm", "vv", "vhat")
+#: elements per chunk of the CPU computation (temporaries stay in cache: ~10x faster than whole
+#: pieces on a loaded CPU, measured; accelerators process whole pieces)
+CHUNK = 1 << 16
 
 
 def _inner_optimizer(inst: Any) -> Any:
@@ -78,7 +85,7 @@ def refusal(inst: Any) -> str | None:
     if name not in ADAM_FAMILY:
         return f"the optimizer is {name}, not one of the Adam family {ADAM_FAMILY}"
     for g in opt.param_groups:
-        bad = group_problem(name, g)
+        bad = group_problem(name, g, opt)
         if bad:
             return bad
     if getattr(inst.source, "scaler", None) is not None and inst.source.has_loss_scaler():
@@ -93,14 +100,15 @@ def refusal(inst: Any) -> str | None:
     return None
 
 
-def group_problem(name: str, g: dict) -> str | None:
-    """Why a param group's Adam variant is not the one the definitions assume, or None."""
+def group_problem(name: str, g: dict, opt: Any = None) -> str | None:
+    """Why a param group's Adam variant is not the one the definitions assume, or None
+    (DeepSpeed's FusedAdam / DeepSpeedCPUAdam keep their Adam/AdamW mode on the optimizer,
+    ``adam_w_mode``)."""
     if g.get("amsgrad"):
         return "amsgrad=True (the update divides by max_exp_avg_sq, not exp_avg_sq)"
     wd = float(g.get("weight_decay", 0.0) or 0.0)
     coupled = (name == "Adam" and not g.get("decoupled_weight_decay", False)) or \
-        (name == "FusedAdam" and not g.get("adam_w_mode", True)) or \
-        (name == "DeepSpeedCPUAdam" and not g.get("adamw_mode", True))
+        (name in ("FusedAdam", "DeepSpeedCPUAdam") and not getattr(opt, "adam_w_mode", True))
     if coupled and wd > 0:
         return (f"{name} with coupled L2 weight_decay={wd} (its moments track g + weight_decay * w, not the "
                 "gradient): use AdamW or weight_decay 0")
@@ -148,7 +156,7 @@ class AdamSignal(PackedSignal):
             if m is None or v is None or t is None or (not isinstance(t, torch.Tensor) and t == 0):
                 missing += g.numel()  # never stepped (first step) or not stepped by this optimizer
                 continue
-            bad = group_problem(self.opt_name, slot.group)
+            bad = group_problem(self.opt_name, slot.group, slot.optimizer)
             if bad:  # a param group changed after instrument(): this step's signal is dropped
                 raise ValueError(f"optimizer_signals: {bad}")
             sums[self.inv[i]].append(self._sums(g, m, v, t, slot.group, scale).to(device))
@@ -159,11 +167,14 @@ class AdamSignal(PackedSignal):
 
     def _sums(self, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t: Any, group: dict,
               scale: float) -> torch.Tensor:
-        """The 8 float64 sums of one piece (on the gradient's device): elementwise float32,
-        sums in float64."""
+        """The 8 sums ``(n, sum g^2/d, #spikes, g.m, g.g, m.m, v.v, sum v_hat)`` of one piece,
+        float64 ``[8]`` on the gradient's device: elementwise float32 over chunks of
+        :data:`CHUNK` elements on the CPU (whole pieces on accelerators, whose caching
+        allocator reuses the temporaries), each chunk summed in float32 (pairwise / tree
+        reduction), the chunks' sums added in float64."""
         f64 = torch.float64
         beta2 = float(group["betas"][1])
-        eps = float(group["eps"])
+        eps2 = float(group["eps"]) ** 2
         bc: Any = 1.0
         if group.get("bias_correction", True):
             if isinstance(t, torch.Tensor):  # no host read: a CPU scalar, or on the gradient's device
@@ -171,22 +182,24 @@ class AdamSignal(PackedSignal):
                 bc = (1.0 - torch.pow(beta2, t)).float()
             else:
                 bc = 1.0 - beta2 ** float(t)
-        gf = g.float() if scale == 1.0 else g.float() / scale
-        mf, vf = m.float(), v.float()
-        vhat = vf / bc
-        den = vhat.clamp_min(eps * eps)
-        g2 = gf * gf
         sign = -1.0 if group.get("maximize", False) else 1.0
-        return torch.stack([
-            torch.full((), float(g.numel()), dtype=f64, device=g.device),
-            (g2 / den).sum(dtype=f64),
-            (g2 > self.theta * den).sum().to(f64),
-            (gf * mf).sum(dtype=f64) * sign,
-            g2.sum(dtype=f64),
-            (mf * mf).sum(dtype=f64),
-            (vf * vf).sum(dtype=f64),
-            vhat.sum(dtype=f64),
-        ])
+        step = CHUNK if g.device.type == "cpu" else max(1, g.numel())
+        parts = []
+        for s in range(0, g.numel(), step):
+            gc = g[s:s + step].float()
+            if scale != 1.0:
+                gc = gc / scale
+            mc, vc = m[s:s + step].float(), v[s:s + step].float()
+            den = vc / bc
+            vhat = den.sum()
+            den.clamp_min_(eps2)
+            r = gc * gc
+            gg = r.sum()
+            r.div_(den)
+            parts.append(torch.stack([r.sum(), (r > self.theta).sum().float(), torch.dot(gc, mc) * sign, gg,
+                                      torch.dot(mc, mc), torch.dot(vc, vc), vhat.float()]))
+        body = torch.stack(parts).to(f64).sum(0)
+        return torch.cat([torch.full((1,), float(g.numel()), dtype=f64, device=g.device), body])
 
     def finish(self, inst: Any, rec: Any, sum_part: np.ndarray, max_part: np.ndarray, grad_scale: float) -> None:
         from distgrad.record_optimizer import OptimizerSignals
@@ -196,15 +209,16 @@ class AdamSignal(PackedSignal):
         missing = float(sum_part[-1])
         if rec.overflow or cols[:, 0].sum() == 0:
             return  # first step (no moment yet), or an fp16 overflow the optimizer skips
+        c = self._clip_ratio(inst, rec)
         tot = cols.sum(0)
-        vals = [_values(r) for r in cols]
-        g = _values(tot)
+        vals = [_values(r, c) for r in cols]
+        g = _values(tot, c)
         keep = [k for k, r in zip(self.layers, cols) if r[0] > 0]
         per = {k: v for k, v, r in zip(self.layers, vals, cols) if r[0] > 0}
         fisher = {k: per[k]["fisher"] for k in keep}
         top = sorted(keep, key=lambda k: -fisher[k] if math.isfinite(fisher[k]) else math.inf)[: self.top]
         rec.optimizer_signals = OptimizerSignals(
-            optimizer=self.opt_name, spike_threshold=self.theta, elements=float(tot[0]),
+            optimizer=self.opt_name, spike_threshold=self.theta, clip_ratio=c, elements=float(tot[0]),
             elements_without_state=missing, update_rms=g["rms"], spike_fraction=g["spikes"],
             grad_momentum_cosine=g["cos"], exp_avg_norm=g["m"], exp_avg_sq_norm=g["v"], fisher_trace=g["fisher"],
             layer_update_rms={k: per[k]["rms"] for k in keep},
@@ -215,13 +229,28 @@ class AdamSignal(PackedSignal):
             layer_fisher_trace=fisher, fisher_top_layers=top)
 
 
-def _values(r: np.ndarray) -> dict[str, float]:
-    """The signals of one row of sums ``(n, ratio, spikes, gm, gg, mm, vv, vhat)``."""
+    @staticmethod
+    def _clip_ratio(inst: Any, rec: Any) -> float:
+        """``min(1, max_norm / (grad_norm + 1e-6))`` for the clip threshold the diagnostics know
+        (the engine's, or ``clip.max_grad_norm``), as torch / DeepSpeed compute it; 1.0 without
+        one or with a non-finite norm."""
+        from distgrad.health import clip_ratio
+
+        diag = getattr(inst, "diagnostics", None)
+        m = getattr(diag, "max_norm", None) if diag is not None else None
+        if not m or not math.isfinite(rec.grad_norm):
+            return 1.0
+        return float(clip_ratio(rec.grad_norm, float(m), eps=1e-6))
+
+
+def _values(r: np.ndarray, clip: float = 1.0) -> dict[str, float]:
+    """The signals of one row of sums ``(n, ratio, spikes, gm, gg, mm, vv, vhat)``; ``clip``:
+    the global clip coefficient the update applies to the gradient (scales the update RMS)."""
     n, ratio, spikes, gm, gg, mm, vv, vhat = (float(x) for x in r)
     if n <= 0:
         return {k: math.nan for k in ("rms", "spikes", "cos", "m", "v", "fisher")}
     denom = math.sqrt(gg) * math.sqrt(mm)
-    return {"rms": math.sqrt(ratio / n), "spikes": spikes / n,
+    return {"rms": clip * math.sqrt(ratio / n), "spikes": spikes / n,
             "cos": gm / denom if denom > 0 else math.nan,
             "m": math.sqrt(mm), "v": math.sqrt(vv), "fisher": vhat}
 

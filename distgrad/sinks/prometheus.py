@@ -74,6 +74,10 @@ _PART_GAUGES: dict[str, Callable[[StepRecord], Any]] = {
     "distgrad_gradient_noise_micro_batch_size": lambda r: r.noise_scale.small_batch if r.noise_scale else None,
     "distgrad_action_stop_requested": lambda r: int(r.action.stop_requested) if r.action else None,
     "distgrad_curvature": lambda r: r.curvature.total if r.curvature else None,
+    "distgrad_update_rms": lambda r: r.optimizer_signals.update_rms if r.optimizer_signals else None,
+    "distgrad_adam_spike_fraction": lambda r: r.optimizer_signals.spike_fraction if r.optimizer_signals else None,
+    "distgrad_grad_momentum_cosine": lambda r: r.optimizer_signals.grad_momentum_cosine if r.optimizer_signals else None,
+    "distgrad_fisher_trace": lambda r: r.optimizer_signals.fisher_trace if r.optimizer_signals else None,
 }
 #: ``{label value: number}`` dicts of the record's typed parts with one label
 _PART_MAPS: dict[str, Callable[[StepRecord], Any]] = {
@@ -83,6 +87,12 @@ _PART_MAPS: dict[str, Callable[[StepRecord], Any]] = {
     "distgrad_layer_grad_headroom_ratio": lambda r: r.aggregates.layer_headroom if r.aggregates else None,
     "distgrad_layer_grad_underflow_ratio": lambda r: r.grad_histogram.underflow_ratio() if r.grad_histogram else None,
     "distgrad_layer_curvature": lambda r: r.curvature.layer if r.curvature else None,
+    "distgrad_layer_update_rms": lambda r: r.optimizer_signals.layer_update_rms if r.optimizer_signals else None,
+    "distgrad_layer_adam_spike_fraction": lambda r: (r.optimizer_signals.layer_spike_fraction
+                                                     if r.optimizer_signals else None),
+    "distgrad_optimizer_moment_norm": lambda r: ({"exp_avg": r.optimizer_signals.exp_avg_norm,
+                                                  "exp_avg_sq": r.optimizer_signals.exp_avg_sq_norm}
+                                                 if r.optimizer_signals else None),
     "distgrad_module_kind_grad_norm": lambda r: r.aggregates.module_kind_norm if r.aggregates else None,
     "distgrad_grad_norm_zscore": lambda r: r.spikes.zscore.get("grad_norm") if r.spikes else None,
     "distgrad_loss_zscore": lambda r: r.spikes.zscore.get("loss") if r.spikes else None,

@@ -52,6 +52,11 @@ def build() -> Dashboard:
            "smallest normal value of the training dtype (as held, loss-scaled): precision lost to subnormals, or lost "
            "to 0 in fp16. Needs histogram.enabled; full log2|g| histograms are in TensorBoard and distgrad report.",
            queries((f"distgrad_layer_grad_underflow_ratio{{{L}}}", "{{layer}}")), 12, 8, min_=0, max_=1),
+        ts("Update RMS per layer", "sqrt(mean(g^2 / v_hat)) over the layer, Adam's second moment before the step "
+           "(~1 when it tracks the gradient). Log scale.",
+           queries((f"distgrad_layer_update_rms{{{L}}}", "{{layer}}")), 12, 8, log=10),
+        ts("Spike fraction per layer", "Fraction of the layer's elements with g^2 > theta * v_hat.",
+           queries((f"distgrad_layer_adam_spike_fraction{{{L}}}", "{{layer}}")), 12, 8, min_=0),
         row("Parameters"),
         bargauge(f"Top {k} parameters by gradient norm", "Largest at the last sample.",
                  f"topk({k}, distgrad_param_grad_norm{{{S}}})", "{{param}}", 12, 10),

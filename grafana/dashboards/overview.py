@@ -20,6 +20,9 @@ def build() -> Dashboard:
     stall_th = (("green", None), ("orange", stall / 2), ("red", stall))
     overflow_n = a["DistgradRepeatedOverflow"]["threshold"]
     overflow_th = (("green", None), ("red", overflow_n))
+    adam = a["DistgradAdamUpdateExcursion"]
+    adam_rms_th = (("green", None), ("red", adam["rms"]))
+    adam_frac_th = (("green", None), ("red", adam["fraction"]))
     panels = [
         row("Status"),
         stat("Optimizer step", "", queries((f"distgrad_optimizer_step{{{S}}}", "{{instance}}")), 4, 4),
@@ -91,6 +94,22 @@ def build() -> Dashboard:
            queries((f"increase(distgrad_grad_norm_spikes_total{{{S}}}[{RATE}])", "grad norm {{detector}} {{instance}}"),
                    (f"increase(distgrad_loss_spikes_total{{{S}}}[{RATE}])", "loss {{detector}} {{instance}}")),
            12, 8, bars=True, min_=0),
+        row("Optimizer (Adam)"),
+        ts("Update RMS", "sqrt(mean(g^2 / v_hat)) with Adam's second moment before the step: ~1 when v_hat tracks the "
+           f"gradient; DistgradAdamUpdateExcursion fires above {adam['rms']} for {adam['for']} (from step "
+           f"{adam['min_step']} on).",
+           queries((f"distgrad_update_rms{{{S}}}", "{{instance}}")), 8, 8, min_=0, th=adam_rms_th, threshold_lines=True),
+        ts("Second-moment spike fraction", "Fraction of gradient elements with g^2 > theta * v_hat; "
+           f"DistgradAdamUpdateExcursion fires above {adam['fraction']:g} for {adam['for']}.",
+           queries((f"distgrad_adam_spike_fraction{{{S}}}", "{{instance}}")), 8, 8, min_=0, th=adam_frac_th,
+           threshold_lines=True),
+        ts("Diagonal Fisher trace", "sum(v_hat): the trace of the empirical diagonal Fisher estimate Adam keeps. Log scale.",
+           queries((f"distgrad_fisher_trace{{{S}}}", "{{instance}}")), 8, 8, log=10),
+        ts("Gradient-momentum cosine", "Cosine between the step's gradient and Adam's first moment; near or below 0: "
+           "the gradient turned against the momentum.",
+           queries((f"distgrad_grad_momentum_cosine{{{S}}}", "{{instance}}")), 12, 8, min_=-1, max_=1),
+        ts("Adam moment norms", "L2 norms of exp_avg (gradient unit) and exp_avg_sq (its square). Log scale.",
+           queries((f"distgrad_optimizer_moment_norm{{{S}}}", "{{moment}} {{instance}}")), 12, 8, log=10),
         row("Health"),
         ts("Internal and sink errors", "Failures per interval; training continued.",
            queries((f"increase(distgrad_internal_errors_total{{{S}}}[{RATE}])", "internal {{instance}}"),

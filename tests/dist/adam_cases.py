@@ -1,10 +1,11 @@
 """Multi-rank driver of the optimizer-aware signals (run by tests/test_optimizer_signals_multirank.py
-under ``torchrun --nproc_per_node 2``, one launch): DeepSpeed ZeRO-2, ZeRO-3 and FSDP2, each with
+under ``torchrun --nproc_per_node 2``, one launch): DeepSpeed ZeRO-2, ZeRO-3, FSDP2, FSDP1
+(``use_orig_params=True``; ``False`` must be refused) and DDP, each with
 AdamW, train 4 optimizer steps of TinyModel with distgrad attached (default configuration: the
 signals are on for AdamW). Before distgrad reads each step, every rank gathers (test only,
 collectives outside distgrad's boundary) the full reduced gradient and the full optimizer state
 ``exp_avg`` / ``exp_avg_sq`` (DeepSpeed ``safe_get_full_grad`` / ``safe_get_full_optimizer_state``,
-FSDP2 ``full_tensor()``); rank 0 writes them with distgrad's records, the collectives and host
+FSDP2 ``full_tensor()``, FSDP1 ``summon_full_params``, its moments rebuilt from the gradient history); rank 0 writes them with distgrad's records, the collectives and host
 syncs distgrad made per step, and the optimizer's hyperparameters, as JSON to --out."""
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def deepspeed_case(stage: int) -> dict:
     finally:
         counter.restore()
     out = {"records": records, "refs": refs, "counts": counter.counts, "counters": dict(inst.counters),
-           "optimizer": type(engine.optimizer.optimizer).__name__}
+           "optimizer": type(engine.optimizer.optimizer).__name__,
+           "clip": float(engine.gradient_clipping() or 0.0) or None}  # DeepSpeed's default is 1.0
     inst.close()
     return out
 
@@ -122,12 +124,114 @@ def fsdp2_case() -> dict:
     return out
 
 
+def fsdp1_case() -> dict:
+    """FSDP1, use_orig_params=True, FULL_SHARD, one unit per block: reference gradient from
+    ``summon_full_params(with_grads=True)``; the full moments are rebuilt by the test from the
+    gradient history (AdamW, no clipping): ``FSDP.optim_state_dict``'s ``exp_avg`` was measured
+    not to be the optimizer's (its ``exp_avg_sq`` was) on torch 2.13 CPU."""
+    import functools
+
+    import torch.nn as nn
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+    torch.manual_seed(1234)
+    model = TinyModel()
+    frozen = model.frozen
+    policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.Sequential) or m is frozen)
+    w = FSDP(model, use_orig_params=True, auto_wrap_policy=policy, device_id=torch.device("cpu"))
+    opt = torch.optim.AdamW([p for p in w.parameters() if p.requires_grad], lr=LR, betas=BETAS, eps=EPS,
+                            weight_decay=WD)
+    refs: list[dict] = []
+    state = {"step": 0}
+
+    def capture(o, args, kwargs):  # before distgrad's pre-hook (registered first)
+        ref = {"step": state["step"], "grad": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        with FSDP.summon_full_params(w, with_grads=True, writeback=False):
+            for n, p in w.named_parameters():
+                if p.requires_grad:
+                    ref["grad"][clean_name(n, strip_module=False)] = _full(p.grad)
+        refs.append(ref)
+        state["step"] += 1
+
+    opt.register_step_pre_hook(capture)
+    inst = distgrad.instrument(w, optimizer=opt, prometheus=False)
+    counter = BoundaryCounter(inst)
+    records = []
+    try:
+        for step in range(STEPS):
+            x, y = batch_for(step, 0, dist.get_rank())
+            w(x, y).backward()
+            counter.around(opt.step)
+            opt.zero_grad()
+            records.append(inst.last_record.to_dict() if inst.last_record else None)
+    finally:
+        counter.restore()
+    out = {"records": records, "refs": refs, "counts": counter.counts, "counters": dict(inst.counters),
+           "optimizer": type(opt).__name__, "names": list(inst.names)}
+    inst.close()
+    # use_orig_params=False: the FlatParameter's state is not located: refused at instrument()
+    torch.manual_seed(1234)
+    m2 = TinyModel()
+    frozen2 = m2.frozen
+    flat = FSDP(m2, use_orig_params=False, device_id=torch.device("cpu"),
+                auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: m is frozen2))
+    try:
+        distgrad.instrument(flat, optimizer=torch.optim.AdamW(flat.parameters()), prometheus=False,
+                            optimizer_signals={"enabled": "on"}).close()
+        out["flat_refused"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["flat_refused"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def ddp_case() -> dict:
+    """DDP: every rank holds the full state; each counts its 1/W share (``inst.own``)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(1234)
+    w = DDP(TinyModel())
+    opt = torch.optim.AdamW([p for p in w.parameters() if p.requires_grad], lr=LR, betas=BETAS, eps=EPS,
+                            weight_decay=WD)
+    named = [(clean_name(n, strip_module=False), p) for n, p in w.module.named_parameters() if p.requires_grad]
+    refs: list[dict] = []
+    state = {"step": 0}
+
+    def capture(o, args, kwargs):
+        ref = {"step": state["step"], "grad": {n: _full(p.grad) for n, p in named}, "exp_avg": {}, "exp_avg_sq": {}}
+        for n, p in named:
+            if o.state.get(p):
+                ref["exp_avg"][n] = _full(o.state[p]["exp_avg"])
+                ref["exp_avg_sq"][n] = _full(o.state[p]["exp_avg_sq"])
+        refs.append(ref)
+        state["step"] += 1
+
+    opt.register_step_pre_hook(capture)
+    inst = distgrad.instrument(w, optimizer=opt, prometheus=False)
+    counter = BoundaryCounter(inst)
+    records = []
+    try:
+        for step in range(STEPS):
+            x, y = batch_for(step, 0, dist.get_rank())
+            w(x, y).backward()
+            counter.around(opt.step)
+            opt.zero_grad()
+            records.append(inst.last_record.to_dict() if inst.last_record else None)
+    finally:
+        counter.restore()
+    out = {"records": records, "refs": refs, "counts": counter.counts, "counters": dict(inst.counters),
+           "optimizer": type(opt).__name__}
+    inst.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
-    cases = {"zero2": deepspeed_case(2), "zero3": deepspeed_case(3), "fsdp2": fsdp2_case()}
+    cases = {"zero2": deepspeed_case(2), "zero3": deepspeed_case(3), "fsdp2": fsdp2_case(), "fsdp1": fsdp1_case(),
+             "ddp": ddp_case()}
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"cases": cases, "betas": BETAS, "eps": EPS, "world": dist.get_world_size()}, f)
