@@ -18,6 +18,7 @@ from distgrad.grouping import group_keys
 from distgrad.record import StepRecord
 from distgrad.record_histogram import GradHistogram
 from distgrad.signals import histogram as hist_mod
+from distgrad.signals import histogram_native
 from distgrad.signals.histogram import TRAINING_DTYPES, GradHistogramSignal
 
 CPU = torch.device("cpu")
@@ -65,10 +66,15 @@ def special_values(dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([t, p, below, -p, rnd])
 
 
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
 @pytest.mark.parametrize("train", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("lo,hi", [(-64, 16), (-126, 128), (-20, -10)])
-def test_counts_equal_the_float64_reference(train, lo, hi, monkeypatch):
-    monkeypatch.setattr(hist_mod, "CHUNK", 1000)  # several chunks per piece
+def test_counts_equal_the_float64_reference(train, lo, hi, kernel, monkeypatch):
+    """``auto`` on CPU: the native kernel (one pass); ``torch``: the torch kernels (CUDA's path)."""
+    monkeypatch.setattr(hist_mod, "CHUNK", 1000)  # several chunks per piece (torch path)
+    monkeypatch.setattr(hist_mod, "KERNEL", kernel)
+    if kernel == "auto":
+        assert histogram_native.native() is not None  # compiled and passed its self-check here
     names = ["model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.bias",
              "model.layers.1.self_attn.q_proj.weight", "model.embed_tokens.weight", "lm_head.weight"]
     pieces = [special_values(torch.float32), special_values(torch.bfloat16), special_values(torch.float16),

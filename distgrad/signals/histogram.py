@@ -5,7 +5,8 @@ Counts of a fixed set of bins add across shards, so the histogram rides in the s
 SUM collective as a :class:`~distgrad.signals.PackedSignal` and is exact under any sharding
 (each element is counted once, on the rank that owns it).
 
-How it is computed, on the device, with no host synchronisation: each piece is read as the bit
+How it is computed, on the device, with no host synchronisation (on CPU by one C function,
+:mod:`distgrad.signals.histogram_native`, that does the same in one pass): each piece is read as the bit
 pattern of its float format (bf16 and fp16 pieces are first widened to fp32, which is exact), its
 biased exponent field ``bits(|x|) >> mantissa_bits`` is counted into a per-layer table of raw
 exponents (``index_add_`` into a table of fixed size; ``torch.bincount`` is not used because on
@@ -36,7 +37,7 @@ import torch
 
 from distgrad.grouping import group_keys
 from distgrad.record_histogram import GradHistogram
-from distgrad.signals import PackedSignal, register
+from distgrad.signals import PackedSignal, histogram_native, register
 
 #: training dtype name -> (torch dtype, exponent of its smallest positive normal value)
 TRAINING_DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -47,8 +48,13 @@ _NAMES = {v[0]: k for k, v in TRAINING_DTYPES.items()}
 #: raw bit formats read: dtype -> (integer view, mantissa bits, exponent mask, bias, smallest normal exponent)
 _FORMATS = {torch.float32: (torch.int32, 23, 0xFF, 127, -126), torch.float64: (torch.int64, 52, 0x7FF, 1023, -1022)}
 
-#: elements read per kernel call (bounds the temporaries to 16 bytes per element of one chunk)
+#: elements read per kernel call of the torch path (bounds its temporaries to 16 bytes per element of one chunk)
 CHUNK = 1 << 22
+
+#: ``"auto"``: contiguous CPU pieces go through the native kernel (:mod:`histogram_native`, one
+#: pass) when it compiled and passed its check, everything else through torch kernels; ``"torch"``:
+#: torch kernels only (tests). Both give the same counts.
+KERNEL = "auto"
 
 
 class GradHistogramSignal(PackedSignal):
@@ -63,10 +69,11 @@ class GradHistogramSignal(PackedSignal):
             normal value bounds the underflow count.
         rules: user naming rules (``naming.rules``).
 
-    Cost per sampled step: reads each local gradient piece twice (the exponent count and the
-    non-zero count) and writes two temporaries per chunk of at most :data:`CHUNK` elements (its
-    absolute value, bf16/fp16 widened to fp32, and its exponents); no extra collective;
-    ``L * (hi - lo + 6)`` float64 in the SUM collective (L layers).
+    Cost per sampled step: on CPU (native kernel) one read of each local gradient piece; with
+    torch kernels (CUDA) two reads (the exponent count and the non-zero count) and two
+    temporaries per chunk of at most :data:`CHUNK` elements (its absolute value, bf16/fp16
+    widened to fp32, and its exponents); no extra collective; ``L * (hi - lo + 6)`` float64 in
+    the SUM collective (L layers).
 
     Raises:
         ValueError: bad exponent range or dtype.
@@ -115,33 +122,52 @@ class GradHistogramSignal(PackedSignal):
             m = self._maps[key] = m.scatter_(1, b.unsqueeze(1), 1.0)
         return m
 
-    def local(self, inst: Any, pieces: Sequence[torch.Tensor | None],
-              device: torch.device) -> tuple[torch.Tensor, None]:
-        """This rank's counts, float64 ``[L * (nb + 1)]`` on ``device`` (no host sync)."""
-        L = len(self.layers)
-        raw: dict[torch.dtype, torch.Tensor] = {}  # raw exponent counts per bit format, made when first needed
+    @staticmethod
+    def _torch_counts(todo: Sequence[tuple[torch.Tensor, int, torch.dtype]], L: int, device: torch.device
+                      ) -> tuple[dict[torch.dtype, torch.Tensor], torch.Tensor]:
+        """Raw-exponent counts per bit format (int64 ``[L, mask + 1]``) and non-zero counts (int64
+        ``[L]``) with torch kernels, on ``device``, no host sync: per chunk of :data:`CHUNK`
+        elements, ``abs`` (bf16/fp16 widened to fp32 first), a shift, an ``index_add_``."""
+        raw: dict[torch.dtype, torch.Tensor] = {}
         nonzero = torch.zeros(L, dtype=torch.int64, device=device)
         one = torch.ones(1, dtype=torch.int64, device=device)
-        for i, p in enumerate(pieces):
-            if p is None or p.numel() == 0:
-                continue
-            x = p.detach().reshape(-1)
-            widen = x.dtype in (torch.bfloat16, torch.float16)  # to fp32, chunk by chunk: exact, and
-            dt = torch.float32 if widen else x.dtype            # every fp16 subnormal is an fp32 normal
-            fmt = _FORMATS.get(dt)
-            if fmt is None:
-                raise TypeError(f"gradient histogram: unsupported gradient dtype {p.dtype}")
-            if fmt[4] > self.et:  # its subnormals would not all be below the training dtype's normals
-                raise ValueError(f"gradient histogram: {p.dtype} gradients under training dtype {self.dtype}")
+        for x, g, dt in todo:
+            fmt = _FORMATS[dt]
             if dt not in raw:
                 raw[dt] = torch.zeros((L, fmt[2] + 1), dtype=torch.int64, device=device)
-            g = self.group[i]
             row = raw[dt][g]
+            widen = x.dtype != dt
             for s in range(0, x.numel(), CHUNK):
                 c = x[s:s + CHUNK].float().abs_() if widen else x[s:s + CHUNK].abs()  # sign cleared
                 e = c.view(fmt[0]) >> fmt[1]  # the biased exponent
                 row.index_add_(0, e, one.expand(e.numel()))
             nonzero[g:g + 1].add_(torch.count_nonzero(x))
+        return raw, nonzero
+
+    def local(self, inst: Any, pieces: Sequence[torch.Tensor | None],
+              device: torch.device) -> tuple[torch.Tensor, None]:
+        """This rank's counts, float64 ``[L * (nb + 1)]`` on ``device`` (no host sync)."""
+        L = len(self.layers)
+        todo: list[tuple[torch.Tensor, int, torch.dtype]] = []  # (flat piece, layer, bit format)
+        for i, p in enumerate(pieces):
+            if p is None or p.numel() == 0:
+                continue
+            x = p.detach().reshape(-1)
+            dt = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype  # widened exactly
+            fmt = _FORMATS.get(dt)
+            if fmt is None:
+                raise TypeError(f"gradient histogram: unsupported gradient dtype {p.dtype}")
+            if fmt[4] > self.et:  # its subnormals would not all be below the training dtype's normals
+                raise ValueError(f"gradient histogram: {p.dtype} gradients under training dtype {self.dtype}")
+            todo.append((x, self.group[i], dt))
+        fn = histogram_native.native() if KERNEL == "auto" and device.type == "cpu" else None
+        if fn is not None and all(x.device.type == "cpu" and x.is_contiguous() for x, _, _ in todo):
+            raw32, raw64, nonzero = histogram_native.run(fn, [x for x, _, _ in todo], [g for _, g, _ in todo], L)
+            raw = {torch.float32: raw32}
+            if any(dt == torch.float64 for _, _, dt in todo):
+                raw[torch.float64] = raw64
+        else:
+            raw, nonzero = self._torch_counts(todo, L, device)
         bins = torch.zeros((L, self.nb), dtype=torch.float64, device=device)
         for dt in sorted(raw, key=str):  # fixed order
             bins += raw[dt].to(torch.float64) @ self._map(dt, device)
