@@ -402,17 +402,27 @@ class ForwardReplay:
 
 
 def _reshard(root: nn.Module) -> None:
-    """Leave FSDP2 as a training step leaves it: every ``fully_shard`` module resharded. The
-    root's parameters stay unsharded after a forward (FSDP2 reshards the root in the backward
-    pass, which a replay has not); left so, the optimizer would update the sharded parameters
-    while the next forward used the stale unsharded ones."""
+    """Leave FSDP as a training step leaves it: every unit resharded, its gathered parameters
+    freed. Both FSDP versions keep the root unit's gathered parameters after a forward (for the
+    backward pass, which frees them; a replay has none): left so, the optimizer would update the
+    sharded parameters while the next forward, finding them gathered already, used the stale
+    copies. FSDP2: the public ``FSDPModule.reshard()``. FSDP1 has no public equivalent: what its
+    post-backward callback does (``_runtime_utils._reshard`` with ``_should_free_in_backward``,
+    torch 2.4-2.13)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without FSDP2
-        return
+        FSDPModule = ()  # type: ignore[assignment]
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    fsdp1 = None
     for m in root.modules():
-        if isinstance(m, FSDPModule):
+        if FSDPModule and isinstance(m, FSDPModule):
             m.reshard()
+        elif isinstance(m, FSDP1) and getattr(m, "_handle", None) is not None:
+            if fsdp1 is None:
+                from torch.distributed.fsdp import _runtime_utils as fsdp1
+            fsdp1._reshard(m, m._handle, fsdp1._should_free_in_backward(m, m._handle))
 
 
 class _autocast:

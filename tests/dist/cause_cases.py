@@ -16,7 +16,7 @@ Cases (each returns JSON-able records of rank 0 and per-rank facts):
         step 150; a 30x learning-rate blow-up at step 20 (see :func:`spike_case`).
   flip: DDP with a comm hook that, after the all-reduce, flips the sign of one element of
         the reduced gradient on rank 2 at step 3 and one low mantissa bit on rank 0 at step 5.
-  module-ddp / module-fsdp2 / module-zero3: ``log(softmax(.))`` in ``layers.1.router`` goes
+  module-ddp / -fsdp1 / -fsdp2 / -zero3: ``log(softmax(.))`` in ``layers.1.router`` goes
         -inf for one sample of rank 1's second micro-batch at step 3 (see :func:`module_case`).
 """
 
@@ -537,7 +537,8 @@ def _same_snapshot(x: dict, y: dict) -> bool:
 
 def module_case(engine: str, rank: int, world: int) -> dict:
     """A NaN made in the forward pass of ``layers.1.router`` by one micro-batch of one rank
-    (:data:`MOD_BAD`), under ``engine`` ("ddp": DDP with ``no_sync`` accumulation; "fsdp2":
+    (:data:`MOD_BAD`), under ``engine`` ("ddp": DDP with ``no_sync`` accumulation; "fsdp1":
+    FullyShardedDataParallel per block and at the root, ``use_orig_params``; "fsdp2":
     ``fully_shard`` per block and at the root; "zero3": DeepSpeed ZeRO-3), 2 micro-batches per
     step, trained twice: with the culprit-module replay (the default) and with ``tracer.replays:
     0``. Returns the first run's per-step facts (:func:`_module_run`) and ``same_training``:
@@ -576,6 +577,12 @@ def _module_run(engine: str, rank: int, replays: int) -> dict:
         return _module_case_zero3(user, hook_state=(first_bad, cur), rank=rank, replays=replays)
     if engine == "ddp":
         model = DDP(user)
+    elif engine == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FSDP(user, use_orig_params=True, device_id=torch.device("cpu"),
+                     auto_wrap_policy=ModuleWrapPolicy({Block, RoutedBlock}))
     else:
         from torch.distributed.fsdp import fully_shard
 
@@ -688,7 +695,7 @@ def main() -> None:
     jobs = [("nan", nan_case), ("flip", flip_case), ("detached", detached_case)]
     jobs += [(f"spike-{m}", functools.partial(spike_case, m)) for m in ("healthy", "garbage", "lr")]
     jobs += [(f"engine-{k}", functools.partial(engine_case, k)) for k in ENGINE_KINDS]
-    jobs += [(f"module-{e}", functools.partial(module_case, e)) for e in ("ddp", "fsdp2", "zero3")]
+    jobs += [(f"module-{e}", functools.partial(module_case, e)) for e in ("ddp", "fsdp1", "fsdp2", "zero3")]
     want = None if args.cases == "all" else set(args.cases.split(","))
     results, t0 = {}, time.time()
     for key, fn in jobs:
