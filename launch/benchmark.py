@@ -54,6 +54,18 @@ SIZES = {  # name: (layers, width, heads)
     "10m": (6, 384, 6),
     "100m": (16, 768, 12),
 }
+
+#: (row key, label, signal name in distgrad.signals.FACTORIES, config overrides switching it on)
+SIGNAL_ROWS = [
+    ("sig_histogram", "signal: log2|g| histogram per layer (histogram.enabled)", "grad_histogram",
+     {"histogram": {"enabled": True}}),
+    ("sig_optimizer", "signal: Adam update RMS, spike fraction, moments, Fisher, cosine "
+     "(optimizer_signals.enabled)", "optimizer_signals", {"optimizer_signals": {"enabled": "on"}}),
+    ("sig_noise_scale", "signal: gradient noise scale, packing and estimate (noise_scale.enabled)", "noise_scale",
+     {"noise_scale": {"enabled": True}}),
+    ("sig_curvature", "signal: curvature along the last update (curvature.enabled)", "curvature",
+     {"curvature": {"enabled": True}}),
+]
 # end-to-end on CPU: ds-config overrides per size, (micro-batch, accumulation steps). The 100M
 # model at the example's 8 x 128 x 2 tokens per rank takes ~30 s per step on 2 CPU cores; 1 x 128
 # x 1 keeps its three runs within a few minutes (a shorter step makes distgrad's share larger).
@@ -400,6 +412,54 @@ def worker(args: argparse.Namespace) -> None:
         ("sampled_step_loss", "distgrad full sampled step with components + token losses observed",
          sampled_step_loss),
     ]
+    # --- the packed signals (distgrad.signals, issue 15): each alone on top of the bare sampled
+    # step (no packed signal), built by its own factory with its config key switched on --------
+    from distgrad.signals import FACTORIES, SignalPack
+
+    factories = dict(FACTORIES)
+    default_signals = [sig.name for sig in inst.signals.signals]
+
+    def make_signal(name: str, overrides: dict) -> Any:
+        saved = inst.config
+        inst.config = saved.with_overrides(overrides)
+        try:
+            return factories[name](inst)
+        finally:
+            inst.config = saved
+
+    def with_signals(pack: Any) -> Callable[[], None]:
+        def fn() -> None:
+            saved = inst.signals
+            inst.signals = pack
+            try:
+                sampled_step()
+            finally:
+                inst.signals = saved
+        return fn
+
+    rows.append(("sampled_step_bare", "distgrad full sampled step without packed signals",
+                 with_signals(SignalPack([]))))
+    signal_rows = []
+    for key, label, name, over in SIGNAL_ROWS:
+        sig = make_signal(name, over)
+        if sig is None:
+            continue
+        signal_rows.append(key)
+        rows.append((key, label + (" [default on]" if name in default_signals else " [opt-in]"),
+                     with_signals(SignalPack([sig]))))
+    gns = make_signal("noise_scale", {"noise_scale": {"enabled": True}})
+    fake_local = [torch.randn_like(p, device=device) for _, p in ds_params]
+
+    def gns_hooks() -> None:
+        """The noise scale's work in the backward pass, per micro-batch: its tensor hook on every
+        local (pre-reduction, full-size) gradient; here on random tensors of those shapes."""
+        for i, t in enumerate(fake_local):
+            gns.norms._hook(i, t)
+        gns.norms.reset()
+
+    signal_rows.append("gns_hooks")
+    rows.append(("gns_hooks", "signal: gradient noise scale, its hooks' work per micro-batch in the backward "
+                 "(|h|^2 of every full-size local gradient) [opt-in]", gns_hooks))
     # warm-up (compiles the native kernel and, if listed, the torch.compile kernel)
     t_warm = {}
     for key, _, fn in rows:
@@ -460,7 +520,8 @@ def worker(args: argparse.Namespace) -> None:
         "default_kernel": auto, "rows": [[k, label] for k, label, _ in rows],
         "times_s": times, "median_s": med, "median_s_per_rank": gathered, "warmup_s": t_warm,
         "counts": {k: list(v) for k, v in counts.items()}, "peak_extra_bytes": mem, "device_ops": ops,
-        "stats_kernel_use": dstats.kernel_use(),
+        "stats_kernel_use": dstats.kernel_use(), "signal_rows": signal_rows,
+        "default_signals": default_signals,
         "norm_rel_err_vs_fp64": acc_err, "extrema_counts_equal_to_eager": exact_vs_eager,
     }
     if rank == 0:
@@ -631,6 +692,23 @@ def render(micros: list[dict], e2es: list[dict], args: argparse.Namespace) -> st
                          f"{fmt_mb(m['peak_extra_bytes'][key])} |" + (f" {o[0]} + {o[1]} |" if gpu and o else
                                                                       " |" if gpu else ""))
         lines.append("")
+        if m.get("signal_rows"):
+            bare = med["sampled_step_bare"]
+            labels = dict((k, lab) for k, lab in m["rows"])
+            on = ", ".join(m.get("default_signals") or []) or "none"
+            lines.append(f"Packed signals (issue 15), each alone on top of the sampled step without packed signals "
+                         f"({fmt_ms(bare)} ms); on by default in this run: {on}. The hooks row is work done in the "
+                         "backward pass per micro-batch, not at the sampled step.")
+            lines.append("")
+            lines.append("| signal | median ms | added ms | added x floor | collectives | host syncs | extra peak MB |")
+            lines.append("|---|---:|---:|---:|---:|---:|---:|")
+            for key in m["signal_rows"]:
+                t = med[key]
+                added = t if key == "gns_hooks" else t - bare
+                c, sy = m["counts"][key]
+                lines.append(f"| {labels[key]} | {fmt_ms(t)} | {fmt_ms(added)} | {added / fl:,.2f} | {c} | {sy} | "
+                             f"{fmt_mb(m['peak_extra_bytes'][key])} |")
+            lines.append("")
         errs = ", ".join(f"{k} {v:.1e}" for k, v in m["norm_rel_err_vs_fp64"].items())
         lines.append(f"Largest relative error of a per-parameter norm against float64 on these pieces: {errs}.")
         if m["extrema_counts_equal_to_eager"]:
