@@ -145,6 +145,10 @@ def test_nan_in_one_tp_shard_is_named_with_parameter_and_global_rank(tp_results)
     assert bad.nonfinite_ranks == [3]
     i = bad.params.names.index("up.weight")
     assert bad.params.nan[i] == 1 and sum(bad.params.nan) == 1
+    # the NaN was written into a gradient after the backward: the forward replay of the step (on
+    # every rank: its FSDP2 + tensor-parallel forward makes collectives) stays finite and says so
+    assert bad.culprit_module.to_dict() == {"step": 1, "outcome": "finite", "rank": None, "module": None,
+                                            "micro_batch": None}
 
 
 @pytest.mark.multirank
@@ -210,3 +214,5 @@ def test_nan_in_one_pipeline_stage_is_named_with_parameter_and_global_rank(pp_re
     assert not ok.nonfinite and bad.nonfinite and bad.nonfinite_ranks == [3]
     assert c["records"][1]["nonfinite_params"] == [{"param": "blocks.1.1.weight", "rank": 3, "nan": 1, "inf": 0,
                                                      "count": 1}]
+    # a stage cannot replay its forward without the others' activations: no module, and why
+    assert bad.culprit_module.outcome == "model_parallel" and bad.culprit_module.module is None
