@@ -265,18 +265,18 @@ def run_curvature(tmp_path: Path, shift_at: int | None, steps: int = 40) -> Path
     return path
 
 
-def expected_rise(recs: list[StepRecord]) -> tuple[int, str | None, float] | None:
-    """The rise rule recomputed from the logged curvature: first record where the median of the
-    last WINDOW values over the median of the WINDOW before is >= RISE_FACTOR (both > 0), for
-    the total or a layer; the key of largest ratio then."""
+def expected_rise(recs: list[StepRecord], total=lambda r: r.curvature.total if r.curvature else None,
+                  layer=lambda r: r.curvature.layer if r.curvature else {}) -> tuple[int, str | None, float] | None:
+    """The rise rule recomputed from the logged values (default: the curvature): first record
+    where the median of the last WINDOW values over the median of the WINDOW before is >=
+    RISE_FACTOR (both > 0), for the total or a layer; the key of largest ratio then."""
     W = sig.WINDOW
-    layers = sorted({k for r in recs if r.curvature is not None for k in r.curvature.layer})
+    layers = sorted({k for r in recs for k in layer(r)})
     for i in range(2 * W - 1, len(recs)):
         win = recs[i - 2 * W + 1:i + 1]
         best = None
         for key in [None] + layers:
-            vals = [(r.curvature.total if key is None else r.curvature.layer.get(key)) if r.curvature else None
-                    for r in win]
+            vals = [total(r) if key is None else layer(r).get(key) for r in win]
             vals = [np.nan if v is None else v for v in vals]
             a, b = np.nanmedian(vals[:W]), np.nanmedian(vals[W:])
             if a > 0 and b > 0 and b / a >= sig.RISE_FACTOR and (best is None or b / a > best[2]):
@@ -287,7 +287,7 @@ def expected_rise(recs: list[StepRecord]) -> tuple[int, str | None, float] | Non
 
 
 def test_curvature_rise_from_a_real_run(tmp_path):
-    recs = records(run_curvature(tmp_path, shift_at=20))
+    recs = [r for r in records(run_curvature(tmp_path, shift_at=20)) if r.curvature is not None]
     want = expected_rise(recs)
     assert want is not None  # the run does what it is meant to
     f = [x for x in analyze(tmp_path / "curv20.jsonl").signals.findings if x.kind == "curvature_rise"]
@@ -295,7 +295,7 @@ def test_curvature_rise_from_a_real_run(tmp_path):
     assert (f[0].step, f[0].layer) == want[:2]
     assert f"rose {want[2]:.3g}x" in f[0].detail and "docs/runbook.md#signal-curvature-rise" in f[0].detail
     # without the shift: no finding, and the rule recomputed agrees
-    recs = records(run_curvature(tmp_path, shift_at=None))
+    recs = [r for r in records(run_curvature(tmp_path, shift_at=None)) if r.curvature is not None]
     assert expected_rise(recs) is None
     a = analyze(tmp_path / "curvNone.jsonl")
     assert not [x for x in a.signals.findings if x.kind == "curvature_rise"]
@@ -316,3 +316,95 @@ def test_rise_rule_threshold(after, fires):
     assert bool(f) == fires
     if fires:
         assert f[0].kind == "curvature_rise" and f[0].layer == "b" and f[0].step == 2 * W - 1
+
+
+# ---------------------------------------------------------------- optimizer (Adam) signals
+def run_adam(tmp_path: Path, shift_at: int | None, steps: int = 150) -> Path:
+    """Adam (default betas) on a noisy linear teacher through Net; from step ``shift_at`` the
+    pipeline stops normalising the inputs (x10): the gradients outgrow Adam's second moment,
+    which follows them only at the rate 1 - beta2."""
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    path = tmp_path / f"adam{shift_at}.jsonl"
+    inst = distgrad.instrument(net, optimizer=opt, exporter={"enabled": False}, sinks={"jsonl": {"path": str(path)}})
+    g = torch.Generator().manual_seed(4)
+    teacher = torch.randn(8, generator=g)
+    for step in range(steps):
+        x = torch.randn(32, 8, generator=g)
+        y = x @ teacher + 0.1 * torch.randn(32, generator=g)
+        if shift_at is not None and step >= shift_at:
+            x = x * 10.0
+        net(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert inst.counters["internal_errors"] == 0
+    inst.close()
+    return path
+
+
+def expected_excursion(recs: list[StepRecord]) -> tuple[int, str | None] | None:
+    """The excursion rule recomputed from the logged parts: first record from step
+    ADAM_MIN_STEP whose last WINDOW records have a median update RMS > UPDATE_RMS_MAX or spike
+    fraction > SPIKE_FRACTION_MAX; and that record's layer of largest update RMS."""
+    ok = [r for r in recs if r.optimizer_signals is not None]
+    for i in range(sig.WINDOW - 1, len(ok)):
+        if ok[i].step < sig.ADAM_MIN_STEP:
+            continue
+        win = [r.optimizer_signals for r in ok[i - sig.WINDOW + 1:i + 1]]
+        if np.median([o.update_rms for o in win]) > sig.UPDATE_RMS_MAX or \
+                np.median([o.spike_fraction for o in win]) > sig.SPIKE_FRACTION_MAX:
+            lay = ok[i].optimizer_signals.layer_update_rms
+            return int(ok[i].step), max(lay, key=lay.get)
+    return None
+
+
+def test_adam_findings_from_real_runs(tmp_path):
+    recs = records(run_adam(tmp_path, shift_at=120))
+    want = expected_excursion(recs)
+    assert want is not None and want[0] >= 120  # the run does what it is meant to
+    a = analyze(tmp_path / "adam120.jsonl")
+    f = {x.kind: x for x in a.signals.findings}
+    assert (f["adam_excursion"].step, f["adam_excursion"].layer) == want
+    assert "docs/runbook.md#signal-adam-excursion" in f["adam_excursion"].detail
+    # the update RMS also rose (rise rule recomputed on the logged values, global and per layer)
+    withp = [r for r in recs if r.optimizer_signals is not None]  # the first step has no optimizer state yet
+    rise = expected_rise(withp, lambda r: r.optimizer_signals.update_rms, lambda r: r.optimizer_signals.layer_update_rms)
+    assert rise is not None and rise[0] >= 120
+    assert (f["update_rms_rise"].step, f["update_rms_rise"].layer) == rise[:2]
+    assert f"rose {rise[2]:.3g}x" in f["update_rms_rise"].detail
+    # healthy: neither rule holds, recomputed, and no finding
+    recs = records(run_adam(tmp_path, shift_at=None))
+    assert expected_excursion(recs) is None
+    assert expected_rise([r for r in recs if r.optimizer_signals is not None], lambda r: r.optimizer_signals.update_rms,
+                         lambda r: r.optimizer_signals.layer_update_rms) is None
+    a = analyze(tmp_path / "adamNone.jsonl")
+    assert a.signals.findings == []
+    s = next(s for s in a.signals.series if s.metric == "fisher_trace")
+    assert s.glob.last[-1, 0] == pytest.approx(recs[-1].optimizer_signals.fisher_trace, rel=1e-12)
+    assert set(s.layers) == set(recs[-1].optimizer_signals.layer_fisher_trace)
+
+
+def adam_record(step: int, rms: float, frac: float):
+    from distgrad.record_optimizer import OptimizerSignals
+
+    return SimpleNamespace(step=step, optimizer_signals=OptimizerSignals(
+        update_rms=rms, spike_fraction=frac, layer_update_rms={"a": rms, "b": 1.0}, layer_spike_fraction={"a": frac},
+        layer_grad_momentum_cosine={}, layer_exp_avg_norm={}, layer_exp_avg_sq_norm={}, layer_fisher_trace={}))
+
+
+@pytest.mark.parametrize("rms,frac,first,fires", [
+    (sig.UPDATE_RMS_MAX * 1.01, 0.0, sig.ADAM_MIN_STEP, True),
+    (sig.UPDATE_RMS_MAX, 0.0, 0, False),
+    (1.0, sig.SPIKE_FRACTION_MAX * 1.01, sig.ADAM_MIN_STEP, True),
+    (1.0, sig.SPIKE_FRACTION_MAX, 0, False),
+    (sig.UPDATE_RMS_MAX * 2, 0.0, sig.ADAM_MIN_STEP - 50, True),  # excursion before step 100: only from 100
+])
+def test_adam_excursion_threshold(rms, frac, first, fires):
+    acc = sig.SignalsAccumulator(max_points=8)
+    for s in range(first, sig.ADAM_MIN_STEP + 2 * sig.WINDOW):
+        acc.add(adam_record(s, rms, frac))
+    f = [x for x in acc.result().findings if x.kind == "adam_excursion"]
+    assert bool(f) == fires
+    if fires:
+        assert f[0].step == max(first + sig.WINDOW - 1, sig.ADAM_MIN_STEP) and f[0].layer == "a"

@@ -10,6 +10,9 @@ Signals read from the records (a signal absent from every record is simply not r
   and the two moving averages it is the ratio of.
 * ``curvature`` (:class:`~distgrad.record_gns.Curvature`): curvature along the last update,
   global and per layer.
+* ``optimizer_signals`` (:class:`~distgrad.record_optimizer.OptimizerSignals`): Adam's update
+  RMS, spike fraction, gradient-momentum cosine, moment norms and diagonal Fisher trace, global
+  and per layer.
 
 Findings (rules; ``W`` = :data:`WINDOW` sampled steps):
 
@@ -22,6 +25,12 @@ Findings (rules; ``W`` = :data:`WINDOW` sampled steps):
   :data:`NOISE_FACTOR` (2) times the step's batch (larger batches would be efficient) or at most
   1 / :data:`NOISE_FACTOR` of it (the batch is past the critical batch size: extra samples per
   step buy little); named at the first record of that window.
+* ``adam_excursion``: from optimizer step :data:`ADAM_MIN_STEP` (100) on, the median of the last
+  ``W`` sampled global update RMS is above :data:`UPDATE_RMS_MAX` (2) or that of the spike
+  fraction above :data:`SPIKE_FRACTION_MAX` (1%): the thresholds of the
+  ``DistgradAdamUpdateExcursion`` alert; named at the first step it held, with the layer of
+  largest update RMS then.
+* ``update_rms_rise``: the rise rule (below) on the update RMS.
 * ``curvature_rise``: the median curvature of the last ``W`` sampled steps is at least
   :data:`RISE_FACTOR` (3) times the median of the ``W`` before them, both positive, globally or in
   a layer (sharpening); named at the first step it held, with the layer of largest rise then.
@@ -50,6 +59,9 @@ UNDERFLOW_RATIO = 0.01
 NOISE_MIN_STEPS = 20
 NOISE_FACTOR = 2.0
 RISE_FACTOR = 3.0
+ADAM_MIN_STEP = 100
+UPDATE_RMS_MAX = 2.0
+SPIKE_FRACTION_MAX = 0.01
 
 
 @dataclass
@@ -129,10 +141,28 @@ SPECS["curvature"] = [
     ("curvature", "curvature along the last update (g_t - g_t-1).dtheta/|dtheta|^2", False,
      lambda c: (_f(c.total) if c.total is not None else math.nan, dict(c.layer))),
 ]
+
+
+def _opt(attr: str) -> Extract:
+    return lambda o: (_f(getattr(o, attr)), dict(getattr(o, f"layer_{attr}")))
+
+
+SPECS["optimizer_signals"] = [
+    ("update_rms", "Adam update RMS sqrt(mean(g^2 / v_hat)) (~1 healthy)", True, _opt("update_rms")),
+    ("spike_fraction", "fraction of elements with g^2 > theta v_hat", False, _opt("spike_fraction")),
+    ("grad_momentum_cosine", "cosine(gradient, momentum)", False, _opt("grad_momentum_cosine")),
+    ("exp_avg_norm", "|m| (first moment)", True, _opt("exp_avg_norm")),
+    ("exp_avg_sq_norm", "|v| (second moment)", True, _opt("exp_avg_sq_norm")),
+    ("fisher_trace", "diagonal Fisher trace sum(v_hat)", True, _opt("fisher_trace")),
+]
 TITLES = {"grad_histogram": "Gradient value distribution", "noise_scale": "Gradient noise scale",
-          "curvature": "Curvature along the last update"}
+          "curvature": "Curvature along the last update", "optimizer_signals": "Optimizer (Adam) signals"}
 #: (signal, metric) -> (finding kind, what rose, what to do) of the rise rule
 RISES = {
+    ("optimizer_signals", "update_rms"): (
+        "update_rms_rise", "Adam update RMS",
+        "the gradient is outgrowing Adam's second moment (loss spikes tend to follow within a few steps): lower the "
+        "learning rate, lower beta2 (e.g. 0.95) so v follows the gradient faster, raise eps, or enable clipping"),
     ("curvature", "curvature"): (
         "curvature_rise", "curvature along the update",
         "the loss is sharpening along the steps (towards the edge of stability, where loss spikes follow): lower "
@@ -194,6 +224,8 @@ class SignalsAccumulator:
         self._info: dict[str, dict[str, Any]] = {}
         self._under_first: dict[str, int] = {}  # layer -> first step its underflow ratio >= threshold
         self._noise: deque[tuple[int, float, float]] = deque(maxlen=WINDOW)  # (step, B_simple, batch)
+        self._adam: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (update RMS, spike fraction)
+        self._excursion: list | None = None  # step, worst layer, rms, fraction, its rms, steps held
         self._rises: dict[tuple[str, str], list] = {}  # first firing: step, layer, ratio, before, after, steps held
 
     def add(self, r: StepRecord) -> None:
@@ -258,7 +290,35 @@ class SignalsAccumulator:
         if b is not None and int(getattr(n, "ema_steps", 0)) >= NOISE_MIN_STEPS:
             self._noise.append((step, _f(b), _f(n.big_batch)))
 
+    def _see_optimizer_signals(self, step: int, o: Any) -> None:
+        self._adam.append((_f(o.update_rms), _f(o.spike_fraction)))
+        if step < ADAM_MIN_STEP or len(self._adam) < WINDOW:
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            rms, frac = np.nanmedian(np.asarray(self._adam, dtype=np.float64), axis=0)
+        if not (rms > UPDATE_RMS_MAX or frac > SPIKE_FRACTION_MAX):
+            return
+        if self._excursion is None:
+            lay = {k: _f(v) for k, v in dict(o.layer_update_rms).items()}
+            worst = max((k for k in lay if math.isfinite(lay[k])), key=lay.get, default=None)
+            self._excursion = [step, worst, float(rms), float(frac), lay.get(worst, math.nan), 1]
+        else:
+            self._excursion[5] += 1
+
     # ---------------------------------------------------------------- rules
+    def _excursion_finding(self) -> list[SignalFinding]:
+        if self._excursion is None:
+            return []
+        step, worst, rms, frac, wv, held = self._excursion
+        where = f"; largest in layer {worst} ({wv:.4g})" if worst is not None else ""
+        return [SignalFinding("adam_excursion", step, worst, (
+            f"Adam's second moment stopped tracking the gradient at step {step}: median of the last {WINDOW} sampled "
+            f"steps' update RMS {rms:.4g} (healthy ~1, limit {UPDATE_RMS_MAX:g}) and spike fraction {100 * frac:.3g}% "
+            f"(limit {100 * SPIKE_FRACTION_MAX:g}%){where}; held on {held} sampled step(s); what to do: lower the "
+            f"learning rate or lengthen warm-up, lower beta2 (e.g. 0.95), enable gradient clipping; one layer only: "
+            f"check its initialisation / normalisation ({RUNBOOK}#signal-adam-excursion)"))]
+
     def _rise_findings(self) -> list[SignalFinding]:
         out = []
         for key, (step, layer, ratio, before, after, held) in self._rises.items():
@@ -331,7 +391,7 @@ class SignalsAccumulator:
                     continue
                 rep.series.append(SignalSeries(fld, metric, label, log, m.glob.result() if m.glob else None,
                                                list(m.names), m.lay.result() if m.lay else None))
-        rep.findings = self._underflow() + self._noise_finding() + self._rise_findings()
+        rep.findings = self._underflow() + self._noise_finding() + self._excursion_finding() + self._rise_findings()
         rep.findings.sort(key=lambda f: f.step)
         return rep
 
@@ -369,7 +429,7 @@ def render(rep: SignalsReport | None, subplots: Callable[..., tuple[Any, Any]], 
             _panel(ax, s, top, batch)
         axes[-1, 0].set_xlabel("optimizer step")
         fig.suptitle(TITLES.get(sig, sig))
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0, 1, 0.98))
         out.append((f"signal_{sig}.png", f"{TITLES.get(sig, sig)} over steps: global (black, band = min..max per "
                     f"bucket) and the {top} layers of largest value.", fig))
     return out
@@ -381,7 +441,7 @@ def _panel(ax: Any, s: SignalSeries, top: int, batch: float | None = None) -> No
         with np.errstate(all="ignore"):
             peak = np.where(np.isfinite(d.max), d.max, -np.inf).max(axis=0)
         for j in [int(j) for j in np.argsort(-peak)[:top] if np.isfinite(peak[j])]:
-            ax.plot(d.x, d.last[:, j], linewidth=0.8, label=s.layers[j])
+            ax.plot(d.x, d.last[:, j], linewidth=0.8, label=s.layers[j], color=f"C{j % 10}")  # a layer keeps its colour
     if s.glob is not None:
         g = s.glob
         if g.width > 1:
