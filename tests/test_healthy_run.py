@@ -128,4 +128,7 @@ def _run_and_check(tmp_path, capsys) -> None:
     lines = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
     assert len([ln for ln in lines if "step" in ln]) >= STEPS
     assert main(["summary", str(path), "--fail-on-problem"]) == 0
-    assert "verdict: HEALTHY" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "verdict: HEALTHY" in out
+    # the default-on optimizer signals give no finding either (distgrad/report/signals.py)
+    assert "optimizer_signals" in lines[-1] and "FINDINGS: none" in out, out

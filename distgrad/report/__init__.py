@@ -45,7 +45,9 @@ Problems (the verdict names the first one, in file order):
 
 Modules: :mod:`~distgrad.report.layers` (name -> layer), :mod:`~distgrad.report.downsample`,
 :mod:`~distgrad.report.spikes`, :mod:`~distgrad.report.analysis` (the streaming pass),
-:mod:`~distgrad.report.text` (summary), :mod:`~distgrad.report.plots` and
+:mod:`~distgrad.report.signals` (the packed signals' series and FINDINGS: advice with a
+recommendation and a runbook link each, not problems), :mod:`~distgrad.report.text` (summary),
+:mod:`~distgrad.report.plots` and
 :mod:`~distgrad.report.page` (PNG files and ``report.html``).
 """
 
