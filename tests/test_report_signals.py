@@ -117,7 +117,7 @@ def test_no_underflow_finding_in_fp32(tmp_path):
     hit, _, _ = expected_underflow(records(path))
     assert hit == []
     a = analyze(path)
-    assert a.signals.findings == [] and a.signals.signals() == ["grad_histogram"]
+    assert a.signals.findings == [] and a.signals.signals() == ["grad_histogram", "optimizer_signals"]  # Adam: default on
 
 
 def hist_record(step: int, under: list[int], numel: int = 1000, dtype: str = "bf16") -> SimpleNamespace:
