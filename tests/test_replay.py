@@ -147,12 +147,14 @@ def test_asynchronous_records_cannot_replay():
 
 
 def test_exported_recorded_and_dumped(tmp_path):
-    """The metric, the JSON record round trip and the flight-recorder summary name the module."""
+    """The metric, the JSON record round trip, the flight-recorder summary, the replay's tracer
+    report and ``distgrad report``'s problem name the module."""
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     inst = distgrad.instrument(model, optimizer=opt, exporter={"port": 0, "host": "127.0.0.1"},
-                               flight_recorder={"dir": str(tmp_path)})
+                               flight_recorder={"dir": str(tmp_path)},
+                               sinks={"jsonl": {"path": str(tmp_path / "run.jsonl")}})
     for step in range(3):
         x = _x(step)
         if step == 1:
@@ -171,6 +173,12 @@ def test_exported_recorded_and_dumped(tmp_path):
     summary = next(tmp_path.glob("flightrec-*.txt")).read_text()
     assert "forward replay of step 1: first non-finite forward output in module 'energy' on rank 0" in summary
     assert "energy" in (tmp_path / "replay-step1-rank0.txt").read_text()
+    # distgrad report: the non-finite step's problem names the culprit rank and module
+    from distgrad.report import analyze
+
+    prob = next(p for p in analyze(tmp_path / "run.jsonl").problems if p.kind == "nonfinite_grad")
+    assert prob.step == 1 and "culprit rank(s) [0]" in prob.detail
+    assert "forward replay: first non-finite forward output in module 'energy' on rank 0, micro-batch 0" in prob.detail
 
 
 # ---------------------------------------------------------------------------- pure decisions

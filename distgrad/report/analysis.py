@@ -267,6 +267,8 @@ class RunAnalyzer:
         :mod:`distgrad.flight_recorder` -- the non-finite parameter that comes *last* in the
         record's (registration = forward) order. Ranks: ``record.nonfinite_ranks`` plus the ranks
         that ``record.provenance.params`` or ``record.nonfinite_params`` give for that parameter.
+        The detail adds the culprit ranks and the culprit module of the step's forward replay
+        when the record has them.
         """
         p = r.params
         nf = p.nonfinite
@@ -296,6 +298,10 @@ class RunAnalyzer:
             layer = None
             detail = (f"non-finite global grad norm ({r.grad_norm!r}) with no per-parameter count; "
                       f"rank(s) {ranks if ranks else 'unknown'}")
+        if r.culprits:
+            detail += f"; culprit rank(s) {[c.rank for c in r.culprits]} (own loss / gradient non-finite before the reduction)"
+        if r.culprit_module is not None:  # the forward replay of the step (distgrad.replay)
+            detail += f"; forward replay: {r.culprit_module.describe()}"
         return Problem("nonfinite_grad", int(r.step), name, layer, ranks, detail)
 
     def finish(self) -> RunAnalysis:
