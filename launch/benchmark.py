@@ -22,6 +22,9 @@ Not part of the test suite. Without CUDA it starts 2 CPU ranks (gloo, ``DS_ACCEL
      default metric, the grad norm, and with distgrad's statistics); wandb.watch's
      ``log_tensor_stats`` (clone + histc + copy to host, 64 bins); DeepSpeed's
      ``safe_get_full_grad`` loop for per-parameter norms;
+   - each packed signal (``distgrad.signals``: histogram, optimizer signals, noise scale,
+     curvature) alone on top of the sampled step without packed signals, and the noise scale's
+     per-micro-batch hook work;
    - per row, in separate untimed passes: collectives and host syncs (the methods that wait for
      the device: ``item``, ``cpu``, ``tolist``, ``__bool__``, ``__float__``, ..., and waits for
      an asynchronous record's copy that had not completed), the extra peak memory (CUDA:
