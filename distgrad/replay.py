@@ -30,6 +30,9 @@ only on the first such step of each non-finite streak (at most ``tracer.replays`
    micro-batch) carries the results; the first culprit rank (else the lowest rank) that found a
    module wins.
 
+Python side effects of the model's forward code (logging, counters it keeps) happen once more
+during a replay; tensors are not modified (``no_grad``, buffers restored, FSDP resharded after).
+
 Cost, paid only on the first step of a non-finite streak: up to :data:`KEEP` forward passes under
 ``no_grad`` with the tracer's per-module reductions (one host copy per micro-batch), a copy of
 the module buffers, one all-gather (plus one all-reduce on sharded engines). Every step: one
