@@ -89,12 +89,12 @@ def test_every_dashboard_query_returns_data_from_the_live_run(env):
     counts = queries.run_queries(stack.prometheus_url, qs)  # raises on a PromQL error
     # data required unless the query is about something this run cannot have (conditions of
     # distgrad/metrics.py: fp16 loss scale, update ratio, ZeRO-0 replicas, loss components and
-    # per-token losses, which the example's loop does not pass; the opt-in noise scale, curvature
-    # and gradient histogram, which it does not enable; alerts), or sink errors (exported
+    # per-token losses, which the example's loop does not pass; the opt-in noise scale, curvature,
+    # gradient histogram and skip/stop action, which it does not enable; alerts), or sink errors (exported
     # per file sink; the example writes none). Those metrics are served as declared
     # (tests/test_metric_catalogue.py) with values checked in tests/test_loss_analysis.py.
     allowed = {"loss_scaler", "update_ratio", "replicated", "components", "tokens", "noise_scale", "curvature",
-               "histogram", queries.ALERT}
+               "histogram", "action", queries.ALERT}
     empty = [(q.dashboard, q.title, q.expr, q.conditional) for q, n in counts.items()
              if n == 0 and q.kind != "annotation" and not set(q.conditional) & allowed
              and q.metrics != ("distgrad_sink_errors_total",)
