@@ -10,7 +10,9 @@ SUM all-reduce (112 KiB at 2048 ranks).
 
 Per-rank loss (``loss_reduction`` as in :class:`~distgrad.Instrument`): in ``"mean"`` mode the
 rank's mean over its micro-batches and its largest micro-batch loss; in ``"sum"`` mode (losses
-pre-scaled by a framework for gradient accumulation) the rank's step loss (the sum) for both.
+pre-scaled by a framework for gradient accumulation) the rank's step loss (the sum) for both,
+and the micro-batch index is that of the largest pre-scaled micro-batch loss (NaN wins), i.e.
+the micro-batch whose loss made the step's loss non-finite or contributed most to it.
 The rank with the highest loss (:attr:`RankStats.loss_max_rank`) is the first rank whose loss
 is NaN/Inf if any rank's is (the culprit of a non-finite loss), else the argmax of the per-rank
 maxima (ties: the lowest rank).
@@ -167,7 +169,7 @@ class LossTracker:
                 out[rank, 0] = total
                 out[rank, 1] = float(s.count if reduction == "mean" else 1)
                 out[rank, 2] = s.max.to(device) if reduction == "mean" else total
-                out[rank, 3] = s.argmax.to(device) if reduction == "mean" else 0.0
+                out[rank, 3] = s.argmax.to(device)  # "sum": the micro-batch of largest pre-scaled loss
             out[rank, 4] = s.step_time
             out[rank, 5] = s.data_time
             out[rank, 6] = 1.0 if s.reported else 0.0

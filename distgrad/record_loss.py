@@ -20,7 +20,8 @@ class RankStats(_Part):
         loss_mean: the rank's loss over its micro-batches of the step (``"sum"`` loss reduction:
             its step loss), in the loss's unit; NaN where the rank observed no loss.
         loss_max: the rank's largest micro-batch loss (``"sum"``: its step loss); NaN where none.
-        loss_max_micro: 0-based index of that micro-batch within the rank's step; NaN where none.
+        loss_max_micro: 0-based index of that micro-batch within the rank's step (``"sum"``: of
+            the micro-batch with the largest loss handed to backward, NaN/Inf first); NaN where none.
         step_time: seconds from the end of the rank's previous optimizer-step boundary to its
             arrival at this one (host wall clock); NaN on the first step.
         data_time: seconds of data loading the loop reported for the step

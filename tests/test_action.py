@@ -224,6 +224,59 @@ def test_lightning_stop_path_skips_the_update_runs_the_callback_and_stops_the_fi
     assert cb.instrument.should_stop
 
 
+def test_framework_loss_names_the_micro_batch_that_made_it_nonfinite(tmp_path):
+    """Lightning pre-scales each micro-batch loss by 1/GA ("sum" loss reduction): the rank's
+    largest micro-batch (``loss_max_micro``, the loss report's ``micro_batch``) is still the
+    one whose loss was largest or NaN, as the loop computed it (it was 0 on every step)."""
+    import lightning as L
+
+    from distgrad.integrations.lightning import DistgradCallback
+
+    torch.manual_seed(0)
+    ga, bad_step, bad_micro = 3, 2, 1
+    losses: list[list[float]] = []
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            if batch_idx % ga == 0:
+                losses.append([])
+            if self.trainer.global_step == bad_step and batch_idx % ga == bad_micro:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            loss = self.net(x).pow(2).mean()
+            losses[-1].append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    records: list = []
+    cb = DistgradCallback(exporter={"enabled": False}, action={"on_nonfinite": "skip"},
+                          flight_recorder={"dir": str(tmp_path)})
+
+    class Watch(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            cb.instrument.add_hook(records.append)
+
+    data = torch.utils.data.TensorDataset(torch.randn(60, 4) * torch.linspace(0.1, 3, 60)[:, None])
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=5, accumulate_grad_batches=ga, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[cb, Watch()])
+    trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=4))
+    assert [r.step for r in records] == list(range(5)) and len(losses) == 5
+    for rec, step_losses in zip(records, losses):
+        expect = bad_micro if rec.step == bad_step else max(range(ga), key=step_losses.__getitem__)
+        assert rec.ranks.loss_max_micro == [expect], (rec.step, step_losses)
+    assert any(max(range(ga), key=ls.__getitem__) != 0 for ls in losses)  # the check can fail
+    doc = json.loads((tmp_path / f"lossspike-step{bad_step}-rank0.json").read_text())
+    assert doc["reason"] == "nonfinite_loss" and doc["micro_batch"] == bad_micro
+
+
 def test_hugging_face_trainer_stop_path_saves_the_last_good_state_and_stops(tmp_path, monkeypatch):
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from transformers import Trainer, TrainerCallback, TrainingArguments
