@@ -58,6 +58,9 @@ SIZES = {  # name: (layers, width, heads)
     "100m": (16, 768, 12),
 }
 
+#: signal name -> the StepRecord field it fills
+FIELDS = {"grad_histogram": "grad_histogram", "optimizer_signals": "optimizer_signals", "noise_scale": "noise_scale",
+          "curvature": "curvature"}
 #: (row key, label, signal name in distgrad.signals.FACTORIES, config overrides switching it on)
 SIGNAL_ROWS = [
     ("sig_histogram", "signal: log2|g| histogram per layer (histogram.enabled)", "grad_histogram",
@@ -230,6 +233,10 @@ def worker(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(1234 + rank)
     x = torch.randint(0, 256, (1, 128), generator=g).to(engine.device)
     y = torch.randint(0, 256, (1, 128), generator=g).to(engine.device)
+    # one full optimizer step first, so that the optimizer state exists (Adam's moments: without
+    # them the optimizer signals have nothing to read, and their row would measure nothing)
+    engine.backward(engine(x, y))
+    engine.step()
     loss = engine(x, y)
     engine.backward(loss)  # distgrad's wrapper records the loss; no step: the gradients stay
     assert engine.is_gradient_accumulation_boundary()
@@ -431,15 +438,23 @@ def worker(args: argparse.Namespace) -> None:
             inst.config = saved
 
     def with_signals(pack: Any) -> Callable[[], None]:
+        # each signal row numbers its calls as consecutive optimizer steps of its own (the
+        # curvature pairs a step with the one before), far from the other rows' step 0
+        steps = iter(range(1000 * (len(rows) + 1), 10**9))
+
         def fn() -> None:
             saved = inst.signals
             inst.signals = pack
+            inst.async_records = False
             try:
-                sampled_step()
+                k = next(steps)
+                host = inst.collect(k)
+                inst.finish(k, k, host, 1.0, None, None, True, None)
             finally:
                 inst.signals = saved
         return fn
 
+    parts: dict[str, str] = {}  # signal row -> the record field its signal fills
     rows.append(("sampled_step_bare", "distgrad full sampled step without packed signals",
                  with_signals(SignalPack([]))))
     signal_rows = []
@@ -448,8 +463,13 @@ def worker(args: argparse.Namespace) -> None:
         if sig is None:
             continue
         signal_rows.append(key)
-        rows.append((key, label + (" [default on]" if name in default_signals else " [opt-in]"),
-                     with_signals(SignalPack([sig]))))
+        fn = with_signals(SignalPack([sig]))
+        if name == "noise_scale":  # what its hooks would have gathered in the backward (2 micro-batches)
+            fn = (lambda f, sig: lambda: (sig.norms.reset(), sig.norms._calls.update({0: 1}),
+                                          setattr(sig.norms, "_acc", torch.ones((), dtype=torch.float64,
+                                                                               device=device)), f()))(fn, sig)
+        rows.append((key, label + (" [default on]" if name in default_signals else " [opt-in]"), fn))
+        parts[key] = FIELDS[name]
     gns = make_signal("noise_scale", {"noise_scale": {"enabled": True}})
     fake_local = [torch.randn_like(p, device=device) for _, p in ds_params]
 
@@ -470,6 +490,12 @@ def worker(args: argparse.Namespace) -> None:
         fn()
         sync()
         t_warm[key] = time.perf_counter() - t0
+    # each signal row's record carries its signal's part (else the row would time a no-op)
+    parts_present = {}
+    for key, _, fn in rows:
+        if key in parts:
+            fn()  # the second call: signals comparing with the previous step have it now
+            parts_present[key] = getattr(inst.last_record, parts[key], None) is not None
     times: dict[str, list[float]] = {k: [] for k, _, _ in rows}
     for _ in range(args.trials):
         for key, _, fn in rows:
@@ -524,7 +550,7 @@ def worker(args: argparse.Namespace) -> None:
         "times_s": times, "median_s": med, "median_s_per_rank": gathered, "warmup_s": t_warm,
         "counts": {k: list(v) for k, v in counts.items()}, "peak_extra_bytes": mem, "device_ops": ops,
         "stats_kernel_use": dstats.kernel_use(), "signal_rows": signal_rows,
-        "default_signals": default_signals,
+        "default_signals": default_signals, "signal_parts_present": parts_present,
         "norm_rel_err_vs_fp64": acc_err, "extrema_counts_equal_to_eager": exact_vs_eager,
     }
     if rank == 0:
@@ -702,6 +728,10 @@ def render(micros: list[dict], e2es: list[dict], args: argparse.Namespace) -> st
             lines.append(f"Packed signals (issue 15), each alone on top of the sampled step without packed signals "
                          f"({fmt_ms(bare)} ms); on by default in this run: {on}. The hooks row is work done in the "
                          "backward pass per micro-batch, not at the sampled step.")
+            lines.append("")
+            missing = [k for k, ok in (m.get("signal_parts_present") or {}).items() if not ok]
+            lines.append("Every signal row's record carried its signal's values." if not missing else
+                         f"WARNING: these rows' records carried no values of their signal: {missing}")
             lines.append("")
             lines.append("| signal | median ms | added ms | added x floor | collectives | host syncs | extra peak MB |")
             lines.append("|---|---:|---:|---:|---:|---:|---:|")
