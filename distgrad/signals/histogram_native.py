@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
-from importlib import resources
 from typing import Sequence
 
 import numpy as np
 import torch
+
+from distgrad.stats import cbuild
 
 log = logging.getLogger("distgrad")
 
@@ -31,31 +28,8 @@ _fn = None  # the loaded dg_hist, False once it proved unavailable, None before 
 
 
 def _compile():
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
-        raise RuntimeError("no C compiler found (set CC)")
-    d = tempfile.mkdtemp(prefix="distgrad-hist-")
-    try:
-        src, so = os.path.join(d, "hist.c"), os.path.join(d, "hist.so")
-        with open(src, "w") as f:
-            f.write(resources.files("distgrad.signals").joinpath("dg_hist.c").read_text(encoding="utf-8"))
-        errors = []
-        for arch in (["-march=native"], []):
-            cmd = [cc, "-O3", *arch, "-std=gnu99", "-shared", "-fPIC", "-o", so, src]
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if r.returncode == 0:
-                break
-            errors.append(f"{' '.join(cmd)}: {r.stderr.strip()[-500:]}")
-        else:
-            raise RuntimeError("; ".join(errors))
-        lib = ctypes.CDLL(so)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-    fn = lib.dg_hist
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 7
-    fn._keep = lib
-    return fn
+    return cbuild.compile_c(cbuild.c_source("distgrad.signals", "dg_hist.c"), "dg_hist",
+                            [ctypes.c_int64] + [ctypes.c_void_p] * 7)
 
 
 def run(fn, pieces: Sequence[torch.Tensor], rows: Sequence[int], n_rows: int
@@ -114,14 +88,6 @@ def native():
     if _fn is None:
         with _lock:
             if _fn is None:
-                try:
-                    if os.name != "posix":
-                        raise RuntimeError("only built on POSIX systems")
-                    fn = _compile()
-                    _self_check(fn)
-                    _fn = fn
-                except Exception as e:  # noqa: BLE001 - the torch path is used instead
-                    log.warning("distgrad: native histogram kernel unavailable, using torch kernels (%s: %s)",
-                                type(e).__name__, e)
-                    _fn = False
+                _fn = cbuild.try_load(_compile, _self_check,
+                                      "native histogram kernel (torch kernels are used instead)")
     return _fn or None

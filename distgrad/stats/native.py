@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
-from importlib import resources
 from typing import Sequence
 
 import numpy as np
 import torch
+
+from distgrad.stats import cbuild
 
 log = logging.getLogger("distgrad")
 
@@ -28,7 +25,7 @@ def c_source() -> str:
         FileNotFoundError: the file is missing from the installation (then the eager kernel is
             used, see :func:`_native`).
     """
-    return resources.files("distgrad.stats").joinpath("dg_stats.c").read_text(encoding="utf-8")
+    return cbuild.c_source("distgrad.stats", "dg_stats.c")
 
 
 _NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -38,34 +35,9 @@ _native_fn = None  # the loaded dg_stats, False once it proved unavailable, None
 
 def _compile_native():
     """Compile and load ``dg_stats.c``; returns the ctypes function or raises."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
-        raise RuntimeError("no C compiler found (set CC)")
-    d = tempfile.mkdtemp(prefix="distgrad-kernel-")
-    try:
-        src, so = os.path.join(d, "stats.c"), os.path.join(d, "stats.so")
-        with open(src, "w") as f:
-            f.write(c_source())
-        errors = []
-        # -ffast-math must not be used: it would break NaN/Inf counting and NaN-skipping extrema
-        for arch in (["-march=native"], []):
-            cmd = [cc, "-O3", *arch, "-fno-math-errno", "-std=gnu99", "-shared", "-fPIC", "-pthread",
-                   "-o", so, src]
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if r.returncode == 0:
-                break
-            errors.append(f"{' '.join(cmd)}: {r.stderr.strip()[-500:]}")
-        else:
-            raise RuntimeError("; ".join(errors))
-        lib = ctypes.CDLL(so)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-    fn = lib.dg_stats
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_int32]
-    fn._keep = lib  # keep the library loaded as long as the function lives
-    return fn
+    return cbuild.compile_c(c_source(), "dg_stats",
+                            [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_int32], flags=["-fno-math-errno", "-pthread"])
 
 
 def _call_native(fn, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -123,14 +95,7 @@ def _native():
     if _native_fn is None:
         with _native_lock:
             if _native_fn is None:
-                try:
-                    if os.name != "posix":
-                        raise RuntimeError("only built on POSIX systems")
-                    fn = _compile_native()
-                    _self_check(fn)
-                    _native_fn = fn
-                except Exception as e:  # noqa: BLE001 - fall back to the eager kernel
-                    log.warning("distgrad: native statistics kernel unavailable, using the eager torch "
-                                "kernel (%s: %s)", type(e).__name__, e)
-                    _native_fn = False
+                _native_fn = cbuild.try_load(
+                    _compile_native, _self_check,
+                    "native statistics kernel (the eager torch kernel is used instead)")
     return _native_fn or None
