@@ -13,6 +13,7 @@ missing; 2 usage error; 3 with ``--fail-on-problem`` when the verdict is not hea
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -74,6 +75,10 @@ def _landscape(args: argparse.Namespace) -> int:
     if not mod_name or not fn_name:
         print(f"distgrad: error: factory must be MODULE:FUNCTION, got {args.factory!r}", file=sys.stderr)
         return EXIT_USAGE
+    # a console script's sys.path lacks the working directory: import MODULE from it, as
+    # ``python -m`` would (docs/landscape.md)
+    if not {"", os.getcwd()} & set(sys.path):
+        sys.path.insert(0, os.getcwd())
     try:
         fn = getattr(importlib.import_module(mod_name), fn_name)
         built = fn(checkpoint=args.checkpoint) if args.checkpoint else fn()

@@ -190,3 +190,37 @@ def test_cli_writes_json_and_png(tmp_path, monkeypatch):
     got = json.loads((out / "landscape.json").read_text())
     assert np.asarray(got["loss"]).shape == (4, 4) and got["dims"] == 2
     assert cli_main(["landscape", "lsfactory:nothing", "-o", str(out)]) == 1
+
+
+def test_cli_console_script_imports_the_factory_from_the_working_directory(tmp_path):
+    """What a user types: the installed ``distgrad`` console script, run in the directory that
+    holds the factory's package (a console script's sys.path lacks that directory)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "landscape.py").write_text(
+        "import torch, torch.nn as nn\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    m = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))\n"
+        "    g = torch.Generator().manual_seed(2)\n"
+        "    batches = [torch.randn(6, 3, generator=g) for _ in range(2)]\n"
+        "    return m, (lambda model, b: model(b).pow(2).mean()), batches\n")
+    script = Path(sys.executable).parent / "distgrad"
+    assert script.exists(), script
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    p = subprocess.run([str(script), "landscape", "mypkg.landscape:build", "-o", "out", "--steps", "5", "--span", "0.5"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    g = torch.Generator().manual_seed(2)
+    want = ls.slice_1d(m, lambda model, b: model(b).pow(2).mean(), [torch.randn(6, 3, generator=g) for _ in range(2)],
+                       steps=5, span=0.5, seed=0)
+    got = json.loads((tmp_path / "out" / "landscape.json").read_text())
+    np.testing.assert_allclose(got["loss"], want.loss, rtol=1e-12)
