@@ -35,6 +35,7 @@ RTOL = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 1e-2}  # against the float64 referen
 def hf_results(tmp_path_factory, monkeypatch_module):
     res = launch("hf_cases.py", tmp_path_factory.mktemp("hf") / "hf.json")
     res["cases"]["single"] = _single_process_case(monkeypatch_module)
+    res["cases"]["single_gns"] = _single_process_case(monkeypatch_module, "single_gns", ga=3, gns=True)
     return res
 
 
@@ -44,7 +45,7 @@ def monkeypatch_module():
         yield mp
 
 
-def _single_process_case(mp) -> dict:
+def _single_process_case(mp, name: str = "single", **kw) -> dict:
     """The Trainer on one process without torch.distributed (distgrad's local engine), run here."""
     import traceback
 
@@ -56,7 +57,7 @@ def _single_process_case(mp) -> dict:
     import hf_cases
 
     try:
-        return hf_cases.run_case("single", "single")
+        return hf_cases.run_case(name, "single", **kw)
     except Exception as e:  # noqa: BLE001 - reported by case() with the traceback
         return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
     finally:
@@ -151,6 +152,54 @@ def test_engines_and_frozen_lora_base_weights(hf_results):
     names = StepRecord.from_dict(lora["records"][0]).params.names
     assert lora["frozen"] and not set(lora["frozen"]) & set(names)
     assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("key", ["single_gns", "ds_z2_gns"])
+def test_noise_scale_small_batch_from_the_trainer_equals_float64_reference(hf_results, key):
+    # noise_scale.enabled without micro_batch_size: the Trainer's per_device_train_batch_size
+    # (2), filled by the integration on one process and by the Trainer's DeepSpeed "auto" under
+    # ZeRO-2; accumulation 3. The Trainer's loss scaling (sum over tokens / num_items_in_batch of
+    # the step) against each micro-batch's own mean loss, its gradient recomputed in float64
+    c = case(hf_results, key)
+    ref = c["gns_ref"]
+    assert ref["micro_batches"] == 3 * _n_ranks(key.replace("_gns", ""))
+    rec = StepRecord.from_dict(c["records"][0])
+    ns = rec.noise_scale
+    assert ns is not None and rec.step == 0 and c.get("refusals", {}) == {}
+    assert (ns.small_batch, ns.micro_batches, ns.big_batch) == (2, ref["micro_batches"], 2 * ref["micro_batches"])
+    # |G|^2 is a difference of the two (a random-init model on random tokens: near zero, may be
+    # negative): its tolerance is on the scale of the terms it comes from
+    for field in ("grad_sq_small", "grad_sq_big", "true_grad_sq", "noise_trace"):
+        assert getattr(ns, field) == pytest.approx(ref[field], rel=1e-5, abs=1e-5 * ref["grad_sq_small"]), field
+    assert ref["noise_trace"] > 0
+    # one step: the bias-corrected EMAs are the step's estimates; no ratio for |G|^2 <= 0
+    assert (ns.ema_true_grad_sq, ns.ema_noise_trace) == pytest.approx((ns.true_grad_sq, ns.noise_trace), rel=1e-12)
+    if ns.true_grad_sq > 0:
+        assert ns.noise_scale == pytest.approx(ns.noise_trace / ns.true_grad_sq, rel=1e-12)
+    else:
+        assert ns.noise_scale is None
+    assert StepRecord.from_dict(c["records"][1]).noise_scale.ema_steps == 2
+
+
+def test_micro_batch_size_from_the_framework_unless_the_user_sets_it(recwarn):
+    from distgrad.config import ConfigError, DistgradConfig
+    from distgrad.integrations import with_micro_batch_size as w
+
+    on = {"noise_scale": {"enabled": True}}
+    assert w(None, on, 8, "x") == {**on, "noise_scale.micro_batch_size": 8}
+    assert w(on, {}, 8, "x") == {"noise_scale.micro_batch_size": 8}
+    assert w(None, {"noise_scale.enabled": True}, 8, "x")["noise_scale.micro_batch_size"] == 8
+    assert w(None, {}, 8, "x") == w(None, {}, None, "x") == {}  # off (the default): nothing, no error
+    for user in ({"noise_scale": {"enabled": True, "micro_batch_size": 3}},
+                 {"noise_scale.enabled": True, "noise_scale.micro_batch_size": 3}):
+        assert w(None, user, 8, "x") == user
+        assert w(user, {}, 8, "x") == {}
+        assert w(user, {}, None, "x") == {}
+    assert w(DistgradConfig.model_validate({"noise_scale": {"enabled": True, "micro_batch_size": 3}}), {}, 8, "x") == {}
+    for unknown in (None, 0, True, 2.5):
+        with pytest.raises(ConfigError, match=r"noise_scale\.micro_batch_size.*the loader's"):
+            w(None, on, unknown, "the loader's batch_size")
 
 
 def test_clip_threshold_from_the_framework_unless_the_user_sets_it(recwarn):

@@ -45,7 +45,7 @@ def _single_process_case() -> dict:
         import lightning_cases
 
         try:
-            return lightning_cases.run_case("single_auto", "single", ga=2, clip=1.0)
+            return lightning_cases.run_case("single_auto", "single", ga=2, clip=1.0, gns=True)
         except Exception as e:  # noqa: BLE001 - reported by case() with the traceback
             return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         finally:
@@ -87,6 +87,52 @@ def test_framework_norms_agree(lightning_results):
         ds = case(lightning_results, key)
         assert len(ds["engine_grad_norms"]) == 2
         assert [r["grad_norm"] for r in ds["records"]] == pytest.approx(ds["engine_grad_norms"], rel=1e-5)
+
+
+@pytest.mark.parametrize("key", ["single_auto", "deepspeed_ga2"])
+def test_noise_scale_small_batch_from_the_loader_equals_float64_reference(lightning_results, key):
+    # noise_scale.enabled without micro_batch_size: the train dataloader's batch_size (2). The
+    # reference: each step-0 micro-batch's own mean-loss gradient in float64. Under DeepSpeed with
+    # accumulation 2 Lightning and engine.backward both divide the loss by 2, so every gradient,
+    # and with them both terms, are 1/2^2 of the reference's; their ratio, the noise scale, is not
+    c = case(lightning_results, key)
+    ref, f = c["gns_ref"], c["ref_divided_by"] ** 2
+    assert ref["micro_batches"] == (4 if key == "deepspeed_ga2" else 2) and f == (4 if key == "deepspeed_ga2" else 1)
+    ns = StepRecord.from_dict(c["records"][0]).noise_scale
+    assert (ns.small_batch, ns.micro_batches, ns.big_batch) == (2, ref["micro_batches"], 2 * ref["micro_batches"])
+    for field in ("grad_sq_small", "grad_sq_big", "true_grad_sq", "noise_trace"):
+        assert getattr(ns, field) * f == pytest.approx(ref[field], rel=1e-5, abs=1e-5 * ref["grad_sq_small"]), field
+    if ns.true_grad_sq > 0:
+        assert ns.noise_scale == pytest.approx(ns.noise_trace / ns.true_grad_sq, rel=1e-12)
+    else:
+        assert ns.noise_scale is None
+    assert StepRecord.from_dict(c["records"][1]).noise_scale.ema_steps == 2
+
+
+def test_loader_batch_size_or_a_config_error_naming_the_key():
+    from types import SimpleNamespace
+
+    import torch
+
+    from distgrad.config import ConfigError
+    from distgrad.integrations import with_micro_batch_size
+    from distgrad.integrations.lightning import _loader_batch_size
+
+    data = torch.utils.data.TensorDataset(torch.zeros(8, 1))
+    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(data), 4, False)
+
+    class NotLoaded:
+        @property
+        def train_dataloader(self):
+            raise RuntimeError("no loader yet")
+
+    assert _loader_batch_size(SimpleNamespace(train_dataloader=torch.utils.data.DataLoader(data, batch_size=3))) == 3
+    for unknown in (SimpleNamespace(train_dataloader=torch.utils.data.DataLoader(data, batch_sampler=sampler)),
+                    SimpleNamespace(train_dataloader=[torch.utils.data.DataLoader(data, batch_size=3)] * 2),
+                    SimpleNamespace(train_dataloader=None), NotLoaded()):
+        assert _loader_batch_size(unknown) is None
+        with pytest.raises(ConfigError, match=r"noise_scale\.micro_batch_size"):
+            with_micro_batch_size(None, {"noise_scale": {"enabled": True}}, _loader_batch_size(unknown), "x")
 
 
 def _about_double_division(c):

@@ -320,8 +320,10 @@ class NoiseScaleConfig(Section):
     micro_batch_size: Optional[int] = Field(None, ge=1, description=(
         "Samples per micro-batch on each rank (the small batch B_small; the step's batch is it "
         "times the micro-batches of all ranks). DeepSpeed: read from "
-        "train_micro_batch_size_per_gpu when unset; PyTorch engines: required with enabled. In "
-        "the unit the noise scale is wanted in (samples, or tokens per micro-batch)."))
+        "train_micro_batch_size_per_gpu when unset; PyTorch engines: required with enabled, except "
+        "under the Hugging Face Trainer (per_device_train_batch_size) and Lightning (the train "
+        "dataloader's batch_size), which fill it when unset. In the unit the noise scale is wanted "
+        "in (samples, or tokens per micro-batch)."))
     ema_decay: float = Field(0.99, gt=0, lt=1, description=(
         "Decay of the two exponential moving averages (of |G|^2 and of tr(Sigma)) whose ratio is "
         "the exported noise scale, per sampled step."))

@@ -39,3 +39,34 @@ def with_clip_threshold(config: Any, overrides: dict[str, Any], threshold: Any) 
     if value > 0 and not (_sets_clip(out) or _sets_clip(config) or in_config):
         out["clip.max_grad_norm"] = value
     return out
+
+
+def with_micro_batch_size(config: Any, overrides: dict[str, Any], batch_size: Any, source: str) -> dict[str, Any]:
+    """``overrides`` plus the framework's samples per micro-batch per rank ``batch_size`` as
+    ``noise_scale.micro_batch_size`` when the resolved settings (``config`` with ``overrides``)
+    enable the gradient noise scale (``noise_scale.enabled``) and leave that key unset; else
+    ``overrides`` unchanged. ``source`` names where ``batch_size`` came from, for the error.
+    Returns a new dict.
+
+    Raises:
+        ConfigError: the noise scale is enabled, ``noise_scale.micro_batch_size`` is unset and
+            ``batch_size`` is not a positive int (the framework does not know it); or a bad
+            config (as :func:`distgrad.instrument` would raise it).
+    """
+    import warnings
+
+    from distgrad.config import ConfigError, DistgradConfig
+
+    out = dict(overrides)
+    with warnings.catch_warnings():  # deprecated flat keys: distgrad.instrument warns once itself
+        warnings.simplefilter("ignore")
+        ns = DistgradConfig.load(config).with_overrides(out).noise_scale
+    if not ns.enabled or ns.micro_batch_size is not None:
+        return out
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(
+            f"distgrad config: 'noise_scale.micro_batch_size' is required with noise_scale.enabled here: {source} "
+            f"does not give the samples per micro-batch on each rank (got {batch_size!r}); set "
+            "noise_scale.micro_batch_size (the noise scale is in that unit)")
+    out["noise_scale.micro_batch_size"] = int(batch_size)
+    return out

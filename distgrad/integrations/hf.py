@@ -29,6 +29,17 @@ What the Trainer does, and what the integration does about it (measured on trans
   backward, averaged over ranks (``Instrument.loss_reduction = "sum"``): exactly the loss whose
   gradient the reduced gradient is, i.e. the Trainer's own step loss (the mean per-token loss of
   the step with ``num_items_in_batch``, the mean of the micro-batch losses without it).
+- Gradient noise scale (``noise_scale.enabled``, docs/signals.md): the small batch
+  ``noise_scale.micro_batch_size``, when unset, is the Trainer's train batch size per process
+  (``per_device_train_batch_size``); under DeepSpeed the Trainer fills
+  ``train_micro_batch_size_per_gpu`` ("auto") from the same value and distgrad reads it from the
+  engine. The Trainer's loss scaling (``1/GA``, or the sum over tokens divided by
+  ``num_items_in_batch`` of the step) scales every micro-batch gradient and the reduced gradient
+  alike, which the estimator allows; with ``num_items_in_batch`` each micro-batch's gradient is
+  weighted by its share of the step's scored tokens, so micro-batches with different numbers of
+  scored tokens (padding, packing) bias the estimate (docs/signals.md). A plain Accelerate loop
+  (:func:`instrument_accelerate`) does not know its batch size: set
+  ``noise_scale.micro_batch_size`` (DeepSpeed plugin: read from the engine).
 - PEFT: frozen base weights have ``requires_grad=False`` and never appear as series.
 - Opt-in action ``stop`` (docs/action.md): at ``on_step_end`` of the stopping step the Trainer is
   told to save a checkpoint (of the state before the skipped update) and to stop.
@@ -46,7 +57,7 @@ from typing import Any
 import distgrad
 from distgrad.api import unwrap_optimizer
 from distgrad.engines.deepspeed import is_deepspeed_engine
-from distgrad.integrations import with_clip_threshold
+from distgrad.integrations import with_clip_threshold, with_micro_batch_size
 
 try:
     from transformers import TrainerCallback
@@ -121,6 +132,7 @@ def instrument_trainer(trainer: Any, config: Any = None, optimizer: Any = None,
 
     Raises:
         TypeError / ValueError: from :func:`distgrad.instrument` (unsupported engine or settings).
+        ConfigError: bad settings (e.g. ``noise_scale.enabled`` without a known micro-batch size).
     """
     engine = trainer.model_wrapped
     accelerator = trainer.accelerator
@@ -129,6 +141,10 @@ def instrument_trainer(trainer: Any, config: Any = None, optimizer: Any = None,
         inst.loss_reduction = "sum"
         return inst
     overrides = with_clip_threshold(config, overrides, getattr(trainer.args, "max_grad_norm", None))
+    # the noise scale's small batch: the Trainer's micro-batch per process (under DeepSpeed the
+    # Trainer fills train_micro_batch_size_per_gpu from the same value, which distgrad reads)
+    batch = getattr(trainer, "_train_batch_size", None) or getattr(trainer.args, "train_batch_size", None)
+    overrides = with_micro_batch_size(config, overrides, batch, "the Trainer's train batch size")
     return instrument_accelerate(accelerator, engine, optimizer if optimizer is not None else trainer.optimizer,
                                  config, **overrides)
 

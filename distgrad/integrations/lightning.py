@@ -23,6 +23,13 @@ What Lightning does, and what the callback does about it (measured on lightning 
   automatic and manual optimization alike (``boundary.read_at = "external"``); the optimizer's
   step post-hook publishes the step. ``gradient_clip_val`` (norm clipping) becomes distgrad's
   ``clip.max_grad_norm`` (clip ratio, post-clip norm) unless the config or an override sets it.
+- Gradient noise scale (``noise_scale.enabled``, docs/signals.md): ``noise_scale.micro_batch_size``
+  unset is filled from the train dataloader's ``batch_size`` (under every strategy, DeepSpeed
+  too: Lightning sets ``train_micro_batch_size_per_gpu`` to 1 when it cannot tell); when the
+  dataloader does not say (several loaders, a custom ``batch_sampler``), ``on_train_start``
+  raises a ConfigError naming the key. Lightning's division of the loss by
+  ``accumulate_grad_batches`` (twice under DeepSpeed) scales every micro-batch gradient and the
+  reduced gradient alike: the noise scale is unchanged (its two terms scale by the same factor).
 - Loss: ``on_before_backward`` receives the loss handed to backward (``training_step``'s loss
   divided by ``accumulate_grad_batches`` under automatic optimization); ``distgrad_loss`` is its
   sum over the step's micro-batches averaged over ranks, i.e. the mean training loss of the step
@@ -42,7 +49,7 @@ from typing import Any
 
 import distgrad
 from distgrad.engines.deepspeed import is_deepspeed_engine
-from distgrad.integrations import with_clip_threshold
+from distgrad.integrations import with_clip_threshold, with_micro_batch_size
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -53,6 +60,19 @@ except ImportError:  # pragma: no cover - the standalone package
         raise ImportError("distgrad.integrations.lightning needs lightning: pip install 'distgrad[lightning]'") from e
 
 log = logging.getLogger("distgrad")
+
+
+def _loader_batch_size(trainer: Any) -> int | None:
+    """The train dataloader's ``batch_size`` (samples per micro-batch per rank) if Lightning has
+    loaded one ``torch.utils.data.DataLoader`` with an int ``batch_size`` by ``on_train_start``;
+    None otherwise (several loaders, a custom ``batch_sampler``, an IterableDataset batching
+    itself: the noise scale then needs ``noise_scale.micro_batch_size``)."""
+    try:
+        loader = trainer.train_dataloader
+    except Exception:  # noqa: BLE001 - not loaded: unknown
+        return None
+    b = getattr(loader, "batch_size", None)
+    return b if isinstance(b, int) and not isinstance(b, bool) and b >= 1 else None
 
 
 class DistgradCallback(Callback):
@@ -71,6 +91,8 @@ class DistgradCallback(Callback):
     Raises (at ``on_train_start``):
         ValueError: the LightningModule configures several optimizers.
         TypeError / ValueError: from :func:`distgrad.instrument` (unsupported strategy).
+        ConfigError: ``noise_scale.enabled`` with ``noise_scale.micro_batch_size`` unset and a
+            train dataloader without an int ``batch_size``.
     """
 
     def __init__(self, config: Any = None, **overrides: Any) -> None:
@@ -83,9 +105,11 @@ class DistgradCallback(Callback):
         if self.instrument is not None:
             return
         model = trainer.model
+        base = with_micro_batch_size(self.config, self.overrides, _loader_batch_size(trainer),
+                                     "the train dataloader's batch_size")
         if is_deepspeed_engine(model):
             self._deepspeed = True
-            self.instrument = distgrad.instrument(model, self.config, **self.overrides)
+            self.instrument = distgrad.instrument(model, self.config, **base)
             self.instrument.loss_reduction = "sum"
             self._warn_double_division(trainer, pl_module)
             return
@@ -95,7 +119,7 @@ class DistgradCallback(Callback):
         opt = getattr(optimizers[0], "_optimizer", optimizers[0])  # a LightningOptimizer's torch optimizer
         algo = str(getattr(trainer, "gradient_clip_algorithm", "norm") or "norm").lower()
         clip = trainer.gradient_clip_val if algo.endswith("norm") else None
-        overrides = with_clip_threshold(self.config, self.overrides, clip)
+        overrides = with_clip_threshold(self.config, base, clip)
         self.instrument = distgrad.instrument(model, self.config, optimizer=opt, **overrides)
         if getattr(self.instrument, "boundary", None) is not None:
             self.instrument.loss_reduction = "sum"

@@ -38,7 +38,10 @@ sum-reduced loss scales the gradient by b and the estimate is wrong), micro-batc
 size, one backward per micro-batch. Engines: a plain module, DDP, DeepSpeed ZeRO 0-3, FSDP1
 (not hybrid; the hooks see each unit's unsharded padded flat gradient, whose padding is zero),
 FSDP2 on a 1-D mesh (the hooks go on the unsharded parameters once they exist); refused at
-``instrument()`` elsewhere (no honest small batch known yet).
+``instrument()`` elsewhere (no honest small batch known yet). Framework integrations
+(``distgrad/integrations/``) fill ``micro_batch_size``; their loss scaling and the Hugging Face
+Trainer's ``num_items_in_batch`` token weighting: docs/signals.md, "Under the framework
+integrations".
 """
 
 from __future__ import annotations

@@ -14,7 +14,10 @@ the pre-clip reduced gradient the optimizer receives.
 
 Cases: DeepSpeed ZeRO-0 and ZeRO-1 in fp32, ZeRO-2 and ZeRO-3 in fp32, bf16 and fp16 (dynamic
 loss scaling), ZeRO-2 + PEFT LoRA, FSDP2, FSDP1, DDP, and plain Accelerate loops with the
-DeepSpeed plugin and with DDP; the one-process case runs in the pytest process (``run_case("single", "single")``).
+DeepSpeed plugin and with DDP; ZeRO-2 with the gradient noise scale on (accumulation 3, every
+label scored; :func:`gns_reference`); the one-process cases run in the pytest process
+(``run_case("single", "single")``, and with the noise scale ``run_case("single_gns", "single",
+ga=3, gns=True)``).
 
 Making these frameworks run on CPU at all (not distgrad's business): a gloo ``PartialState``
 before ``TrainingArguments(accelerator_config={"use_configured_state": True})``; FSDP needs
@@ -103,7 +106,7 @@ def allow_half_precision_on_cpu() -> None:
 
 
 def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm: float = 1.0,
-             dtype: str = "fp32") -> dict:
+             dtype: str = "fp32", ga: int = GA, gns: bool = False) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from distgrad.integrations.hf import attach
@@ -142,7 +145,7 @@ def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm:
                                 "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
     args = TrainingArguments(
         output_dir=f"/tmp/distgrad_hf_{name}_{os.getpid()}", per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=GA, max_steps=2, logging_steps=1, report_to=[], save_strategy="no",
+        gradient_accumulation_steps=ga, max_steps=2, logging_steps=1, report_to=[], save_strategy="no",
         learning_rate=1e-3, max_grad_norm=max_norm, seed=5, data_seed=5, dataloader_num_workers=0,
         accelerator_config={"use_configured_state": True}, disable_tqdm=True, **extra)
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -161,9 +164,10 @@ def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm:
                 trainer_logs.append({k: float(v) for k, v in logs.items() if isinstance(v, (int, float))})
 
     trainer_logs = logs
-    trainer = Recording(model=model, args=args, train_dataset=dataset(ignored=True),
+    # gns: every sequence fully scored (equal tokens per micro-batch, the estimator's assumption)
+    trainer = Recording(model=model, args=args, train_dataset=dataset(ignored=not gns),
                         callbacks=[Logs()])
-    cb = attach(trainer, prometheus=False)
+    cb = attach(trainer, prometheus=False, **({"noise_scale": {"enabled": True}} if gns else {}))
     orig_on_train_begin = cb.on_train_begin
 
     def on_train_begin(*a, **kw):
@@ -180,6 +184,8 @@ def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm:
            "max_grad_norm": inst.config.clip.max_grad_norm if inst.config.clip.max_grad_norm is not None else
            (inst.diagnostics.max_norm if inst.diagnostics is not None else None)}
     out.update(reference(ref_model, seen))  # float64, on every rank (rank 0 writes it)
+    if gns:
+        out["gns_ref"] = gns_reference(ref_model, seen, BATCH)
     del trainer
     if dist.is_initialized():
         dist.barrier()
@@ -264,6 +270,33 @@ def reference(ref_model, seen: list) -> dict:
             "frozen": [n for n, p in ref_model.named_parameters() if not p.requires_grad]}
 
 
+def gns_reference(ref_model, seen: list, b: int) -> dict:
+    """The gradient noise scale's per-step estimates of step 0 from every rank's step-0
+    micro-batches, in float64: each micro-batch's gradient ``g_m`` of its own mean loss (mean
+    cross entropy over its scored tokens), recomputed one by one; ``|G_small|^2`` = the mean of
+    ``|g_m|^2``, ``|G_big|^2`` = ``|mean of g_m|^2``, and McCandlish et al.'s Appendix A.1 with
+    ``B_small = b``, ``B_big = N b`` (N micro-batches of all ranks)."""
+    mine = [(i.tolist(), lab.tolist()) for i, lab in seen]
+    everything: list = [mine]
+    if dist.is_initialized():
+        everything = [None] * dist.get_world_size()
+        dist.all_gather_object(everything, mine)
+    grads = []
+    for per_rank in everything:
+        for ids, lab in per_rank:
+            ref_model.zero_grad()
+            ref_model(input_ids=torch.tensor(ids), labels=torch.tensor(lab)).loss.backward()
+            grads.append(torch.cat([p.grad.detach().reshape(-1).double()
+                                    for p in ref_model.parameters() if p.requires_grad]))
+    n = len(grads)
+    small = sum(float(g.dot(g)) for g in grads) / n
+    mean = torch.stack(grads).mean(0)
+    big = float(mean.dot(mean))
+    B = n * b
+    return {"micro_batches": n, "grad_sq_small": small, "grad_sq_big": big,
+            "true_grad_sq": (B * big - b * small) / (B - b), "noise_trace": (small - big) / (1 / b - 1 / B)}
+
+
 CASES = {
     "ds_z0": dict(kind="deepspeed", stage=0),
     "ds_z1": dict(kind="deepspeed", stage=1),
@@ -274,6 +307,7 @@ CASES = {
     "ds_z3_bf16": dict(kind="deepspeed", stage=3, dtype="bf16"),
     "ds_z2_fp16": dict(kind="deepspeed", stage=2, dtype="fp16"),
     "ds_z3_fp16": dict(kind="deepspeed", stage=3, dtype="fp16"),
+    "ds_z2_gns": dict(kind="deepspeed", stage=2, ga=3, gns=True),  # noise scale: b from the Trainer's "auto"
     "fsdp2": dict(kind="fsdp2"),
     "fsdp1": dict(kind="fsdp1"),
     "ddp": dict(kind="ddp"),

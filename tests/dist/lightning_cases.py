@@ -12,7 +12,9 @@ divides the loss by ``accumulate_grad_batches`` and ``engine.backward`` divides 
 accumulation the gradient DeepSpeed applies is the step's mean-loss gradient divided by it: the
 reference gradient is computed from that loss), and FSDP2 (``ModelParallelStrategy`` with
 ``fully_shard`` in ``configure_model``) under automatic optimization. The one-device case
-(``run_case("single_auto", "single", ...)``) runs in the pytest process.
+(``run_case("single_auto", "single", ...)``) runs in the pytest process. ``deepspeed_ga2`` and
+``single_auto`` also run the gradient noise scale with ``micro_batch_size`` from the loader
+(reference: :func:`hf_cases.gns_reference`).
 
 Making Lightning run these strategies on CPU at all (not distgrad's business): small strategy
 subclasses that skip the CUDA-only checks and use gloo. Writes JSON to --out.
@@ -33,7 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import full_stats  # noqa: E402
-from hf_cases import SEQ, dataset, tiny_llama  # noqa: E402
+from hf_cases import SEQ, dataset, gns_reference, tiny_llama  # noqa: E402
 
 BATCH = 2
 
@@ -72,7 +74,8 @@ class Warnings(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool = False) -> dict:
+def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool = False,
+             gns: bool = False) -> dict:
     import lightning as L
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -150,7 +153,8 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
     warnings = Warnings()
     logging.getLogger("distgrad").addHandler(warnings)
     # FSDP: Lightning's gradient_clip_val cannot clip by norm; the module clips, distgrad is told
-    cb = DistgradCallback(prometheus=False, **({"max_grad_norm": clip} if strategy == "fsdp" and clip else {}))
+    cb = DistgradCallback(prometheus=False, **({"max_grad_norm": clip} if strategy == "fsdp" and clip else {}),
+                          **({"noise_scale": {"enabled": True}} if gns else {}))  # b: the loader's batch_size
 
     class Hook(L.Callback):
         def on_train_start(self, trainer, pl_module):
@@ -188,6 +192,8 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
     # Lightning's names start at the LightningModule ("net." + the model's own names)
     out["ref_fp64_step0"] = full_stats({"net." + n: p.grad.detach().reshape(-1)
                                         for n, p in ref_model.named_parameters() if p.requires_grad})
+    if gns:  # per-micro-batch float64 gradients of each micro-batch's mean loss
+        out["gns_ref"] = gns_reference(ref_model, [(t, t) for t in seen], BATCH)
     if dist.is_initialized():
         dist.barrier()
     return out
@@ -199,7 +205,8 @@ CASES = {
     "fsdp2_auto": dict(strategy="model_parallel", ga=2, clip=1.0),
     "fsdp_manual": dict(strategy="fsdp", ga=1, clip=None, manual=True),
     "deepspeed": dict(strategy="deepspeed", ga=1, clip=1.0),
-    "deepspeed_ga2": dict(strategy="deepspeed", ga=2, clip=0.5),  # below the applied (halved) norm
+    # below the applied (halved) norm; the noise scale on (its terms are divided by 2^2 too)
+    "deepspeed_ga2": dict(strategy="deepspeed", ga=2, clip=0.5, gns=True),
 }
 
 
