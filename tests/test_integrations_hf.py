@@ -180,6 +180,10 @@ def test_noise_scale_small_batch_from_the_trainer_equals_float64_reference(hf_re
     else:
         assert ns.noise_scale is None
     assert StepRecord.from_dict(c["records"][1]).noise_scale.ema_steps == 2
+    # the Trainer's num_items_in_batch token weighting (a Llama takes loss kwargs): said once on
+    # rank 0, only with the noise scale on
+    assert len([m for m in c["warnings"] if "num_items_in_batch" in m]) == 1
+    assert not [m for k in ("single", "ds_z2") for m in case(hf_results, k)["warnings"] if "num_items_in_batch" in m]
 
 
 def test_micro_batch_size_from_the_framework_unless_the_user_sets_it(recwarn):

@@ -37,7 +37,8 @@ What the Trainer does, and what the integration does about it (measured on trans
   ``num_items_in_batch`` of the step) scales every micro-batch gradient and the reduced gradient
   alike, which the estimator allows; with ``num_items_in_batch`` each micro-batch's gradient is
   weighted by its share of the step's scored tokens, so micro-batches with different numbers of
-  scored tokens (padding, packing) bias the estimate (docs/signals.md). A plain Accelerate loop
+  scored tokens (padding, variable lengths) bias the estimate (docs/signals.md); said once
+  (rank 0) when the noise scale is on and the Trainer normalises so. A plain Accelerate loop
   (:func:`instrument_accelerate`) does not know its batch size: set
   ``noise_scale.micro_batch_size`` (DeepSpeed plugin: read from the engine).
 - PEFT: frozen base weights have ``requires_grad=False`` and never appear as series.
@@ -139,14 +140,35 @@ def instrument_trainer(trainer: Any, config: Any = None, optimizer: Any = None,
     if is_deepspeed_engine(engine):
         inst = distgrad.instrument(engine, config, **overrides)
         inst.loss_reduction = "sum"
+        _warn_token_weighting(trainer, inst)
         return inst
     overrides = with_clip_threshold(config, overrides, getattr(trainer.args, "max_grad_norm", None))
     # the noise scale's small batch: the Trainer's micro-batch per process (under DeepSpeed the
     # Trainer fills train_micro_batch_size_per_gpu from the same value, which distgrad reads)
     batch = getattr(trainer, "_train_batch_size", None) or getattr(trainer.args, "train_batch_size", None)
     overrides = with_micro_batch_size(config, overrides, batch, "the Trainer's train batch size")
-    return instrument_accelerate(accelerator, engine, optimizer if optimizer is not None else trainer.optimizer,
+    inst = instrument_accelerate(accelerator, engine, optimizer if optimizer is not None else trainer.optimizer,
                                  config, **overrides)
+    _warn_token_weighting(trainer, inst)
+    return inst
+
+
+def _warn_token_weighting(trainer: Any, inst: Any) -> None:
+    """The noise scale on and the Trainer normalising the loss by ``num_items_in_batch`` (a model
+    that takes loss kwargs, or a ``compute_loss_func``): each micro-batch's gradient is weighted
+    by its share of the step's scored tokens, which distgrad cannot see; say once (rank 0) that
+    unequal counts bias the estimate (docs/signals.md, "Under the framework integrations")."""
+    ns = getattr(getattr(inst, "config", None), "noise_scale", None)
+    if ns is None or not ns.enabled or getattr(inst, "rank", 0) != 0:
+        return
+    if not (getattr(trainer, "model_accepts_loss_kwargs", False) or getattr(trainer, "compute_loss_func", None)):
+        return
+    log.warning(
+        "distgrad: gradient noise scale under the Trainer's num_items_in_batch loss: each micro-batch's gradient "
+        "is its summed token loss over the step's scored tokens, so the estimate is exact only when every "
+        "micro-batch has the same number of scored tokens (no -100 padding, packed full sequences); with unequal "
+        "counts micro-batches with more tokens weigh more and the noise scale is biased (docs/signals.md, "
+        "'Under the framework integrations')")
 
 
 def instrument_accelerate(accelerator: Any, model: Any, optimizer: Any = None, config: Any = None,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import os
 import sys
 import traceback
@@ -168,17 +169,24 @@ def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm:
     trainer = Recording(model=model, args=args, train_dataset=dataset(ignored=not gns),
                         callbacks=[Logs()])
     cb = attach(trainer, prometheus=False, **({"noise_scale": {"enabled": True}} if gns else {}))
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda r: warned.append(r.getMessage())  # distgrad's own warnings
+    logging.getLogger("distgrad").addHandler(handler)
     orig_on_train_begin = cb.on_train_begin
 
     def on_train_begin(*a, **kw):
         orig_on_train_begin(*a, **kw)
         cb.instrument.add_hook(lambda rec: records.append(rec.to_dict()))
     cb.on_train_begin = on_train_begin
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        logging.getLogger("distgrad").removeHandler(handler)
     inst = cb.instrument
     out = {"args_max_grad_norm": max_norm, "records": records, "logs": logs, "engine": inst.source.engine_name,
            "zero_stage": inst.source.zero_stage, "loss_reduction": inst.loss_reduction, "dtype": dtype,
-           "spike_window": inst.config.spikes.window,
+           "spike_window": inst.config.spikes.window, "warnings": warned,
            "refusals": dict(inst.boundary.refusals.counts) if getattr(inst, "boundary", None) is not None
            and hasattr(inst.boundary, "refusals") else {},
            "max_grad_norm": inst.config.clip.max_grad_norm if inst.config.clip.max_grad_norm is not None else
