@@ -62,10 +62,18 @@ def _model():
     return _Net()
 
 
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
 @pytest.mark.parametrize("async_records,clip", [("off", None), ("on", None), ("off", 0.05)])
-def test_adamw_signals_match_float64(async_records, clip):
+def test_adamw_signals_match_float64(async_records, clip, kernel, monkeypatch):
     """Steps 1-4 (step 0 has no moment); with ``clip`` the loop reads the gradients, then clips
-    them with clip_grad_norm_ (the optimizer's moments then track clipped gradients)."""
+    them with clip_grad_norm_ (the optimizer's moments then track clipped gradients).
+    ``kernel``: the native CPU kernel (``auto``, checked to be used) or the torch path."""
+    from distgrad.signals import adam as adam_mod, adam_native
+
+    monkeypatch.setattr(adam_mod, "KERNEL", kernel)
+    native_calls = []
+    real_run = adam_native.run
+    monkeypatch.setattr(adam_native, "run", lambda *a: native_calls.append(len(a[1])) or real_run(*a))
     m = _model()
     opt = torch.optim.AdamW(m.parameters(), lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
     theta = 2.0
@@ -98,6 +106,10 @@ def test_adamw_signals_match_float64(async_records, clip):
         opt.step()
         opt.zero_grad()
     dg.close()
+    if kernel == "auto":  # every piece of steps 1-4 went through the native kernel
+        assert adam_native.native() is not None and native_calls == [len(names)] * 4
+    else:
+        assert native_calls == []
     by_step = {r.step: r for r in recs}
     assert sorted(by_step) == [0, 1, 2, 3, 4]
     assert by_step[0].optimizer_signals is None  # no moment before the first step

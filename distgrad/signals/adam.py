@@ -50,7 +50,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from distgrad.signals import PackedSignal, register
+from distgrad.signals import PackedSignal, adam_native, register
 
 log = logging.getLogger("distgrad")
 
@@ -61,6 +61,10 @@ COLS = ("n", "ratio", "spikes", "gm", "gg", "mm", "vv", "vhat")
 #: elements per chunk of the CPU computation (temporaries stay in cache: ~10x faster than whole
 #: pieces on a loaded CPU, measured; accelerators process whole pieces)
 CHUNK = 1 << 16
+#: ``"auto"``: pieces whose gradient and moments are CPU tensors the native kernel takes
+#: (:mod:`distgrad.signals.adam_native`, one pass per piece) go through it when it loaded;
+#: ``"torch"``: always the torch path (tests compare both)
+KERNEL = "auto"
 
 
 def _inner_optimizer(inst: Any) -> Any:
@@ -134,6 +138,12 @@ class AdamSignal(PackedSignal):
         self.inv = [index.setdefault(k, len(index)) for k in layer_keys]
         self.layers = list(index)
         self.opt_name = type(_inner_optimizer(inst)).__name__
+        try:  # on CPU, build and self-check the native kernel now, not inside a sampled step
+            cpu = torch.device(inst.source.device()).type == "cpu"
+        except Exception:  # noqa: BLE001 - device not known yet: built on first use
+            cpu = False
+        if KERNEL == "auto" and cpu:
+            adam_native.native()
 
     @property
     def sum_size(self) -> int:
@@ -146,7 +156,10 @@ class AdamSignal(PackedSignal):
         vs = inst.own.take(inst.pieces([None if s is None else s.piece("exp_avg_sq") for s in slots]))
         scale = float(inst.source.grad_scale()) if inst.source.has_loss_scaler() else 1.0
         f64 = torch.float64
+        fn = adam_native.native() if KERNEL == "auto" and device.type == "cpu" else None
         sums: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        todo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        prms, where, counts = [], [], []
         missing = 0
         for i, g in enumerate(pieces):
             if g is None or g.numel() == 0:
@@ -159,11 +172,37 @@ class AdamSignal(PackedSignal):
             bad = group_problem(self.opt_name, slot.group, slot.optimizer)
             if bad:  # a param group changed after instrument(): this step's signal is dropped
                 raise ValueError(f"optimizer_signals: {bad}")
+            if fn is not None and adam_native.eligible(g, m, v) and (
+                    not isinstance(t, torch.Tensor) or t.device.type == "cpu"):
+                todo.append((g, m, v))
+                prms.append((t, slot.group))
+                where.append(self.inv[i])
+                counts.append(float(g.numel()))
+                continue
             sums[self.inv[i]].append(self._sums(g, m, v, t, slot.group, scale).to(device))
         zero = torch.zeros(len(COLS), dtype=f64, device=device)
         body = torch.stack([torch.stack(r).sum(0) if r else zero for r in sums])  # [L, 8]
+        if todo:
+            rows = torch.cat([torch.tensor(counts, dtype=f64)[:, None],
+                              adam_native.run(fn, todo, self._params(prms, scale))], 1)
+            body = body.index_add(0, torch.tensor(where, dtype=torch.int64, device=device), rows.to(device))
         tail = torch.full((1,), float(missing), dtype=f64, device=device)  # a fill, no host copy
         return torch.cat([body.reshape(-1), tail]), None
+
+    def _params(self, steps: list[tuple[Any, dict]], scale: float) -> torch.Tensor:
+        """float32 ``[P, 5]`` ``(scale, bc, eps^2, theta, sign)`` of the native kernel for pieces
+        with step counts (numbers or CPU tensors) and param groups ``steps``; ``bc`` computed as
+        the torch path does (float64 ``1 - beta2**t``, then float32), with torch operations on the
+        CPU (no Python read of a step tensor)."""
+        f64 = torch.float64
+        t = torch.stack([x.detach().to(f64).reshape(()) if isinstance(x, torch.Tensor)
+                         else torch.tensor(float(x), dtype=f64) for x, _ in steps])
+        beta2 = torch.tensor([float(g["betas"][1]) for _, g in steps], dtype=f64)
+        corrected = torch.tensor([bool(g.get("bias_correction", True)) for _, g in steps])
+        bc = torch.where(corrected, 1.0 - torch.pow(beta2, t), torch.ones_like(t)).float()
+        rest = torch.tensor([[scale, float(g["eps"]) ** 2, self.theta, -1.0 if g.get("maximize", False) else 1.0]
+                             for _, g in steps], dtype=torch.float32)
+        return torch.cat([rest[:, :1], bc[:, None], rest[:, 1:]], 1).contiguous()
 
     def _sums(self, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t: Any, group: dict,
               scale: float) -> torch.Tensor:
