@@ -143,6 +143,46 @@ def test_adamw_signals_match_float64(async_records, clip, kernel, monkeypatch):
     assert again.optimizer_signals == recs[-1].optimizer_signals
 
 
+def test_nonfinite_gradient_gives_nan_spike_fraction_not_a_low_count():
+    """A NaN in one element of the head's gradient (step 2): the global and head spike
+    fractions are NaN like the update RMS (a NaN element is in no count: the fraction was 0 or
+    too low); the other layers keep their float64 reference values."""
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    theta = 2.0
+    dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False}, optimizer_signals={"spike_threshold": theta})
+    names = [n for n, _ in m.named_parameters()]
+    keys = dict(zip(names, group_keys(names, "layer")))
+    recs, seen = [], {}
+    dg.add_hook(recs.append)
+
+    def before(o, args, kwargs):
+        seen["grads"] = {n: p.grad.double().numpy().ravel().copy() for n, p in m.named_parameters()}
+        seen["state"] = {n: (float(o.state[p]["step"]), o.state[p]["exp_avg"].double().numpy().ravel(),
+                             o.state[p]["exp_avg_sq"].double().numpy().ravel()) for n, p in m.named_parameters()
+                         if o.state.get(p)}
+
+    opt.register_step_pre_hook(before)
+    for step in range(3):
+        m(torch.randn(8, 6)).pow(2).mean().backward()
+        if step == 2:
+            m.head.weight.grad[1, 3] = float("nan")
+            m.head.weight.grad[0, 0] = 1e6  # a spike by any threshold, in the same layer
+        opt.step()
+        if step < 2:
+            opt.zero_grad()
+    dg.close()
+    o = recs[2].optimizer_signals
+    assert math.isnan(o.spike_fraction) and math.isnan(o.update_rms)
+    assert math.isnan(o.layer_spike_fraction["head"]) and math.isnan(o.layer_update_rms["head"])
+    finite = {n: g for n, g in seen["grads"].items() if keys[n] != "head"}
+    ref = reference(finite, seen["state"], opt.param_groups[0], theta, keys)
+    for layer in ("0", "1", "norm"):
+        assert o.layer_spike_fraction[layer] == pytest.approx(ref[layer]["spikes"], rel=1e-12, abs=1e-12), layer
+        assert o.layer_update_rms[layer] == pytest.approx(ref[layer]["rms"], rel=1e-5), layer
+    assert any(0 < o.layer_spike_fraction[k] for k in ("0", "1", "norm"))  # the counts are exercised
+
+
 def test_other_optimizers_are_refused_loudly_once(caplog):
     m = _model()
     with caplog.at_level(logging.WARNING, logger="distgrad"):

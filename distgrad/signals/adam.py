@@ -289,7 +289,9 @@ def _values(r: np.ndarray, clip: float = 1.0) -> dict[str, float]:
     if n <= 0:
         return {k: math.nan for k in ("rms", "spikes", "cos", "m", "v", "fisher")}
     denom = math.sqrt(gg) * math.sqrt(mm)
-    return {"rms": clip * math.sqrt(ratio / n), "spikes": spikes / n,
+    # a NaN element is in no count (NaN > theta is False): with a non-finite gradient element
+    # (sum g^2/d NaN or Inf) the fraction is not known, NaN like the update RMS, never a low count
+    return {"rms": clip * math.sqrt(ratio / n), "spikes": spikes / n if math.isfinite(ratio) else math.nan,
             "cos": gm / denom if denom > 0 else math.nan,
             "m": math.sqrt(mm), "v": math.sqrt(vv), "fisher": vhat}
 
