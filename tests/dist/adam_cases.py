@@ -230,8 +230,18 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
-    cases = {"zero2": deepspeed_case(2), "zero3": deepspeed_case(3), "fsdp2": fsdp2_case(), "fsdp1": fsdp1_case(),
-             "ddp": ddp_case()}
+    from distgrad.signals import adam_native
+
+    assert adam_native.native() is not None  # built and self-checked before counting its pieces
+    native_pieces: list[int] = []
+    real_run = adam_native.run
+    adam_native.run = lambda fn, pieces, prm: native_pieces.append(len(pieces)) or real_run(fn, pieces, prm)
+    cases = {}
+    for name, case in (("zero2", lambda: deepspeed_case(2)), ("zero3", lambda: deepspeed_case(3)),
+                       ("fsdp2", fsdp2_case), ("fsdp1", fsdp1_case), ("ddp", ddp_case)):
+        native_pieces.clear()
+        cases[name] = case()
+        cases[name]["native_pieces"] = sum(native_pieces)  # pieces the native CPU kernel computed
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"cases": cases, "betas": BETAS, "eps": EPS, "world": dist.get_world_size()}, f)
