@@ -329,7 +329,8 @@ CATALOGUE: tuple[Metric, ...] = (
            "tracks the gradient, well above 1 when the gradient outgrows it: an early warning of loss spikes, "
            "Wortsman et al. 2023; see docs/signals.md)"),
     _g("distgrad_adam_spike_fraction", "ratio", "Fraction of gradient elements with g^2 > theta * max(v_hat, eps^2) "
-       "(theta: optimizer_signals.spike_threshold).", "adam"),
+       "(theta: optimizer_signals.spike_threshold); no sample on a step the gradient clip scales (c < 0.99).",
+       "adam"),
     _g("distgrad_grad_momentum_cosine", "1", "Cosine between the gradient and Adam's first moment (exp_avg) before "
        "the step.", "adam"),
     _g("distgrad_optimizer_moment_norm", "grad", "L2 norm of an Adam state over the model (exp_avg in the gradient's "

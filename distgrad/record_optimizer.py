@@ -27,13 +27,19 @@ class OptimizerSignals(_Part):
         update_rms: ``clip_ratio * sqrt(mean(g**2 / d))``: the RMS of the update of the clipped
             gradient the optimizer applies (dimensionless; ~1 when the second moment tracks the
             gradient, >> 1 when the gradient outgrows it: Wortsman et al. 2023).
-        spike_fraction: fraction of elements with ``g**2 > spike_threshold * d`` (pre-clip ``g``).
+        spike_fraction: fraction of elements with ``g**2 > spike_threshold * d`` (pre-clip ``g``);
+            NaN on a step the clip scales by ``clip_ratio < 0.99``: ``v`` tracks the *clipped*
+            gradient, so every pre-clip ratio ``g**2 / d`` is inflated by about ``1 / clip_ratio**2``
+            and the count would read as spikes on a healthy, steadily clipped run (not exported to
+            Prometheus then; the raw count is kept in ``spike_fraction_preclip``).
+        spike_fraction_preclip: the same fraction on every step, clipped or not (JSONL only).
         grad_momentum_cosine: ``g . m / (|g| |m|)`` (NaN when a norm is 0).
         exp_avg_norm, exp_avg_sq_norm: L2 norms of the raw states ``m`` (gradient unit) and ``v``
             (gradient unit squared).
         fisher_trace: ``sum(v_hat)``: trace of the empirical diagonal Fisher estimate Adam keeps
             (gradient unit squared; of the mini-batch gradient, Kunstner et al. 2019's caveats).
-        layer_*: the same per layer label (``{layer: value}``).
+        layer_*: the same per layer label (``{layer: value}``; ``layer_spike_fraction`` is empty
+            on a step the clip scales, like ``spike_fraction``).
         fisher_top_layers: the ``optimizer_signals.top_layers`` layers of largest Fisher trace,
             largest first.
     """
@@ -45,6 +51,7 @@ class OptimizerSignals(_Part):
     elements_without_state: float = 0.0
     update_rms: float = float("nan")
     spike_fraction: float = float("nan")
+    spike_fraction_preclip: float = float("nan")
     grad_momentum_cosine: float = float("nan")
     exp_avg_norm: float = float("nan")
     exp_avg_sq_norm: float = float("nan")

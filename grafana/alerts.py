@@ -286,7 +286,8 @@ def _groups() -> dict[str, Any]:
             "Adam's second moment no longer tracks the gradient in {{ $labels.job }}.",
             f"For {adam['for']}, the gradients of {WHO} have outgrown what Adam's second moment expects "
             f"(median over {adam['window']} of the update RMS above {adam['rms']}, ~1 when healthy, or of the "
-            f"fraction of elements with g^2 > theta * v_hat above {adam['fraction']}). Now: update RMS "
+            f"fraction of elements with g^2 > theta * v_hat above {adam['fraction']}, counted on steps the clip "
+            f"does not scale). Now: update RMS "
             f"{tvalue('distgrad_update_rms', '%.3g')}, spike fraction {tvalue('distgrad_adam_spike_fraction', '%.3g')} "
             f"at sampled step {tvalue('distgrad_optimizer_step')}. Loss spikes tend to follow within a few steps.",
         ),

@@ -59,6 +59,9 @@ log = logging.getLogger("distgrad")
 ADAM_FAMILY = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam")
 #: per-layer SUM columns
 COLS = ("n", "ratio", "spikes", "gm", "gg", "mm", "vv", "vhat")
+#: smallest clip coefficient at which the spike fraction is exported: the pre-clip count then
+#: equals the applied update's at a threshold within 2% of theta (1 / 0.99**2)
+SPIKE_CLIP_MIN = 0.99
 #: elements per chunk of the CPU computation (temporaries stay in cache: ~10x faster than whole
 #: pieces on a loaded CPU, measured; accelerators process whole pieces)
 CHUNK = 1 << 16
@@ -250,6 +253,9 @@ class AdamSignal(PackedSignal):
         if rec.overflow or cols[:, 0].sum() == 0:
             return  # first step (no moment yet), or an fp16 overflow the optimizer skips
         c = self._clip_ratio(inst, rec)
+        # the count is of the pre-clip gradient against a second moment of clipped gradients:
+        # inflated by ~1/c^2 on a clipped step, where it is not the applied update's (NaN, not exported)
+        spikes_vouched = c >= SPIKE_CLIP_MIN
         tot = cols.sum(0)
         vals = [_values(r, c) for r in cols]
         g = _values(tot, c)
@@ -259,10 +265,11 @@ class AdamSignal(PackedSignal):
         top = sorted(keep, key=lambda k: -fisher[k] if math.isfinite(fisher[k]) else math.inf)[: self.top]
         rec.optimizer_signals = OptimizerSignals(
             optimizer=self.opt_name, spike_threshold=self.theta, clip_ratio=c, elements=float(tot[0]),
-            elements_without_state=missing, update_rms=g["rms"], spike_fraction=g["spikes"],
+            elements_without_state=missing, update_rms=g["rms"],
+            spike_fraction=g["spikes"] if spikes_vouched else math.nan, spike_fraction_preclip=g["spikes"],
             grad_momentum_cosine=g["cos"], exp_avg_norm=g["m"], exp_avg_sq_norm=g["v"], fisher_trace=g["fisher"],
             layer_update_rms={k: per[k]["rms"] for k in keep},
-            layer_spike_fraction={k: per[k]["spikes"] for k in keep},
+            layer_spike_fraction={k: per[k]["spikes"] for k in keep} if spikes_vouched else {},
             layer_grad_momentum_cosine={k: per[k]["cos"] for k in keep},
             layer_exp_avg_norm={k: per[k]["m"] for k in keep},
             layer_exp_avg_sq_norm={k: per[k]["v"] for k in keep},

@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from distgrad import metrics
 from distgrad.record import StepRecord
+from distgrad.signals.adam import SPIKE_CLIP_MIN
 from distgrad.sinks.base import Sink
 from distgrad.sinks.exporter import ExporterProcess, PageCache
 
@@ -75,7 +76,9 @@ _PART_GAUGES: dict[str, Callable[[StepRecord], Any]] = {
     "distgrad_action_stop_requested": lambda r: int(r.action.stop_requested) if r.action else None,
     "distgrad_curvature": lambda r: r.curvature.total if r.curvature else None,
     "distgrad_update_rms": lambda r: r.optimizer_signals.update_rms if r.optimizer_signals else None,
-    "distgrad_adam_spike_fraction": lambda r: r.optimizer_signals.spike_fraction if r.optimizer_signals else None,
+    # absent (no sample) on a step the clip scales: the fraction is not the applied update's
+    "distgrad_adam_spike_fraction": lambda r: (r.optimizer_signals.spike_fraction if r.optimizer_signals
+                                               and r.optimizer_signals.clip_ratio >= SPIKE_CLIP_MIN else None),
     "distgrad_grad_momentum_cosine": lambda r: r.optimizer_signals.grad_momentum_cosine if r.optimizer_signals else None,
     "distgrad_fisher_trace": lambda r: r.optimizer_signals.fisher_trace if r.optimizer_signals else None,
 }
