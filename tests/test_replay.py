@@ -178,7 +178,9 @@ def test_exported_recorded_and_dumped(tmp_path):
 
     prob = next(p for p in analyze(tmp_path / "run.jsonl").problems if p.kind == "nonfinite_grad")
     assert prob.step == 1 and "culprit rank(s) [0]" in prob.detail
-    assert "forward replay: first non-finite forward output in module 'energy' on rank 0, micro-batch 0" in prob.detail
+    # the replay's module leads the verdict line, before the parameter the backward met first
+    assert prob.detail.startswith("forward replay: first non-finite forward output in module 'energy' on rank 0, "
+                                  "micro-batch 0; non-finite gradient, last in forward order in parameter")
 
 
 # ---------------------------------------------------------------------------- pure decisions

@@ -292,7 +292,10 @@ class RunAnalyzer:
                 counts = f"{int(p.nan[j])} NaN / {int(p.inf[j])} Inf elements"
             except KeyError:
                 counts = "element counts unknown"
-            detail = (f"first non-finite gradient in parameter '{name}' (layer {layer}), {counts}, "
+            # the last non-finite parameter in forward order: where the backward pass met the NaN
+            # first, which for a NaN made in the forward pass is not where it was made (the
+            # forward replay's culprit module, when known, leads the line)
+            detail = (f"non-finite gradient, last in forward order in parameter '{name}' (layer {layer}), {counts}, "
                       f"rank(s) {ranks if ranks else 'unknown'}; {n_params} parameter(s) non-finite on this step")
         else:
             layer = None
@@ -300,7 +303,9 @@ class RunAnalyzer:
                       f"rank(s) {ranks if ranks else 'unknown'}")
         if r.culprits:
             detail += f"; culprit rank(s) {[c.rank for c in r.culprits]} (own loss / gradient non-finite before the reduction)"
-        if r.culprit_module is not None:  # the forward replay of the step (distgrad.replay)
+        if r.culprit_module is not None and r.culprit_module.outcome == "found":
+            detail = f"forward replay: {r.culprit_module.describe()}; {detail}"
+        elif r.culprit_module is not None:  # the forward replay of the step (distgrad.replay)
             detail += f"; forward replay: {r.culprit_module.describe()}"
         return Problem("nonfinite_grad", int(r.step), name, layer, ranks, detail)
 
