@@ -104,5 +104,10 @@ def test_every_dashboard_query_returns_data_from_the_live_run(env):
              # before the poison, as it would see a corruption inside the reduction; the loss
              # stays finite. tests/test_causes.py serves it from a DDP run and checks the culprit
              # under every engine
-             and q.metrics != ("distgrad_nonfinite_culprit",)]
+             and q.metrics != ("distgrad_nonfinite_culprit",)
+             # the spike fraction has no sample on a step the gradient clip scales (its pre-clip
+             # count would be inflated by 1/c^2, docs/signals.md): the example clips at 1.0
+             # (configs/ds_zero2_fp32.json) and its gradient norm is above that when queried here;
+             # the values are served and checked in tests/test_optimizer_signals.py
+             and q.metrics not in (("distgrad_adam_spike_fraction",), ("distgrad_layer_adam_spike_fraction",))]
     assert empty == [], empty
