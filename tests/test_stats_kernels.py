@@ -136,7 +136,7 @@ def test_every_kernel_through_pack_local(kernel, monkeypatch):
 
 
 def test_eager_fallback_when_native_is_unavailable(monkeypatch):
-    monkeypatch.setattr(stats_native, "_native_fn", False)
+    monkeypatch.setattr(stats_native._kernel, "fn", False)
     x = _data(5000, 1)
     _check(stats.stats_table([x], torch.device("cpu"))[0], _reference(x), native=False)
 

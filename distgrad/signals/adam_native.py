@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import threading
 from typing import Sequence
 
 import torch
@@ -24,9 +23,6 @@ from distgrad.stats import cbuild
 GRAD_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: exp_avg / exp_avg_sq dtype (both the same) -> state code
 STATE_KINDS = {torch.float32: 0, torch.bfloat16: 1}
-
-_lock = threading.Lock()
-_fn = None  # the loaded dg_adam, False once it proved unavailable, None before trying
 
 
 def _compile():
@@ -130,12 +126,10 @@ def _self_check(fn) -> None:
             raise RuntimeError(f"native optimizer-signal kernel self-check: {row} differs from {want}")
 
 
+#: the kernel, built and self-checked on first use (``_kernel.fn`` False: unavailable)
+_kernel = cbuild.LazyKernel(_compile, _self_check, "native optimizer-signal kernel (torch kernels are used instead)")
+
+
 def native():
     """The kernel function, or None when unavailable (tried once per process; logged once)."""
-    global _fn
-    if _fn is None:
-        with _lock:
-            if _fn is None:
-                _fn = cbuild.try_load(_compile, _self_check,
-                                      "native optimizer-signal kernel (torch kernels are used instead)")
-    return _fn or None
+    return _kernel()

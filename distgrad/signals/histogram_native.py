@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from typing import Sequence
 
 import numpy as np
@@ -22,9 +21,6 @@ log = logging.getLogger("distgrad")
 
 #: piece dtype -> kind code of dg_hist.c
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
-
-_lock = threading.Lock()
-_fn = None  # the loaded dg_hist, False once it proved unavailable, None before trying
 
 
 def _compile():
@@ -82,12 +78,10 @@ def _self_check(fn) -> None:
         raise RuntimeError("native histogram kernel self-check: counts differ from numpy's")
 
 
+#: the kernel, built and self-checked on first use (``_kernel.fn`` False: unavailable)
+_kernel = cbuild.LazyKernel(_compile, _self_check, "native histogram kernel (torch kernels are used instead)")
+
+
 def native():
     """The kernel function, or None when unavailable (tried once per process; logged once)."""
-    global _fn
-    if _fn is None:
-        with _lock:
-            if _fn is None:
-                _fn = cbuild.try_load(_compile, _self_check,
-                                      "native histogram kernel (torch kernels are used instead)")
-    return _fn or None
+    return _kernel()

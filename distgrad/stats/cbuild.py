@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from importlib import resources
 from typing import Any, Callable, Sequence
 
@@ -69,16 +70,40 @@ def compile_c(source: str, symbol: str, argtypes: Sequence[Any], *, flags: Seque
     return fn
 
 
-def try_load(build: Callable[[], Any], self_check: Callable[[Any], None], what: str) -> Any:
-    """``build()`` then ``self_check(fn)``; the function, or False after logging one warning
-    ``distgrad: <what> unavailable, ...`` (non-POSIX systems, no compiler, a failed check).
-    Callers cache the result (once per process)."""
-    try:
-        if os.name != "posix":
-            raise RuntimeError("only built on POSIX systems")
-        fn = build()
-        self_check(fn)
-        return fn
-    except Exception as e:  # noqa: BLE001 - the caller's torch path is used instead
-        log.warning("distgrad: %s unavailable (%s: %s)", what, type(e).__name__, e)
-        return False
+class LazyKernel:
+    """A native kernel built and self-checked on first use, once per process.
+
+    ``kernel()`` returns the ctypes function, or None when it is unavailable (non-POSIX system,
+    no compiler, a failed self-check: one warning ``distgrad: <what> unavailable, ...`` is
+    logged and the caller's torch path is used from then on). Thread-safe; the attribute
+    :attr:`fn` holds None before trying, the function, or False once it proved unavailable
+    (tests set it to False to force the torch path).
+
+    Args:
+        build: compiles and loads the kernel (e.g. with :func:`compile_c`); may raise.
+        self_check: raises if the loaded function disagrees with a reference.
+        what: the kernel's name in the warning, e.g. ``"native histogram kernel (...)"``.
+    """
+
+    def __init__(self, build: Callable[[], Any], self_check: Callable[[Any], None], what: str) -> None:
+        self.build, self.self_check, self.what = build, self_check, what
+        self.fn: Any = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> Any:
+        if self.fn is None:
+            with self._lock:
+                if self.fn is None:
+                    self.fn = self._load()
+        return self.fn or None
+
+    def _load(self) -> Any:
+        try:
+            if os.name != "posix":
+                raise RuntimeError("only built on POSIX systems")
+            fn = self.build()
+            self.self_check(fn)
+            return fn
+        except Exception as e:  # noqa: BLE001 - the caller's torch path is used instead
+            log.warning("distgrad: %s unavailable (%s: %s)", self.what, type(e).__name__, e)
+            return False

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from typing import Sequence
 
 import numpy as np
@@ -29,10 +28,6 @@ def c_source() -> str:
 
 
 _NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_native_lock = threading.Lock()
-_native_fn = None  # the loaded dg_stats, False once it proved unavailable, None before trying
-
-
 def _compile_native():
     """Compile and load ``dg_stats.c``; returns the ctypes function or raises."""
     return cbuild.compile_c(c_source(), "dg_stats",
@@ -89,13 +84,11 @@ def _self_check(fn) -> None:
             raise RuntimeError("native kernel self-check: non-finite input gave a finite sum of squares")
 
 
+#: dg_stats, built and self-checked on first use (``_kernel.fn`` False: unavailable)
+_kernel = cbuild.LazyKernel(_compile_native, _self_check,
+                            "native statistics kernel (the eager torch kernel is used instead)")
+
+
 def _native():
     """The native kernel function, or None when unavailable (tried once per process)."""
-    global _native_fn
-    if _native_fn is None:
-        with _native_lock:
-            if _native_fn is None:
-                _native_fn = cbuild.try_load(
-                    _compile_native, _self_check,
-                    "native statistics kernel (the eager torch kernel is used instead)")
-    return _native_fn or None
+    return _kernel()
