@@ -80,7 +80,7 @@ def _as_float(value: Any) -> float:
 
 
 class _RateMixin:
-    """Spike-rate bookkeeping shared by both detectors (OLMo-core's ``SpikeScore``)."""
+    """Spike-rate bookkeeping shared by the detectors (OLMo-core's ``SpikeScore``)."""
 
     rate_window: int
     n_evaluated: int
@@ -134,6 +134,35 @@ class _RateMixin:
         self.n_spikes = int(sd.get("n_spikes", 0))
         lo = self.n_evaluated - self.rate_window
         self._spike_at = deque(int(i) for i in sd.get("spike_at", []) if int(i) >= lo)
+
+
+class _HistoryMixin(_RateMixin):
+    """The bounded history of the windowed detectors (:class:`WindowSpikeDetector`,
+    :class:`~distgrad.robust_spike.RobustJumpDetector`): the last ``window`` values, the samples
+    seen and the non-finite ones, their reset and their checkpoint state."""
+
+    window: int
+    _history: deque
+    n_seen: int
+    n_nonfinite: int
+
+    def reset(self) -> None:
+        """Forget the history and counters."""
+        self._history = deque(maxlen=self.window)
+        self.n_seen = 0
+        self.n_nonfinite = 0
+        self._init_rate(self.rate_window)
+
+    def _history_state(self) -> dict[str, Any]:
+        return {"history": list(self._history), "n_seen": self.n_seen, "n_nonfinite": self.n_nonfinite,
+                **self._rate_state()}
+
+    def _load_history_state(self, sd: dict[str, Any]) -> None:
+        """History (truncated to the newest ``window`` values), counters and spike rate."""
+        self._history = deque((float(v) for v in sd.get("history", [])), maxlen=self.window)
+        self.n_seen = int(sd.get("n_seen", 0))
+        self.n_nonfinite = int(sd.get("n_nonfinite", 0))
+        self._load_rate_state(sd)
 
 
 class EmaZScoreDetector(_RateMixin):
@@ -311,7 +340,7 @@ class EmaZScoreDetector(_RateMixin):
         self._load_rate_state(sd)
 
 
-class WindowSpikeDetector(_RateMixin):
+class WindowSpikeDetector(_HistoryMixin):
     """OLMo 2's rolling-window spike test.
 
     Source: Team OLMo, "2 OLMo 2 Furious" (arXiv:2501.00656), whose stability analysis counts
@@ -367,13 +396,6 @@ class WindowSpikeDetector(_RateMixin):
         self._init_rate(rate_window)
         self.reset()
 
-    def reset(self) -> None:
-        """Forget the history and counters."""
-        self._history: deque[float] = deque(maxlen=self.window)
-        self.n_seen = 0
-        self.n_nonfinite = 0
-        self._init_rate(self.rate_window)
-
     @property
     def history(self) -> list[float]:
         """The reference values (oldest first), a copy."""
@@ -419,10 +441,7 @@ class WindowSpikeDetector(_RateMixin):
                 "min_std": self.min_std,
                 "rate_window": self.rate_window,
             },
-            "history": list(self._history),
-            "n_seen": self.n_seen,
-            "n_nonfinite": self.n_nonfinite,
-            **self._rate_state(),
+            **self._history_state(),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -434,7 +453,4 @@ class WindowSpikeDetector(_RateMixin):
         """
         if sd.get("kind", "window") != "window":
             raise ValueError(f"not a WindowSpikeDetector state: kind={sd.get('kind')!r}")
-        self._history = deque((float(v) for v in sd.get("history", [])), maxlen=self.window)
-        self.n_seen = int(sd.get("n_seen", 0))
-        self.n_nonfinite = int(sd.get("n_nonfinite", 0))
-        self._load_rate_state(sd)
+        self._load_history_state(sd)

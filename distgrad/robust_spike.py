@@ -35,12 +35,11 @@ or the next; unit tests in ``tests/test_robust_spike.py``.
 from __future__ import annotations
 
 import math
-from collections import deque
 from typing import Any
 
 import numpy as np
 
-from distgrad.detectors import DetectorResult, _as_float, _RateMixin
+from distgrad.detectors import DetectorResult, _as_float, _HistoryMixin
 
 __all__ = ["RobustJumpDetector"]
 
@@ -55,7 +54,7 @@ def theil_sen(y: np.ndarray) -> tuple[float, float]:
     return float(np.median(y - slope * np.arange(n))), slope
 
 
-class RobustJumpDetector(_RateMixin):
+class RobustJumpDetector(_HistoryMixin):
     """Theil-Sen detrended, MAD-scaled jump test on the log of a positive series (see the
     module docstring for the rule and the source of its defaults).
 
@@ -88,13 +87,6 @@ class RobustJumpDetector(_RateMixin):
         self.min_samples, self.min_spread = int(min_samples), float(min_spread)
         self._init_rate(rate_window)
         self.reset()
-
-    def reset(self) -> None:
-        """Forget the history and counters."""
-        self._history: deque[float] = deque(maxlen=self.window)
-        self.n_seen = 0
-        self.n_nonfinite = 0
-        self._init_rate(self.rate_window)
 
     def update(self, value: float) -> DetectorResult:
         """Test ``value`` against the trend of the previous window, then append its log.
@@ -136,8 +128,7 @@ class RobustJumpDetector(_RateMixin):
         """JSON-serialisable state (plain Python types); configuration included for reference."""
         return {"kind": "robust", "config": {"window": self.window, "k": self.k, "min_ratio": self.min_ratio,
                                              "min_samples": self.min_samples, "min_spread": self.min_spread},
-                "history": list(self._history), "n_seen": self.n_seen, "n_nonfinite": self.n_nonfinite,
-                **self._rate_state()}
+                **self._history_state()}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore the history from :meth:`state_dict` (this instance's configuration is kept).
@@ -147,7 +138,4 @@ class RobustJumpDetector(_RateMixin):
         """
         if sd.get("kind", "robust") != "robust":
             raise ValueError(f"not a RobustJumpDetector state: kind={sd.get('kind')!r}")
-        self._history = deque((float(v) for v in sd.get("history", [])), maxlen=self.window)
-        self.n_seen = int(sd.get("n_seen", 0))
-        self.n_nonfinite = int(sd.get("n_nonfinite", 0))
-        self._load_rate_state(sd)
+        self._load_history_state(sd)
