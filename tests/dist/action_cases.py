@@ -27,8 +27,6 @@ import json
 import os
 import sys
 import tempfile
-import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -38,6 +36,7 @@ import distgrad
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cause_cases import CLASSES, CauseModel, batch  # noqa: E402
+from common import run_gathered_cases  # noqa: E402
 
 BAD_NAN, BAD_SPIKE = 4, 14
 
@@ -208,26 +207,7 @@ def main() -> None:
             ("fsdp2-skip", lambda r, w: torch_case("fsdp2", "skip", r, w)),
             ("ds-spike", ds_case),
             ("ds3-bf16-spike", lambda r, w: ds_case(r, w, stage=3, dtype="bf16"))]
-    want = None if args.cases == "all" else set(args.cases.split(","))
-    results, t0 = {}, time.time()
-    for key, fn in jobs:
-        if want is not None and key not in want:
-            continue
-        t = time.time()
-        try:
-            res = fn(rank, world)
-        except Exception as e:  # noqa: BLE001 - reported per case by the pytest side
-            res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        per_rank = [None] * world
-        dist.all_gather_object(per_rank, res)
-        results[key] = {"ranks": per_rank}
-        if rank == 0:
-            print(f"[action_cases] {key}: {time.time() - t:.2f}s", flush=True)
-    if rank == 0:
-        print(f"[action_cases] total {time.time() - t0:.1f}s", flush=True)
-        with open(args.out, "w") as f:
-            json.dump({"world_size": world, "cases": results}, f)
-    dist.barrier()
+    run_gathered_cases(jobs, args.cases, args.out, rank, world, "action_cases")
 
 
 if __name__ == "__main__":

@@ -25,11 +25,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import os
 import sys
-import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -40,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distgrad
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import HostSyncs  # noqa: E402
+from common import HostSyncs, run_gathered_cases  # noqa: E402
 
 D_IN, D, CLASSES, BATCH = 8, 16, 5, 16
 
@@ -696,26 +693,7 @@ def main() -> None:
     jobs += [(f"spike-{m}", functools.partial(spike_case, m)) for m in ("healthy", "garbage", "lr")]
     jobs += [(f"engine-{k}", functools.partial(engine_case, k)) for k in ENGINE_KINDS]
     jobs += [(f"module-{e}", functools.partial(module_case, e)) for e in ("ddp", "fsdp1", "fsdp2", "zero3")]
-    want = None if args.cases == "all" else set(args.cases.split(","))
-    results, t0 = {}, time.time()
-    for key, fn in jobs:
-        if want is not None and key not in want:
-            continue
-        t = time.time()
-        try:
-            res = fn(rank, world)
-        except Exception as e:  # noqa: BLE001 - reported per case by the pytest side
-            res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        per_rank = [None] * world
-        dist.all_gather_object(per_rank, res)
-        results[key] = {"ranks": per_rank}
-        if rank == 0:
-            print(f"[cause_cases] {key}: {time.time() - t:.2f}s", flush=True)
-    if rank == 0:
-        print(f"[cause_cases] total {time.time() - t0:.1f}s", flush=True)
-        with open(args.out, "w") as f:
-            json.dump({"world_size": world, "cases": results}, f)
-    dist.barrier()
+    run_gathered_cases(jobs, args.cases, args.out, rank, world, "cause_cases")
     dist.destroy_process_group()
 
 

@@ -3,7 +3,13 @@ per-(step, micro-batch, rank) data, and float64 reference statistics of full gra
 
 from __future__ import annotations
 
+import json
+import time
+import traceback
+from typing import Any, Callable
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -293,3 +299,31 @@ def loss_analysis_loop(inst, rank: int, forward, backward, step, use_logits: boo
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, seen)
     return {"records": records, "seen": gathered, "counts": counter.counts}
+
+
+def run_gathered_cases(jobs: list[tuple[str, Callable[[int, int], Any]]], cases: str, out: str, rank: int,
+                       world: int, tag: str) -> None:
+    """Run each ``(key, fn)`` of ``jobs`` selected by ``cases`` ("all" or comma-separated keys)
+    on every rank as ``fn(rank, world)``; a case that raises reports its error and traceback
+    instead (per case, to the pytest side). Each case's per-rank results are all-gathered and
+    rank 0 writes ``{"world_size": W, "cases": {key: {"ranks": [...]}}}`` to ``out``."""
+    want = None if cases == "all" else set(cases.split(","))
+    results, t0 = {}, time.time()
+    for key, fn in jobs:
+        if want is not None and key not in want:
+            continue
+        t = time.time()
+        try:
+            res = fn(rank, world)
+        except Exception as e:  # noqa: BLE001 - reported per case by the pytest side
+            res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, res)
+        results[key] = {"ranks": per_rank}
+        if rank == 0:
+            print(f"[{tag}] {key}: {time.time() - t:.2f}s", flush=True)
+    if rank == 0:
+        print(f"[{tag}] total {time.time() - t0:.1f}s", flush=True)
+        with open(out, "w") as f:
+            json.dump({"world_size": world, "cases": results}, f)
+    dist.barrier()
