@@ -58,10 +58,62 @@ from distgrad.stats.layout import CULPRIT_GRAD, CULPRIT_LOSS
 
 log = logging.getLogger("distgrad")
 
-__all__ = ["LocalGradCheck", "culprit_flags", "decode", "pre_reduction_leaves"]
+__all__ = ["LeafHooks", "LocalGradCheck", "culprit_flags", "decode", "pre_reduction_leaves"]
 
 
-class LocalGradCheck:
+class LeafHooks:
+    """Tensor hooks on leaves whose incoming gradient is this rank's own, before any reduction
+    (the hook points of :func:`pre_reduction_leaves`); shared by :class:`LocalGradCheck` and the
+    noise scale's :class:`~distgrad.signals.noise_scale.MicroBatchNorms`.
+
+    A hook hands the incoming gradient of one micro-batch (a DTensor's local tensor) to
+    :meth:`_on_grad` with the leaf's key; an exception there is passed to :meth:`_failed` and
+    never reaches the backward pass.
+    """
+
+    def __init__(self, leaves: Iterable[torch.Tensor] = ()) -> None:
+        self._handles: list[Any] = []
+        self._hooked: set[int] = set()
+        self.add(leaves)
+
+    def add(self, leaves: Iterable[torch.Tensor]) -> int:
+        """Hook more leaves (those already hooked and those without ``requires_grad`` are
+        skipped); returns how many were added."""
+        n = 0
+        for p in leaves:
+            if p.requires_grad and id(p) not in self._hooked:
+                key = id(p)
+                self._handles.append(p.register_hook(lambda g, key=key: self._hook(key, g)))
+                self._hooked.add(key)
+                n += 1
+        return n
+
+    def _hook(self, key: int, grad: torch.Tensor) -> None:
+        try:
+            g = grad.detach()
+            to_local = getattr(g, "to_local", None)
+            if callable(to_local):
+                g = to_local()
+            self._on_grad(key, g)
+        except Exception:  # noqa: BLE001 - a hook must never break the backward pass
+            self._failed()
+        return None
+
+    def _on_grad(self, key: int, grad: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _failed(self) -> None:
+        """Called when :meth:`_on_grad` raised (default: nothing)."""
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._hooked = set()
+
+
+class LocalGradCheck(LeafHooks):
     """Flags a NaN/Inf in any gradient this rank computes before the reduction.
 
     Args:
@@ -74,36 +126,15 @@ class LocalGradCheck:
 
     def __init__(self, params: Iterable[torch.Tensor] = ()) -> None:
         self._acc: torch.Tensor | None = None
-        self._handles: list[Any] = []
-        self._hooked: set[int] = set()
-        self.add(params)
+        super().__init__(params)
 
-    def add(self, params: Iterable[torch.Tensor]) -> int:
-        """Hook more leaves (those already hooked and those without ``requires_grad`` are
-        skipped); returns how many were added."""
-        n = 0
-        for p in params:
-            if p.requires_grad and id(p) not in self._hooked:
-                self._handles.append(p.register_hook(self._hook))
-                self._hooked.add(id(p))
-                n += 1
-        return n
-
-    def _hook(self, grad: torch.Tensor) -> None:
-        try:
-            g = grad.detach()
-            to_local = getattr(g, "to_local", None)
-            if callable(to_local):
-                g = to_local()
-            if not g.is_floating_point() or g.numel() == 0:
-                return None
-            s = g.sum(dtype=torch.float64)
-            if self._acc is None or self._acc.device != s.device:
-                self._acc = torch.zeros((), dtype=torch.float64, device=s.device)
-            self._acc.add_(s)
-        except Exception:  # noqa: BLE001 - a check must never break the backward pass
-            pass
-        return None
+    def _on_grad(self, key: int, g: torch.Tensor) -> None:
+        if not g.is_floating_point() or g.numel() == 0:
+            return
+        s = g.sum(dtype=torch.float64)
+        if self._acc is None or self._acc.device != s.device:
+            self._acc = torch.zeros((), dtype=torch.float64, device=s.device)
+        self._acc.add_(s)
 
     def take(self, device: torch.device) -> torch.Tensor:
         """0-d float64 tensor on ``device``: 1.0 when a gradient since the last take/reset was
@@ -116,13 +147,6 @@ class LocalGradCheck:
     def reset(self) -> None:
         """Forget what was seen (an optimizer step that is not sampled)."""
         self._acc = None
-
-    def remove(self) -> None:
-        """Remove the hooks."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        self._hooked = set()
 
 
 def culprit_flags(loss_sum: torch.Tensor | None, grad_flag: torch.Tensor | None,
@@ -150,7 +174,7 @@ def decode(rank_culprit: "Iterable[float]") -> list[Culprit]:
 
 
 def pre_reduction_leaves(engine_name: str, module: nn.Module
-                         ) -> tuple[list[torch.Tensor], Callable[[LocalGradCheck], Callable[[], None]] | None]:
+                         ) -> tuple[list[torch.Tensor], Callable[[LeafHooks], Callable[[], None]] | None]:
     """The leaf tensors whose incoming gradient is this rank's own, before the engine reduces
     it (see the module docstring for the facts per engine).
 
@@ -202,7 +226,7 @@ def _fsdp2_unsharded(unit: nn.Module) -> tuple[list[torch.Tensor], bool]:
     return out, complete
 
 
-def _fsdp2_lazy(module: nn.Module, check: LocalGradCheck) -> Callable[[], None]:
+def _fsdp2_lazy(module: nn.Module, check: LeafHooks) -> Callable[[], None]:
     """Hook the unsharded parameters of every ``fully_shard`` unit in ``module`` that exist,
     and add a forward hook to each unit whose do not yet (created at its first all-gather),
     removed once they are hooked. Returns the function removing the remaining forward hooks."""

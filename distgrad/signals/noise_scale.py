@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from distgrad.config import ConfigError
+from distgrad.culprit import LeafHooks, pre_reduction_leaves
 from distgrad.record_gns import NoiseScale
 from distgrad.signals import PackedSignal, register
 from distgrad.stats.eager import sum_of_squares
@@ -65,50 +66,32 @@ log = logging.getLogger("distgrad")
 SUPPORTED = ("torch", "ddp", "deepspeed", "fsdp1", "fsdp2")
 
 
-class MicroBatchNorms:
+class MicroBatchNorms(LeafHooks):
     """Squared norms of this rank's micro-batch gradients before the reduction.
 
-    A tensor hook on each leaf adds ``|grad|^2`` (float64, on the gradient's device) into one
-    accumulator and counts its calls per leaf. :meth:`take` returns the accumulator and the
-    number of micro-batches (the largest per-leaf count) and starts over.
+    A tensor hook on each leaf (:class:`~distgrad.culprit.LeafHooks`) adds ``|grad|^2``
+    (float64, on the gradient's device) into one accumulator and counts its calls per leaf.
+    :meth:`take` returns the accumulator and the number of micro-batches (the largest per-leaf
+    count) and starts over.
     """
 
     def __init__(self, leaves: Iterable[torch.Tensor] = ()) -> None:
         self._acc: torch.Tensor | None = None
         self._calls: dict[int, int] = {}
-        self._handles: list[Any] = []
-        self._hooked: set[int] = set()
         self.failed = False
-        self.add(leaves)
+        super().__init__(leaves)
 
-    def add(self, leaves: Iterable[torch.Tensor]) -> int:
-        """Hook more leaves (already hooked ones and those without ``requires_grad`` are
-        skipped); returns how many were added."""
-        n = 0
-        for p in leaves:
-            if p.requires_grad and id(p) not in self._hooked:
-                key = id(p)
-                self._handles.append(p.register_hook(lambda g, key=key: self._hook(key, g)))
-                self._hooked.add(key)
-                n += 1
-        return n
+    def _on_grad(self, key: int, g: torch.Tensor) -> None:
+        self._calls[key] = self._calls.get(key, 0) + 1
+        if not g.is_floating_point() or g.numel() == 0:
+            return
+        s = sum_of_squares(g.reshape(-1))
+        if self._acc is None or self._acc.device != s.device:
+            self._acc = torch.zeros((), dtype=torch.float64, device=s.device)
+        self._acc.add_(s)
 
-    def _hook(self, key: int, grad: torch.Tensor) -> None:
-        try:
-            g = grad.detach()
-            to_local = getattr(g, "to_local", None)
-            if callable(to_local):
-                g = to_local()
-            self._calls[key] = self._calls.get(key, 0) + 1
-            if not g.is_floating_point() or g.numel() == 0:
-                return None
-            s = sum_of_squares(g.reshape(-1))
-            if self._acc is None or self._acc.device != s.device:
-                self._acc = torch.zeros((), dtype=torch.float64, device=s.device)
-            self._acc.add_(s)
-        except Exception:  # noqa: BLE001 - a hook must never break the backward pass
-            self.failed = True
-        return None
+    def _failed(self) -> None:
+        self.failed = True
 
     def take(self, device: torch.device) -> tuple[torch.Tensor, int, bool]:
         """``(sum of |h|^2 as a 0-d float64 tensor on device, micro-batches, failed)`` since
@@ -123,26 +106,14 @@ class MicroBatchNorms:
         """Forget what was seen (an unsampled step, a refused step)."""
         self._acc, self._calls, self.failed = None, {}, False
 
-    def remove(self) -> None:
-        """Remove the hooks."""
-        for h in self._handles:
-            h.remove()
-        self._handles, self._hooked = [], set()
 
 
 def _leaves(engine_name: str, module: Any, norms: MicroBatchNorms) -> Callable[[], None] | None:
     """Hook the leaves whose incoming gradient is this rank's own before the reduction; returns
     an extra undo function (lazy hooks) or None."""
-    try:
-        from distgrad.culprit import pre_reduction_leaves  # every engine's hook point, when known
-    except ImportError:
-        pre_reduction_leaves = None
-    if pre_reduction_leaves is not None:
-        leaves, lazy = pre_reduction_leaves(engine_name, module)
-        norms.add(leaves)
-        return lazy(norms) if lazy is not None else None
-    norms.add(p for p in module.parameters() if p.requires_grad)
-    return None
+    leaves, lazy = pre_reduction_leaves(engine_name, module)  # every engine's hook point
+    norms.add(leaves)
+    return lazy(norms) if lazy is not None else None
 
 
 def estimate(grad_sq_small: float, grad_sq_big: float, n: int, b: float) -> tuple[float, float]:
