@@ -13,6 +13,12 @@ fresh generation. After changing grafana/::
     python grafana/build.py          # rewrite the outputs
     python grafana/build.py --check  # exit 1 if the committed outputs are stale
 
+For a deployment whose runbook lives elsewhere (a wiki, a web copy of docs/runbook.md), write
+a rule file with that base instead of the committed one (the committed file keeps the default,
+``grafana.config.RUNBOOK_URL``, the runbook inside this repository)::
+
+    python grafana/build.py --runbook-url https://wiki.example/distgrad-runbook --rules-out /etc/prometheus/distgrad.rules.yml
+
 Metric facts (names, units, help, when a metric exists) come from distgrad's metric catalogue,
 ``distgrad/metrics.py``.
 """
@@ -63,7 +69,20 @@ def stale_outputs() -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if a generated file is stale instead of writing")
+    ap.add_argument("--runbook-url", metavar="URL", help="runbook base of the alerts' runbook_url (URL#<alert>); "
+                    "needs --rules-out (the committed rule file keeps grafana.config.RUNBOOK_URL)")
+    ap.add_argument("--rules-out", metavar="FILE", help="write only the rule file, to FILE ('-': stdout)")
     args = ap.parse_args(argv)
+    if args.runbook_url is not None and args.rules_out is None:
+        ap.error("--runbook-url needs --rules-out FILE: the committed rule file keeps the default base")
+    if args.rules_out is not None:
+        text = alerts.render_rules(args.runbook_url)
+        if args.rules_out == "-":
+            sys.stdout.write(text)
+        else:
+            Path(args.rules_out).write_text(text)
+            print(f"wrote {args.rules_out}", file=sys.stderr)
+        return 0
     if args.check:
         stale = stale_outputs()
         for p in stale:

@@ -17,8 +17,12 @@ from typing import Any
 SELECTOR = 'job=~"distgrad.*"'
 
 #: Every alert gets ``runbook_url`` = this + ``#`` + the alert name in lower case, which is the
-#: anchor of that alert's ``## <AlertName>`` section in docs/runbook.md.
-RUNBOOK_URL = "https://github.com/distgrad/distgrad/blob/main/docs/runbook.md"
+#: anchor of that alert's ``## <AlertName>`` section in docs/runbook.md. The default is the
+#: runbook inside this repository, as a path relative to its root. Deployments point it at
+#: their own copy without editing this file: ``python grafana/build.py --runbook-url URL
+#: --rules-out FILE`` writes a rule file with that base, and ``launch/monitoring_stack.sh
+#: --runbook-url URL`` renders its copy with it (its default: ``file://<the clone>/docs/runbook.md``).
+RUNBOOK_URL = "docs/runbook.md"
 
 #: Per alert: ``severity`` (critical pages, warning tickets), ``for`` (how long the condition
 #: must hold), and the alert's own windows and thresholds.

@@ -25,6 +25,7 @@ am_port=9093
 webhook_url="http://127.0.0.1:9095/"
 targets_dir="$repo/configs/targets"
 data_dir=""
+runbook_url="file://$repo/docs/runbook.md"
 keep=0
 check_only=0
 
@@ -37,6 +38,8 @@ Options:
   --alertmanager-port PORT  Alertmanager port on 127.0.0.1 (default $am_port)
   --webhook-url URL         where Alertmanager posts alerts (default $webhook_url)
   --targets-dir DIR         file_sd directory for job "distgrad-file-sd" (default configs/targets)
+  --runbook-url URL         runbook base of the alerts' runbook_url links (URL#<alert in lower
+                            case>; default file://<this clone>/docs/runbook.md)
   --data-dir DIR            TSDB, Alertmanager state, rendered configs and logs (default: a
                             temporary directory, removed on exit unless --keep)
   --keep                    keep a temporary data dir on exit
@@ -51,6 +54,7 @@ while [ $# -gt 0 ]; do
     --alertmanager-port) am_port="$2"; shift 2 ;;
     --webhook-url) webhook_url="$2"; shift 2 ;;
     --targets-dir) targets_dir="$2"; shift 2 ;;
+    --runbook-url) runbook_url="$2"; shift 2 ;;
     --data-dir) data_dir="$2"; shift 2 ;;
     --keep) keep=1; shift ;;
     --check) check_only=1; shift ;;
@@ -79,9 +83,18 @@ targets_dir="$(cd "$targets_dir" && pwd)"
 # host:port pairs, URLs and paths).
 prom_cfg="$data_dir/prometheus.yml"
 am_cfg="$data_dir/alertmanager.yml"
+rules="$data_dir/distgrad.rules.yml"
+# the rule file with the runbook base (the committed one links docs/runbook.md, relative to
+# this repository's root: grafana/config.py RUNBOOK_URL)
+case "$runbook_url" in *"|"*) echo "--runbook-url must not contain '|'" >&2; exit 2 ;; esac
+sed -e "s|^\( *runbook_url: \)docs/runbook.md#|\1${runbook_url%#}#|" "$repo/grafana/alerts/distgrad.rules.yml" > "$rules"
+if [ "$(grep -c 'runbook_url: ' "$rules")" != "$(grep -c "runbook_url: ${runbook_url%#}#" "$rules")" ]; then
+  echo "could not render the runbook links into $rules (is grafana/alerts/distgrad.rules.yml generated?)" >&2
+  exit 1
+fi
 sed -e "s|\"127.0.0.1:9400\"|\"$target\"|" \
     -e "s|\"127.0.0.1:9093\"|\"127.0.0.1:$am_port\"|" \
-    -e "s|\.\./grafana/alerts/distgrad.rules.yml|$repo/grafana/alerts/distgrad.rules.yml|" \
+    -e "s|\.\./grafana/alerts/distgrad.rules.yml|$rules|" \
     -e "s|\"targets/\*\.json\"|\"$targets_dir/*.json\"|" \
     "$repo/configs/prometheus.yml" > "$prom_cfg"
 sed -e "s|url: http://127.0.0.1:9095/|url: $webhook_url|" "$repo/configs/alertmanager.yml" > "$am_cfg"

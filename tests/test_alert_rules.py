@@ -96,7 +96,7 @@ def test_rule_conventions():
         if not r["expr"].startswith("absent("):  # absent() has no labels to name
             assert "$labels" in ann["description"], r
         anchor = ann["runbook_url"].split("#", 1)[1]
-        assert ann["runbook_url"] == f"https://github.com/distgrad/distgrad/blob/main/docs/runbook.md#{anchor}"
+        assert ann["runbook_url"] == f"docs/runbook.md#{anchor}"  # config.RUNBOOK_URL: inside this repository
         assert anchor == r["alert"].lower() and anchor in anchors, f"docs/runbook.md lacks a section for {r['alert']}"
         assert 'job=~"distgrad.*"' in r["expr"], r  # config.SELECTOR of grafana/config.py
 
@@ -115,6 +115,19 @@ def test_runbook_links_come_from_one_transform():
     written["groups"][0]["rules"][0]["annotations"]["runbook_url"] = "https://example.invalid/"
     with pytest.raises(ValueError, match="runbook_url is added by with_runbook_links"):
         alerts.with_runbook_links(written)
+
+
+def test_build_writes_rules_with_another_runbook_base(tmp_path):
+    """``grafana/build.py --runbook-url URL --rules-out FILE``: the committed rules with every
+    runbook link under URL instead of config.RUNBOOK_URL (docs/runbook.md of this repository)."""
+    build = load_grafana("build")
+    out = tmp_path / "rules.yml"
+    assert build.main(["--runbook-url", "https://wiki.example/rb", "--rules-out", str(out)]) == 0
+    text = out.read_text()
+    assert text == RULES.read_text().replace("runbook_url: docs/runbook.md#", "runbook_url: https://wiki.example/rb#")
+    assert text.count("runbook_url: https://wiki.example/rb#") == len(_rules())
+    with pytest.raises(SystemExit):  # the committed file keeps the default base
+        build.main(["--runbook-url", "https://wiki.example/rb"])
 
 
 def test_rules_use_catalogue_metrics_only():
@@ -151,12 +164,29 @@ def test_monitoring_stack_renders_valid_configs(tmp_path):
     _tool("promtool")
     r = _run("bash", "launch/monitoring_stack.sh", "--check", "--data-dir", str(tmp_path / "d"),
              "--targets-dir", str(tmp_path / "targets"), "--target", "node17:9401",
-             "--alertmanager-port", "19093", "--webhook-url", "http://127.0.0.1:8080/hook")
+             "--alertmanager-port", "19093", "--webhook-url", "http://127.0.0.1:8080/hook",
+             "--runbook-url", "https://wiki.example/distgrad#")
     assert r.returncode == 0, r.stdout + r.stderr
     prom = yaml.safe_load((tmp_path / "d" / "prometheus.yml").read_text())
     assert prom["scrape_configs"][0]["static_configs"][0]["targets"] == ["node17:9401"]
     assert prom["scrape_configs"][1]["file_sd_configs"][0]["files"] == [f"{tmp_path / 'targets'}/*.json"]
-    assert prom["rule_files"] == [str(RULES)]
+    # the rendered copy of the rules: the same rules, runbook links under the given base
+    assert prom["rule_files"] == [str(tmp_path / "d" / "distgrad.rules.yml")]
+    rendered = yaml.safe_load((tmp_path / "d" / "distgrad.rules.yml").read_text())
+    links = [r["annotations"].pop("runbook_url") for g in rendered["groups"] for r in g["rules"]]
+    assert links == [f"https://wiki.example/distgrad#{r['alert'].lower()}" for g in rendered["groups"] for r in g["rules"]]
+    committed = yaml.safe_load(RULES.read_text())
+    for g in committed["groups"]:
+        for r in g["rules"]:
+            r["annotations"].pop("runbook_url")
+    assert rendered == committed
+    # and by default the runbook of this clone
+    r = _run("bash", "launch/monitoring_stack.sh", "--check", "--keep", "--data-dir", str(tmp_path / "d2"),
+             "--targets-dir", str(tmp_path / "targets"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rendered = yaml.safe_load((tmp_path / "d2" / "distgrad.rules.yml").read_text())
+    assert {r["annotations"]["runbook_url"].split("#")[0] for g in rendered["groups"] for r in g["rules"]} == {
+        f"file://{REPO}/docs/runbook.md"}
     assert prom["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["127.0.0.1:19093"]
     am = yaml.safe_load((tmp_path / "d" / "alertmanager.yml").read_text())
     assert am["receivers"][0]["webhook_configs"][0]["url"] == "http://127.0.0.1:8080/hook"
