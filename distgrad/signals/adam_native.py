@@ -1,5 +1,5 @@
 """The native kernel of the optimizer signals on CPU: ``dg_adam.c`` (package data next to this
-module), compiled once per process with the system C compiler and loaded with ctypes
+module), compiled once per machine (kernel cache) with the system C compiler and loaded with ctypes
 (:mod:`distgrad.stats.cbuild`); checked on load against the same float32 elementwise formulas
 evaluated by torch and summed in float64; None (the torch path of
 :mod:`distgrad.signals.adam` is used, logged once) when unavailable.

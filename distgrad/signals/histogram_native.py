@@ -1,5 +1,5 @@
 """The native kernel of the gradient histogram on CPU: ``dg_hist.c`` (package data next to this
-module), compiled once per process with the system C compiler and loaded with ctypes, like the
+module), compiled once per machine (kernel cache of :mod:`distgrad.stats.cbuild`) with the system C compiler and loaded with ctypes, like the
 statistics kernel (:mod:`distgrad.stats.native`); checked against numpy's bit operations on load;
 None (the torch path of :mod:`distgrad.signals.histogram` is used, logged once) when unavailable.
 

@@ -15,9 +15,9 @@ auto; :func:`kernel_use` counts the pieces each one computed):
   without triton (``pip install distgrad[gpu]``), or if the check or a launch fails, the eager
   kernel is used (logged once). On CPU tensors only under ``TRITON_INTERPRET=1`` (tests).
 
-- ``native`` (auto on CPU for fp32 and bf16 pieces): one C function, compiled once per process
-  with the system C compiler (``$CC``, ``cc``, ``gcc`` or ``clang``; about 0.2 s) and loaded with
-  ctypes, reads every piece once and produces all statistics in that single pass, for all pieces
+- ``native`` (auto on CPU for fp32 and bf16 pieces): one C function, compiled once per machine
+  with the system C compiler (``$CC``, ``cc``, ``gcc`` or ``clang``; about 0.2 s) into the kernel
+  cache (``distgrad.stats.cbuild``; ranks starting together compile once) and loaded with ctypes, reads every piece once and produces all statistics in that single pass, for all pieces
   in one call (threads: ``torch.get_num_threads()``, results independent of the thread count). It
   is checked against float64 references on load; if there is no compiler, compilation fails or
   the check fails, the eager kernel is used (logged once). Accuracy: fp32 lane accumulators over

@@ -1,5 +1,6 @@
 """The native statistics kernel: ``dg_stats.c`` (package data next to this module), compiled once
-per process with the system C compiler and loaded with ctypes; checked against float64
+per machine into the kernel cache with the system C compiler (:mod:`distgrad.stats.cbuild`) and
+loaded with ctypes; checked against float64
 references on load, ``None`` (eager fallback, logged once) when unavailable."""
 
 from __future__ import annotations
@@ -90,5 +91,5 @@ _kernel = cbuild.LazyKernel(_compile_native, _self_check,
 
 
 def _native():
-    """The native kernel function, or None when unavailable (tried once per process)."""
+    """The native kernel function, or None when unavailable (loaded, self-checked, once per process)."""
     return _kernel()
