@@ -2,6 +2,7 @@
 """Write (or check) the generated files of distgrad's monitoring mixin.
 
 - ``grafana/alerts/distgrad.rules.yml`` from :mod:`grafana.alerts` (Prometheus rule file),
+- ``configs/alertmanager.yml`` from :mod:`grafana.routing` (routing per severity, inhibitions),
 - ``grafana/dashboards/<FILE>`` for each module of :mod:`grafana.dashboards` (Grafana 11.6
   dashboard JSON built with grafana-foundation-sdk, datasource as the ``${datasource}``
   template variable),
@@ -35,10 +36,11 @@ if __name__ == "__main__" and str(HERE.parent) not in sys.path:  # run as a scri
     sys.path.insert(0, str(HERE.parent))
 
 from distgrad import metrics as catalogue  # noqa: E402
-from grafana import alerts, dashboards  # noqa: E402
+from grafana import alerts, dashboards, routing  # noqa: E402
 from grafana.dashboards.common import to_json  # noqa: E402
 
 RULES_PATH = HERE / "alerts" / "distgrad.rules.yml"
+ALERTMANAGER_PATH = HERE.parent / "configs" / "alertmanager.yml"
 DASHBOARDS_DIR = HERE / "dashboards"
 #: Generated dashboard file name -> module that builds it.
 DASHBOARDS = {m.FILE: m for m in dashboards.MODULES}
@@ -56,7 +58,7 @@ def referenced_metrics(text: str) -> set[str]:
 
 def outputs() -> dict[Path, str]:
     """Every generated file and its content."""
-    out = {RULES_PATH: alerts.render_rules()}
+    out = {RULES_PATH: alerts.render_rules(), ALERTMANAGER_PATH: routing.render_alertmanager()}
     out.update({DASHBOARDS_DIR / name: to_json(m.build()) for name, m in DASHBOARDS.items()})
     return out
 

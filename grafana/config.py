@@ -25,7 +25,8 @@ SELECTOR = 'job=~"distgrad.*"'
 RUNBOOK_URL = "docs/runbook.md"
 
 #: Per alert: ``severity`` (critical pages, warning tickets), ``for`` (how long the condition
-#: must hold), and the alert's own windows and thresholds.
+#: must hold), the alert's own windows and thresholds, and optionally ``incident``
+#: (``"divergence"``: a NaN alert of the same run silences it in Alertmanager, see INHIBITIONS).
 ALERTS: dict[str, dict[str, Any]] = {
     # NaN/Inf gradient elements on a sampled step (distgrad_nonfinite_steps_total leaves out the
     # fp16 overflows the loss scaler skips; persistent fp16 trouble is caught by
@@ -37,8 +38,10 @@ ALERTS: dict[str, dict[str, Any]] = {
     # 300-step runs, tests/test_causes.py) and OLMo's windowed 6-sigma score. ZClip's EMA z-score at its default
     # z = 2.5 flags ~1-2% of samples of a noisy but healthy series (tests/test_detectors.py),
     # fine for a dashboard, too often for an alert; use "ema|window" to page on both.
-    "DistgradGradNormSpike": {"severity": "warning", "for": "0s", "window": "10m", "detectors": "robust|window"},
-    "DistgradLossSpike": {"severity": "warning", "for": "0s", "window": "10m", "detectors": "robust|window"},
+    "DistgradGradNormSpike": {"severity": "warning", "for": "0s", "window": "10m", "detectors": "robust|window",
+                              "incident": "divergence"},
+    "DistgradLossSpike": {"severity": "warning", "for": "0s", "window": "10m", "detectors": "robust|window",
+                              "incident": "divergence"},
     "DistgradLossScaleCollapsed": {"severity": "critical", "for": "2m"},
     "DistgradRepeatedOverflow": {"severity": "warning", "for": "0s", "threshold": 5},
     # seconds since the last sampled step; must exceed sample_every x step time
@@ -67,8 +70,44 @@ ALERTS: dict[str, dict[str, Any]] = {
     # models show (a rare token's embedding row after a long absence: one sample at 10-1000);
     # healthy runs sit at a median of ~1 and ~1e-4 (docs/signals.md, "Alert").
     "DistgradAdamUpdateExcursion": {"severity": "warning", "for": "5m", "window": "10m", "rms": 2.0,
-                                    "fraction": 0.01, "min_step": 100},
+                                    "fraction": 0.01, "min_step": 100, "incident": "divergence"},
 }
+
+#: Alertmanager routing and inhibition; ``python grafana/build.py`` renders configs/alertmanager.yml
+#: from it (:mod:`grafana.routing`). Notifications are grouped per run (``group_by``: one
+#: notification per incident of a run, however many of its alerts fire). Each severity goes to
+#: its receiver (a webhook; ``launch/monitoring_stack.sh --pager-url/--ticket-url`` replaces the
+#: URLs, its echo receiver serves the defaults); an alert of any other severity reaches no one
+#: (``distgrad-annotations``: it is a dashboard annotation, not a notification).
+ROUTING: dict[str, Any] = {
+    "group_by": ["job", "instance", "run"],
+    "routes": {
+        # a person must act now
+        "distgrad-pager": {"severity": "critical", "url": "http://127.0.0.1:9095/pager",
+                           "group_wait": "10s", "group_interval": "1m", "repeat_interval": "1h"},
+        # a ticket for working hours
+        "distgrad-ticket": {"severity": "warning", "url": "http://127.0.0.1:9095/ticket",
+                            "group_wait": "1m", "group_interval": "5m", "repeat_interval": "12h"},
+    },
+    "default_receiver": "distgrad-annotations",
+}
+
+#: Alertmanager inhibitions between the alerts of one incident, each for alerts with the same
+#: ``equal`` labels (one run): while an alert matching ``source`` fires, the alerts matching
+#: ``target`` are not sent. ``source`` / ``target``: ``{"alertname": [names]}`` or
+#: ``{"severity": value}`` or ``{"incident": value}``, where ``{"incident": "divergence"}``
+#: means every alert of :data:`ALERTS` whose entry has ``"incident": "divergence"`` (spike and
+#: divergence alerts: a NaN explains them). Alert names must be in :data:`ALERTS`.
+INHIBITIONS: list[dict[str, Any]] = [
+    # a NaN/Inf in the gradients or the loss silences the spike/divergence alerts of that run
+    {"source": {"alertname": ["DistgradNonFiniteGradients", "DistgradNaNLoss"]},
+     "target": {"incident": "divergence"}, "equal": ["job", "instance", "run"]},
+    # a dead exporter silences "stalled" of that run
+    {"source": {"alertname": ["DistgradExporterDown"]},
+     "target": {"alertname": ["DistgradTrainingStalled"]}, "equal": ["job", "instance", "run"]},
+    # a page silences the tickets of the same run
+    {"source": {"severity": "critical"}, "target": {"severity": "warning"}, "equal": ["job", "instance", "run"]},
+]
 
 #: Dashboard settings shared by every dashboard.
 DASHBOARDS: dict[str, Any] = {

@@ -156,15 +156,60 @@ def test_prometheus_config_is_valid():
 def test_alertmanager_config_is_valid():
     r = _run(_tool("amtool"), "check-config", "configs/alertmanager.yml")
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "3 inhibit rules" in r.stdout and "3 receivers" in r.stdout
     cfg = yaml.safe_load((REPO / "configs" / "alertmanager.yml").read_text())
-    assert cfg["receivers"][0]["webhook_configs"][0]["url"] == "http://127.0.0.1:9095/"
+    urls = {rc["name"]: rc["webhook_configs"][0]["url"] for rc in cfg["receivers"] if "webhook_configs" in rc}
+    assert urls == {"distgrad-pager": "http://127.0.0.1:9095/pager", "distgrad-ticket": "http://127.0.0.1:9095/ticket"}
+    assert cfg["route"]["group_by"] == ["job", "instance", "run"]
+
+
+def test_alertmanager_config_is_freshly_generated():
+    build = load_grafana("build")
+    assert build.ALERTMANAGER_PATH not in build.stale_outputs(), \
+        "configs/alertmanager.yml is stale: run python grafana/build.py"
+
+
+def test_amtool_routes_each_alert_by_its_severity():
+    """``amtool config routes test`` on the shipped config: every rule of the rule file reaches
+    the receiver of the severity it carries there (critical pages, warning tickets); another
+    severity (a dashboard annotation) reaches the receiver without notifications."""
+    amtool = _tool("amtool")
+    by_severity = {"critical": "distgrad-pager", "warning": "distgrad-ticket", "info": "distgrad-annotations"}
+    cases = [(r["alert"], r["labels"]["severity"]) for r in _rules()] + [("DistgradSomeAnnotation", "info")]
+    assert {sev for _, sev in cases} == set(by_severity)
+    for alert, sev in cases:
+        r = _run(amtool, "config", "routes", "test", "--config.file=configs/alertmanager.yml",
+                 f"alertname={alert}", f"severity={sev}", "job=distgrad", "instance=127.0.0.1:9400", "run=r")
+        assert r.returncode == 0 and r.stdout.strip() == by_severity[sev], (alert, sev, r.stdout, r.stderr)
+
+
+def test_inhibitions_name_known_alerts():
+    """The NaN alerts silence the divergence alerts of grafana/config.py (those with
+    ``incident: divergence``), a dead exporter silences "stalled", critical silences warning,
+    each within one run; every name used is an alert of the rule file."""
+    cfg = yaml.safe_load((REPO / "configs" / "alertmanager.yml").read_text())
+    config = load_grafana("config")
+    names = {r["alert"] for r in _rules()}
+    divergence = {n for n, c in config.ALERTS.items() if c.get("incident") == "divergence"}
+    assert {"DistgradGradNormSpike", "DistgradLossSpike"} <= divergence <= names
+    rules = [(i["source_matchers"], i["target_matchers"], i["equal"]) for i in cfg["inhibit_rules"]]
+    assert rules == [
+        (['alertname=~"DistgradNonFiniteGradients|DistgradNaNLoss"'],
+         [f'alertname=~"{"|".join(n for n in config.ALERTS if n in divergence)}"'], ["job", "instance", "run"]),
+        (['alertname=~"DistgradExporterDown"'], ['alertname=~"DistgradTrainingStalled"'], ["job", "instance", "run"]),
+        (['severity="critical"'], ['severity="warning"'], ["job", "instance", "run"]),
+    ]
+    for m in [m for i in cfg["inhibit_rules"] for m in i["source_matchers"] + i["target_matchers"]]:
+        if m.startswith("alertname=~"):
+            assert set(m.split('"')[1].split("|")) <= names, m
 
 
 def test_monitoring_stack_renders_valid_configs(tmp_path):
     _tool("promtool")
     r = _run("bash", "launch/monitoring_stack.sh", "--check", "--data-dir", str(tmp_path / "d"),
              "--targets-dir", str(tmp_path / "targets"), "--target", "node17:9401",
-             "--alertmanager-port", "19093", "--webhook-url", "http://127.0.0.1:8080/hook",
+             "--alertmanager-port", "19093", "--pager-url", "http://127.0.0.1:8080/hook",
+             "--ticket-url", "http://127.0.0.1:8080/ticket",
              "--runbook-url", "https://wiki.example/distgrad#")
     assert r.returncode == 0, r.stdout + r.stderr
     prom = yaml.safe_load((tmp_path / "d" / "prometheus.yml").read_text())
@@ -184,9 +229,15 @@ def test_monitoring_stack_renders_valid_configs(tmp_path):
     r = _run("bash", "launch/monitoring_stack.sh", "--check", "--keep", "--data-dir", str(tmp_path / "d2"),
              "--targets-dir", str(tmp_path / "targets"))
     assert r.returncode == 0, r.stdout + r.stderr
+    am = yaml.safe_load((tmp_path / "d2" / "alertmanager.yml").read_text())  # the echo receiver's
+    assert [rc["webhook_configs"][0]["url"] for rc in am["receivers"][:2]] == [
+        "http://127.0.0.1:9095/pager", "http://127.0.0.1:9095/ticket"]
     rendered = yaml.safe_load((tmp_path / "d2" / "distgrad.rules.yml").read_text())
     assert {r["annotations"]["runbook_url"].split("#")[0] for g in rendered["groups"] for r in g["rules"]} == {
         f"file://{REPO}/docs/runbook.md"}
     assert prom["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["127.0.0.1:19093"]
     am = yaml.safe_load((tmp_path / "d" / "alertmanager.yml").read_text())
     assert am["receivers"][0]["webhook_configs"][0]["url"] == "http://127.0.0.1:8080/hook"
+    assert am["receivers"][1]["webhook_configs"][0]["url"] == "http://127.0.0.1:8080/ticket"
+    shipped = yaml.safe_load((REPO / "configs" / "alertmanager.yml").read_text())
+    assert am["route"] == shipped["route"] and am["inhibit_rules"] == shipped["inhibit_rules"]

@@ -38,6 +38,44 @@ from typing import Any, Callable, Sequence, TypeVar
 REPO = Path(__file__).resolve().parents[2]
 #: The repository's generated rule file.
 RULES = REPO / "grafana" / "alerts" / "distgrad.rules.yml"
+#: The shipped (generated) Alertmanager configuration: routing per severity, inhibitions.
+ALERTMANAGER_YML = REPO / "configs" / "alertmanager.yml"
+
+
+def _load_echo_receiver() -> Any:
+    """launch/echo_receiver.py (launch/ is not a package), loaded once."""
+    import importlib.util
+    import sys
+
+    name = "distgrad_launch_echo_receiver"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "launch" / "echo_receiver.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+#: The echo receiver monitoring_stack.sh runs (prints each notification; keeps them for tests).
+EchoReceiver = _load_echo_receiver().EchoReceiver
+format_notification = _load_echo_receiver().format_notification
+
+
+def shipped_alertmanager_config(pager_url: str, ticket_url: str, fast: bool = False) -> dict[str, Any]:
+    """configs/alertmanager.yml with its receivers' URLs replaced (as monitoring_stack.sh
+    does): critical -> ``pager_url``, warning -> ``ticket_url``. ``fast``: every route's
+    ``group_wait`` / ``group_interval`` 1 s (routing and inhibition unchanged)."""
+    import yaml
+
+    cfg = yaml.safe_load(ALERTMANAGER_YML.read_text())
+    urls = {"http://127.0.0.1:9095/pager": pager_url, "http://127.0.0.1:9095/ticket": ticket_url}
+    for rcv in cfg["receivers"]:
+        for hook in rcv.get("webhook_configs", []):
+            hook["url"] = urls[hook["url"]]
+    if fast:
+        for route in cfg["route"]["routes"]:
+            route["group_wait"], route["group_interval"] = "1s", "1s"
+    return cfg
 
 T = TypeVar("T")
 
@@ -165,7 +203,12 @@ class MonitoringStack:
     Args:
         work_dir: directory for data, configs and logs (e.g. pytest's ``tmp_path``).
         targets: ``host:port`` exporters scraped as job ``job`` every ``scrape_interval``.
-        webhook_url: where Alertmanager posts notifications; None runs no Alertmanager.
+        webhook_url: where Alertmanager posts notifications; None runs no Alertmanager
+            (unless ``alertmanager_config`` is given).
+        alertmanager_config: Alertmanager's configuration (default: one receiver posting
+            every alert to ``webhook_url`` after 0 s; e.g. :func:`shipped_alertmanager_config`).
+        file_sd_dir: also scrape the targets of ``<file_sd_dir>/*.json`` (Prometheus file_sd,
+            as job ``job`` + "-file-sd"; re-read on change and every 2 s).
         rule_files: rule files to load (default: the repository's generated rules).
         job: the scrape job's name (the rules select ``job=~"distgrad.*"``).
         scrape_interval, evaluation_interval: Prometheus durations ("1s").
@@ -173,7 +216,9 @@ class MonitoringStack:
 
     def __init__(self, work_dir: Path | str, targets: Sequence[str], *, webhook_url: str | None = None,
                  rule_files: Sequence[Path | str] = (RULES,), job: str = "distgrad",
-                 scrape_interval: str = "1s", evaluation_interval: str = "1s") -> None:
+                 scrape_interval: str = "1s", evaluation_interval: str = "1s",
+                 alertmanager_config: dict[str, Any] | None = None,
+                 file_sd_dir: Path | str | None = None) -> None:
         self.work_dir = Path(work_dir)
         self.targets = list(targets)
         self.webhook_url = webhook_url
@@ -181,6 +226,8 @@ class MonitoringStack:
         self.job = job
         self.scrape_interval = scrape_interval
         self.evaluation_interval = evaluation_interval
+        self.am_config = alertmanager_config
+        self.file_sd_dir = None if file_sd_dir is None else Path(file_sd_dir).resolve()
         self.prometheus_url = ""
         self.alertmanager_url = ""
         self._procs: list[tuple[str, subprocess.Popen, Path]] = []
@@ -193,7 +240,8 @@ class MonitoringStack:
         if self._procs:
             return self
         prometheus = find_binary("PROMETHEUS", "prometheus")
-        alertmanager = find_binary("ALERTMANAGER", "prometheus-alertmanager", "alertmanager") if self.webhook_url else None
+        alertmanager = (find_binary("ALERTMANAGER", "prometheus-alertmanager", "alertmanager")
+                        if self.webhook_url or self.am_config else None)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         try:
             if alertmanager:
@@ -265,6 +313,15 @@ class MonitoringStack:
         """The alerts Alertmanager holds (/api/v2/alerts)."""
         return get_json(f"{self.alertmanager_url}api/v2/alerts")
 
+    def post_alerts(self, alerts: Sequence[dict[str, Any]]) -> None:
+        """Send alerts (``{"labels": {...}, "annotations": {...}}``) to Alertmanager's API, as
+        Prometheus does."""
+        req = urllib.request.Request(f"{self.alertmanager_url}api/v2/alerts", data=json.dumps(list(alerts)).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            if r.status != 200:
+                raise RuntimeError(f"Alertmanager answered {r.status} to posted alerts")
+
     def last_rule_evaluation(self) -> float:
         """Unix time of the oldest latest evaluation over all rule groups (0 before any)."""
         groups = get_json(f"{self.prometheus_url}api/v1/rules")["data"]["groups"]
@@ -292,12 +349,17 @@ class MonitoringStack:
             "rule_files": self.rule_files,
             "scrape_configs": [{"job_name": self.job, "static_configs": [{"targets": self.targets}]}],
         }
+        if self.file_sd_dir is not None:
+            cfg["scrape_configs"].append({"job_name": f"{self.job}-file-sd", "file_sd_configs": [
+                {"files": [f"{self.file_sd_dir}/*.json"], "refresh_interval": "2s"}]})
         if self.alertmanager_url:
             am = urllib.parse.urlsplit(self.alertmanager_url).netloc
             cfg["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [am]}]}]}
         return cfg
 
     def _alertmanager_config(self) -> dict[str, Any]:
+        if self.am_config is not None:
+            return self.am_config
         return {
             "route": {"receiver": "test", "group_by": ["alertname", "job", "instance"],
                       "group_wait": "0s", "group_interval": "1s", "repeat_interval": "1h"},
