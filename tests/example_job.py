@@ -22,7 +22,7 @@ def start_example(port: int, *args: str, nproc: int = 2, log: Path | None = None
     """Start ``launch/train.py --port <port> ...`` on ``nproc`` CPU ranks under ``launcher``:
     ``deepspeed`` (``deepspeed --num_gpus``), ``torchrun`` (``--nproc_per_node``) or ``mpirun``
     (``-np``, loopback only, as root where needed)."""
-    from conftest import free_port
+    from tests.helpers import free_port
 
     bindir = Path(sys.executable).parent
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",

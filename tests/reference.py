@@ -1,12 +1,16 @@
-"""The comparison shared by the reference-equality tests of every engine."""
+"""The comparisons shared by the reference-equality tests of every engine: per-parameter
+statistics against ``tests/dist/common.full_stats``, gradient histograms against a float64 numpy
+recomputation."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from distgrad.record import StepRecord
+from distgrad.record_histogram import GradHistogram
 
 
 def case(results: dict, key: str) -> dict:
@@ -45,3 +49,27 @@ def check_against(rec: StepRecord, ref: dict, rtol: float, exact: bool, skip: tu
     if not skip:
         gref = math.sqrt(sum(v["norm"] ** 2 for v in ref.values() if v is not None))
         assert rec.grad_norm == pytest.approx(gref, rel=rtol)
+
+
+def histogram_reference(values: np.ndarray, lo: int, hi: int, et: int) -> dict[str, object]:
+    """Histogram of one group's values (float64, exact copies of the gradient elements)."""
+    v = np.asarray(values, dtype=np.float64)
+    fin = np.isfinite(v)
+    zero = v == 0
+    a = np.abs(v[fin & ~zero])
+    _, e = np.frexp(a)
+    fl = e.astype(np.int64) - 1  # floor(log2|x|), exact for every finite non-zero float64
+    inside = (fl >= lo) & (fl < hi)
+    return {"counts": np.bincount(fl[inside] - lo, minlength=hi - lo).tolist(),
+            "below": int((fl < lo).sum()), "above": int((fl >= hi).sum()), "zeros": int(zero.sum()),
+            "underflow": int((a < math.ldexp(1.0, et)).sum()), "nonfinite": int((~fin).sum()), "numel": int(v.size)}
+
+
+def check_histogram(h: GradHistogram, groups: dict[str, np.ndarray], lo: int, hi: int, et: int) -> None:
+    """Assert that each group's counts in ``h`` (layer ``j`` = the ``j``-th key of ``groups``)
+    equal :func:`histogram_reference` of that group's float64 values."""
+    assert h.layers == list(groups)
+    for j, (name, vals) in enumerate(groups.items()):
+        ref = histogram_reference(vals, lo, hi, et)
+        got = {k: (getattr(h, k)[j]) for k in ref}
+        assert got == ref, name

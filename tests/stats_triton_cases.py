@@ -18,16 +18,13 @@ from __future__ import annotations
 import math
 import os
 import sys
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from distgrad import stats
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
-from common import HostSyncs as _Syncs  # noqa: E402
+from tests.dist.common import HostSyncs as _Syncs
 
 CPU = torch.device("cpu")
 DEV = torch.device(os.environ.get("DISTGRAD_TEST_DEVICE", "cpu"))

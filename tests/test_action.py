@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import distgrad
 from distgrad.config import ConfigError
-from conftest import launch
+from tests.helpers import launch
 
 BAD_NAN, BAD_SPIKE = 4, 14
 

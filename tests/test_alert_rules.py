@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import load_grafana
+from grafana import alerts, build, config
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "grafana" / "alerts" / "distgrad.rules.yml"
@@ -46,7 +46,6 @@ def _rules() -> list[dict]:
 
 
 def test_rule_file_is_freshly_generated():
-    build = load_grafana("build")
     assert RULES not in build.stale_outputs(), "grafana/alerts/distgrad.rules.yml is stale: run python grafana/build.py"
 
 
@@ -102,8 +101,6 @@ def test_rule_conventions():
 
 
 def test_runbook_links_come_from_one_transform():
-    alerts = load_grafana("alerts")
-    config = load_grafana("config")
     written = alerts._groups()
     assert all("runbook_url" not in r["annotations"] for g in written["groups"] for r in g["rules"])
     linked = alerts.with_runbook_links(written)
@@ -131,7 +128,6 @@ def test_build_writes_rules_with_another_runbook_base(tmp_path):
 
 
 def test_rules_use_catalogue_metrics_only():
-    build = load_grafana("build")
     unknown = build.referenced_metrics(RULES.read_text()) - build.catalogue_metrics()
     assert unknown == set(), f"not in distgrad/metrics.py: {sorted(unknown)}"
 

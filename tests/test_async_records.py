@@ -11,8 +11,6 @@ same test with a CUDA model (``DISTGRAD_TEST_DEVICE=cuda``), where the event is 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +18,7 @@ import torch
 import distgrad
 from distgrad.stats import HostCopy
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
-from common import HostSyncs as _Syncs, TinyModel, batch_for  # noqa: E402
+from tests.dist.common import HostSyncs as _Syncs, TinyModel, batch_for
 
 DEV = torch.device(os.environ.get("DISTGRAD_TEST_DEVICE", "cpu"))
 

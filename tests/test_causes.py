@@ -11,7 +11,7 @@ import struct
 import pytest
 import torch
 
-from conftest import launch
+from tests.helpers import launch
 from distgrad.stats import replica_outliers
 from distgrad.stats.checksum import checksum_reference, replica_checksum
 

@@ -6,46 +6,13 @@ each update (a different path from distgrad's successive gradients). The multi-r
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-import torch.nn as nn
 
 import distgrad
 from distgrad.config import ConfigError
 from distgrad.record import StepRecord
-
-
-class LSQ(nn.Module):
-    """Two independent least-squares layers: loss = sum_l 0.5 mean_i |W_l x_li + b_l - y_li|^2.
-    Per layer the Hessian in (W_l, b_l) is mean_i [x_li; 1][x_li; 1]^T (for each output row),
-    so dtheta^T H dtheta = mean_i |dW_l x_li + db_l|^2."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(5, 3), nn.Linear(4, 2)])
-
-    def forward(self, x0, y0, x1, y1) -> torch.Tensor:
-        return sum(0.5 * (lay(x) - y).pow(2).sum(1).mean() for lay, x, y in zip(self.layers, (x0, x1), (y0, y1)))
-
-
-def lsq_data(rank: int = 0):
-    """Fixed full-batch data (the same every step: the gradient is a function of the weights)."""
-    g = torch.Generator().manual_seed(11 + rank)
-    return (torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g),
-            torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g))
-
-
-def lsq_curvature(before: dict, after: dict, data_per_rank: list) -> tuple[dict, float]:
-    """Exact per-layer and total ``dtheta^T H dtheta / |dtheta|^2`` (float64) from the full
-    weights before and after an update; the loss is the mean over ranks of each rank's loss."""
-    num, den = {}, {}
-    for li, (xi, key) in enumerate(((0, "0"), (2, "1"))):
-        dW = after[f"layers.{li}.weight"].double() - before[f"layers.{li}.weight"].double()
-        db = after[f"layers.{li}.bias"].double() - before[f"layers.{li}.bias"].double()
-        quad = np.mean([(d[xi].double() @ dW.T + db).pow(2).sum(1).mean().item() for d in data_per_rank])
-        num[key], den[key] = quad, dW.pow(2).sum().item() + db.pow(2).sum().item()
-    return {k: num[k] / den[k] for k in num}, sum(num.values()) / sum(den.values())
+from tests.closed_forms import LSQ, lsq_curvature, lsq_data
 
 
 @pytest.mark.parametrize("opt_name,async_records", [("sgd", "off"), ("adamw", "off"), ("adamw", "on")])

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import load_grafana
+from grafana import build, queries
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARDS = sorted((REPO / "grafana" / "dashboards").glob("*.json"))
@@ -27,7 +27,7 @@ def _dashboards() -> dict[str, dict]:
 
 
 def _panels(d: dict) -> list[dict]:
-    return list(load_grafana("queries").iter_panels(d["panels"]))
+    return list(queries.iter_panels(d["panels"]))
 
 
 def _exprs(d: dict) -> str:
@@ -35,7 +35,6 @@ def _exprs(d: dict) -> str:
 
 
 def test_dashboards_are_freshly_generated():
-    build = load_grafana("build")
     assert [p.name for p in DASHBOARDS] == sorted(build.DASHBOARDS)
     stale = [p.name for p in build.stale_outputs() if p.suffix == ".json"]
     assert stale == [], "stale dashboards: run python grafana/build.py"
@@ -106,9 +105,8 @@ def test_layers_view_covers_layers_and_parameters():
 
 
 def test_dashboards_use_catalogue_metrics_only():
-    build = load_grafana("build")
     catalogue = build.catalogue_metrics()
-    queried = {m for q in load_grafana("queries").dashboard_queries("distgrad") for m in q.metrics} - {"ALERTS"}
+    queried = {m for q in queries.dashboard_queries("distgrad") for m in q.metrics} - {"ALERTS"}
     assert queried and queried <= catalogue, f"not in distgrad/metrics.py: {sorted(queried - catalogue)}"
     for p in DASHBOARDS:  # descriptions too
         unknown = build.referenced_metrics(p.read_text()) - catalogue
@@ -118,7 +116,7 @@ def test_dashboards_use_catalogue_metrics_only():
 def test_panel_descriptions_and_units_come_from_the_catalogue():
     from distgrad import metrics as catalogue
 
-    common = load_grafana("dashboards.common")
+    from grafana.dashboards import common
     n = 0
     for d in _dashboards().values():
         for p in _panels(d):
@@ -143,7 +141,6 @@ def test_panel_descriptions_and_units_come_from_the_catalogue():
 
 
 def test_queries_lists_every_target_with_variables_substituted():
-    queries = load_grafana("queries")
     qs = queries.dashboard_queries("my-job-.*", rate_interval="30s")
     n_targets = sum(len(p.get("targets", [])) for d in _dashboards().values() for p in _panels(d))
     assert len([q for q in qs if q.kind == "panel"]) == n_targets

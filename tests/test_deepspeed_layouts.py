@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import launch
+from tests.helpers import launch
 from distgrad.record import StepRecord
-from reference import case as _case, check_against as _check_against
+from tests.reference import case as _case, check_against as _check_against
 
 pytestmark = pytest.mark.multirank
 EXPERTS = [f"moe.deepspeed_moe.experts.deepspeed_experts.{e}.{m}.{k}" for e in range(4) for m in (0, 2)

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from distgrad.record import StepRecord
-from reference import case as _case, check_against as _check_against
+from tests.reference import case as _case, check_against as _check_against
 
 CASES = [f"z{s}-{d}-gas{g}" for s in (0, 1, 2, 3) for d in ("fp32", "bf16", "fp16") for g in (1, 2)
          if not (d == "fp16" and g == 2)]

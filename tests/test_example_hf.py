@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, free_port
+from tests.helpers import ROOT, free_port
 
 pytestmark = pytest.mark.multirank
 

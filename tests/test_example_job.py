@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import free_port
-from example_job import finite, scrape, start_example, step_at_least, stop, value, wait_for
+from tests.helpers import free_port
+from tests.example_job import finite, scrape, start_example, step_at_least, stop, value, wait_for
 
 CATALOGUE = [
     "distgrad_grad_norm", "distgrad_param_grad_norm", "distgrad_param_grad_mean", "distgrad_param_grad_std",

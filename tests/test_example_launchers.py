@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from conftest import free_port
-from example_job import finite, start_example, step_at_least, stop, value, wait_for
+from tests.helpers import free_port
+from tests.example_job import finite, start_example, step_at_least, stop, value, wait_for
 
 pytestmark = pytest.mark.multirank
 SMALL = ["--layers", "2", "--width", "64", "--heads", "2", "--block", "32", "--log-every", "2", "--hold", "60"]

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import DIST, ROOT, free_port
+from tests.helpers import DIST, ROOT, free_port
 from distgrad.sinks.exporter import ExporterProcess, PageCache
 
 SCRAPERS = 32

@@ -20,30 +20,9 @@ from distgrad.record_histogram import GradHistogram
 from distgrad.signals import histogram as hist_mod
 from distgrad.signals import histogram_native
 from distgrad.signals.histogram import TRAINING_DTYPES, GradHistogramSignal
+from tests.reference import check_histogram, histogram_reference
 
 CPU = torch.device("cpu")
-
-
-def reference(values: np.ndarray, lo: int, hi: int, et: int) -> dict[str, object]:
-    """Histogram of one group's values (float64, exact copies of the gradient elements)."""
-    v = np.asarray(values, dtype=np.float64)
-    fin = np.isfinite(v)
-    zero = v == 0
-    a = np.abs(v[fin & ~zero])
-    _, e = np.frexp(a)
-    fl = e.astype(np.int64) - 1  # floor(log2|x|), exact for every finite non-zero float64
-    inside = (fl >= lo) & (fl < hi)
-    return {"counts": np.bincount(fl[inside] - lo, minlength=hi - lo).tolist(),
-            "below": int((fl < lo).sum()), "above": int((fl >= hi).sum()), "zeros": int(zero.sum()),
-            "underflow": int((a < math.ldexp(1.0, et)).sum()), "nonfinite": int((~fin).sum()), "numel": int(v.size)}
-
-
-def check(h: GradHistogram, groups: dict[str, np.ndarray], lo: int, hi: int, et: int) -> None:
-    assert h.layers == list(groups)
-    for j, (name, vals) in enumerate(groups.items()):
-        ref = reference(vals, lo, hi, et)
-        got = {k: (getattr(h, k)[j]) for k in ref}
-        assert got == ref, name
 
 
 def special_values(dtype: torch.dtype) -> torch.Tensor:
@@ -85,10 +64,10 @@ def test_counts_equal_the_float64_reference(train, lo, hi, kernel, monkeypatch):
     h = sig.decode(s.numpy(), 1.0)
     as64 = [p.double().numpy() if p is not None else np.zeros(0) for p in pieces]
     groups = {"0": np.concatenate(as64[:2]), "1": as64[2], "embed": as64[3], "head": as64[4]}
-    check(h, groups, lo, hi, TRAINING_DTYPES[train][1])
+    check_histogram(h, groups, lo, hi, TRAINING_DTYPES[train][1])
     # the whole model: every list summed
     t = h.total()
-    check(t, {"global": np.concatenate(as64)}, lo, hi, TRAINING_DTYPES[train][1])
+    check_histogram(t, {"global": np.concatenate(as64)}, lo, hi, TRAINING_DTYPES[train][1])
     assert h.tiny == math.ldexp(1.0, TRAINING_DTYPES[train][1]) and h.scale_log2 == 0.0
     # the underflow ratio is the count over numel; zero ratio likewise
     assert h.underflow_ratio()["0"] == h.underflow[0] / h.numel[0] > 0
@@ -100,7 +79,7 @@ def test_fp64_pieces_and_fp64_training():
     x = special_values(torch.float64)
     sig = GradHistogramSignal(names, -126, 128, "fp64", [(r"^a\.", "A", "other"), (r"^b\.", "B", "other")])
     h = sig.decode(sig.local(None, [x, x[:100]], CPU)[0].numpy(), 1.0)
-    check(h, {"A": x.numpy(), "B": x[:100].numpy()}, -126, 128, -1022)
+    check_histogram(h, {"A": x.numpy(), "B": x[:100].numpy()}, -126, 128, -1022)
     # fp32 pieces under an fp64 training dtype: their subnormals are no fp64 underflow: refused
     with pytest.raises(ValueError, match="fp64"):
         sig.local(None, [x.float(), None], CPU)
@@ -176,7 +155,7 @@ def test_through_instrument_one_process(dtype, tmp_path):
         for n, v in g.items():
             groups.setdefault(group_keys([n], "layer")[0], []).append(v)
         assert list(groups) == ["0", "1", "head"]
-        check(h, {k: np.concatenate(v) for k, v in groups.items()}, -64, 16, -126)
+        check_histogram(h, {k: np.concatenate(v) for k, v in groups.items()}, -64, 16, -126)
         assert sum(h.zeros) > 0 and sum(h.underflow) + sum(h.below) > 0
         # the core statistics count the same zeros and non-finite elements, another way
         assert h.zero_ratio() == rec.aggregates.layer_zero_ratio
@@ -198,7 +177,7 @@ def test_through_instrument_one_process(dtype, tmp_path):
         assert [e.step for e in events] == [r.step for r in recs]
         for e, rec, g in zip(events, recs, grads):
             vals = np.concatenate([v for n, v in g.items() if layer == "global" or group_keys([n], "layer")[0] == layer])
-            ref = reference(vals, -64, 16, -126)
+            ref = histogram_reference(vals, -64, 16, -126)
             hv = e.histogram_value
             assert list(hv.bucket) == [0.0, ref["below"], *ref["counts"], ref["above"]]
             assert list(hv.bucket_limit) == [-65.0] + list(np.arange(-64, 18, dtype=np.float64))

@@ -11,8 +11,8 @@ import pytest
 
 from distgrad.grouping import group_keys
 from distgrad.record import StepRecord
-from tests.conftest import launch
-from tests.test_grad_histogram import check
+from tests.helpers import launch
+from tests.reference import check_histogram
 
 CASES = {"z2-bf16": ("fp16", -14, "torch.bfloat16"), "z3-fp32": ("fp32", -126, "torch.float32"),
          "fsdp2-bf16": ("bf16", -126, "torch.bfloat16")}
@@ -39,7 +39,7 @@ def test_histogram_equals_the_full_gradient_histogram(results, key):
         for n, k in zip(names, group_keys(names, "layer")):
             groups.setdefault(k, []).append(np.asarray(full[n], dtype=np.float64))
         assert h.layers == list(groups)
-        check(h, {k: np.concatenate(v) for k, v in groups.items()}, -64, 16, et)
+        check_histogram(h, {k: np.concatenate(v) for k, v in groups.items()}, -64, 16, et)
         assert sum(h.zeros) >= 5  # inp.weight's first column (5 rows x 1) at least
         assert sum(h.numel) == sum(len(v) for v in full.values())
     if dtype == "fp16":  # underflow against fp16's smallest normal: the small second column

@@ -25,6 +25,7 @@ from distgrad.grouping import (
     series_count,
 )
 from distgrad.record import STAT_FIELDS, ParamStats
+from tests.synthetic import llama70b_layout
 
 FIXTURES = Path(__file__).parent / "fixtures" / "param_names"
 RTOL = 1e-12
@@ -231,33 +232,6 @@ def test_lora_groups_side_by_side(arch, expected):
 
 
 # ---------------------------------------------------------------- 70B layout
-
-
-def llama70b_layout(hidden: int = 8, n_layers: int = 80):
-    """LLaMA-2/3-70B tensor names and shapes, widths scaled by hidden/8192.
-
-    70B: hidden 8192, 64 query heads, 8 KV heads (KV width hidden/8), MLP 28672 (3.5 x hidden),
-    vocab scaled to 4 x hidden. 80 x 9 + 3 = 723 tensors.
-    """
-    kv, ffn, vocab = hidden // 8, hidden * 7 // 2, 4 * hidden
-    names, shapes = ["model.embed_tokens.weight"], [(vocab, hidden)]
-    for i in range(n_layers):
-        for m, s in [
-            ("self_attn.q_proj", (hidden, hidden)),
-            ("self_attn.k_proj", (kv, hidden)),
-            ("self_attn.v_proj", (kv, hidden)),
-            ("self_attn.o_proj", (hidden, hidden)),
-            ("mlp.gate_proj", (ffn, hidden)),
-            ("mlp.up_proj", (ffn, hidden)),
-            ("mlp.down_proj", (hidden, ffn)),
-            ("input_layernorm", (hidden,)),
-            ("post_attention_layernorm", (hidden,)),
-        ]:
-            names.append(f"model.layers.{i}.{m}.weight")
-            shapes.append(s)
-    names += ["model.norm.weight", "lm_head.weight"]
-    shapes += [(hidden,), (vocab, hidden)]
-    return names, shapes
 
 
 @pytest.fixture(scope="module")

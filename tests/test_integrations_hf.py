@@ -17,12 +17,11 @@ the same low-precision gradients and agree at 1e-5 in every dtype.
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 
 from distgrad.record import StepRecord
-from tests.conftest import DIST, launch
+from tests.helpers import launch
 from tests.reference import case, check_against
 
 LOW = ["ds_z2_bf16", "ds_z3_bf16", "ds_z2_fp16", "ds_z3_fp16"]
@@ -49,12 +48,11 @@ def _single_process_case(mp, name: str = "single", **kw) -> dict:
     """The Trainer on one process without torch.distributed (distgrad's local engine), run here."""
     import traceback
 
-    mp.syspath_prepend(str(DIST))
     for var in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
         mp.delenv(var, raising=False)
     mp.setenv("ACCELERATE_USE_DEEPSPEED", "false")  # make_state sets both; restored afterwards
     mp.setenv("ACCELERATE_USE_FSDP", "false")
-    import hf_cases
+    from tests.dist import hf_cases
 
     try:
         return hf_cases.run_case(name, "single", **kw)
@@ -62,7 +60,6 @@ def _single_process_case(mp, name: str = "single", **kw) -> dict:
         return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
     finally:
         hf_cases.reset_accelerate()
-        sys.modules.pop("hf_cases", None)
 
 
 def _n_ranks(key: str) -> int:

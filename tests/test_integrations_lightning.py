@@ -15,12 +15,11 @@ own ``get_global_grad_norm()``), the loss as the step's mean loss, and warns onc
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 
 from distgrad.record import StepRecord
-from tests.conftest import DIST, launch
+from tests.helpers import launch
 from tests.reference import case, check_against
 
 pytestmark = pytest.mark.multirank
@@ -40,17 +39,12 @@ def _single_process_case() -> dict:
     run in this process (distgrad's local engine)."""
     import traceback
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(DIST))
-        import lightning_cases
+    from tests.dist import lightning_cases
 
-        try:
-            return lightning_cases.run_case("single_auto", "single", ga=2, clip=1.0, gns=True)
-        except Exception as e:  # noqa: BLE001 - reported by case() with the traceback
-            return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        finally:
-            for mod in ("lightning_cases", "hf_cases"):
-                sys.modules.pop(mod, None)
+    try:
+        return lightning_cases.run_case("single_auto", "single", ga=2, clip=1.0, gns=True)
+    except Exception as e:  # noqa: BLE001 - reported by case() with the traceback
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
 
 
 @pytest.mark.parametrize("key", CASES)

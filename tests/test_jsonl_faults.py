@@ -18,7 +18,7 @@ import pytest
 from distgrad.sinks import jsonl as jsonl_mod
 from distgrad.sinks.base import SinkError
 from distgrad.sinks.jsonl import JsonlSink, read_jsonl
-from test_jsonl_sink import assert_same, make_record, param_names
+from tests.synthetic import assert_same, make_record, param_names
 
 
 class Clock:

@@ -9,63 +9,11 @@ import os
 import numpy as np
 import pytest
 
-from distgrad.record import STAT_FIELDS, Health, ParamStats, StepRecord
+from distgrad.record import STAT_FIELDS, Health, StepRecord
 from distgrad.sinks.jsonl import SCHEMA_VERSION, JsonlSink, read_jsonl, rotated_files
+from tests.synthetic import NAN_STEP, assert_same, make_record, param_names
 
-NAN_STEP = 7
 NAN_PARAM = "model.layers.1.mlp.up_proj.weight"
-
-
-def param_names(n_layers: int = 3) -> list[str]:
-    out = ["model.embed_tokens.weight"]
-    for i in range(n_layers):
-        out += [f"model.layers.{i}.self_attn.q_proj.weight", f"model.layers.{i}.mlp.up_proj.weight"]
-    return out + ["model.norm.weight", "lm_head.weight"]
-
-
-def make_record(step: int, names: list[str], rng: np.random.Generator, nan_param: str | None = None) -> StepRecord:
-    """A synthetic record with full-precision random floats; NaN injected in ``nan_param``."""
-    P = len(names)
-    numel = rng.integers(10, 10_000, P).astype(np.float64)
-    sumsq = numel * rng.uniform(1e-8, 1e-2, P)
-    s = rng.standard_normal(P) * 1e-3
-    nan = np.zeros(P)
-    inf = np.zeros(P)
-    mn = -rng.uniform(0, 1, P)
-    mx = rng.uniform(0, 1, P)
-    mn[0] = -0.0  # signed zero must survive too
-    ranks: list[int] = []
-    if nan_param is not None:
-        j = names.index(nan_param)
-        nan[j] = 5.0
-        sumsq[j] = s[j] = mn[j] = mx[j] = np.nan
-        ranks = [1]
-    ps = ParamStats(names=list(names), numel=numel, sum=s, sumsq=sumsq, nan=nan, inf=inf,
-                    zeros=np.floor(numel * rng.uniform(0, 0.1, P)), min=mn, max=mx)
-    return StepRecord(
-        step=step, micro_step=4 * step + 3, timestamp=1.7e9 + step * 0.123456789, world_size=4, params=ps,
-        grad_norm=float(np.sqrt(sumsq.sum())), loss=None if step == 0 else float(2.5 + rng.standard_normal() * 0.1),
-        loss_scale=2.0 ** 15, overflow=False, step_applied=True,
-        counters={"sampled_steps": step + 1, "nonfinite_steps": int(step >= NAN_STEP)},
-        nonfinite_ranks=ranks,
-        update_ratio={names[0]: float(rng.uniform(1e-4, 1e-2))}, grad_scale=np.float32(1.5),
-        health=Health(n_vanishing=np.int64(3), vanishing=["a", "b", "c"]),
-    )
-
-
-def assert_same(a: StepRecord, b: StepRecord) -> None:
-    for f in ("step", "micro_step", "timestamp", "world_size", "loss", "loss_scale", "overflow", "step_applied",
-              "counters", "replica_mismatch_ranks", "nonfinite_ranks"):
-        assert getattr(a, f) == getattr(b, f), f
-    assert math.isnan(a.grad_norm) == math.isnan(b.grad_norm)
-    if not math.isnan(a.grad_norm):
-        assert a.grad_norm == b.grad_norm
-    assert a.params.names == b.params.names
-    for f in STAT_FIELDS:
-        x, y = getattr(a.params, f), getattr(b.params, f)
-        assert y.dtype == np.float64
-        # bit-exact, NaN and -0.0 included
-        assert x.tobytes() == y.tobytes(), f
 
 
 def write_run(path, n: int, **kw) -> list[StepRecord]:

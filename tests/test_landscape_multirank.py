@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import launch
+from tests.helpers import launch
 
 CASES = ("ddp", "fsdp2", "zero3", "zero3-gathered")
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import launch
+from tests.helpers import launch
 from distgrad.record import StepRecord
-from reference import case as _case, check_against as _check_against
+from tests.reference import case as _case, check_against as _check_against
 
 HSDP = ["fsdp1-hybrid-orig", "fsdp1-hybrid-zero2-orig", "fsdp1-hybrid-flat", "fsdp2-hsdp"]
 TP = ["fsdp2-tp"]

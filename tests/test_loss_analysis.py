@@ -10,8 +10,6 @@ the bins are numpy's ``searchsorted`` over the same edges. The trend is checked 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +18,7 @@ from distgrad.loss_trend import TrendTracker, ols_slope
 from distgrad.record import StepRecord
 from distgrad.token_loss import EDGES
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
-from common import LA_SOURCES, LA_STEPS, LA_ZW  # noqa: E402
+from tests.dist.common import LA_SOURCES, LA_STEPS, LA_ZW
 
 ENGINES = ["deepspeed", "fsdp2"]
 THRESHOLD = 10.0  # loss.token_threshold default
@@ -147,7 +144,7 @@ def test_bad_components_and_token_inputs_are_counted_and_the_loss_still_counts(c
     import torch
 
     import distgrad
-    from common import TinyLM, lm_batch, lm_losses
+    from tests.dist.common import TinyLM, lm_batch, lm_losses
 
     torch.manual_seed(0)
     model = TinyLM()
@@ -188,7 +185,7 @@ def test_report_shows_components_token_distribution_and_trend(tmp_path):
     import torch
 
     import distgrad
-    from common import TinyLM, lm_batch, lm_losses
+    from tests.dist.common import TinyLM, lm_batch, lm_losses
     from distgrad.report import analyze, write_report
     from distgrad.sinks.jsonl import read_jsonl
 
@@ -265,7 +262,7 @@ def test_loss_spike_report_names_the_batch_samples_and_sources(tmp_path):
     import torch
 
     import distgrad
-    from common import TinyLM, lm_batch, lm_losses
+    from tests.dist.common import TinyLM, lm_batch, lm_losses
 
     torch.manual_seed(0)
     model = TinyLM()

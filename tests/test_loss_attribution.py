@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +17,7 @@ import pytest
 from distgrad.loss import rank_stats  # noqa: F401  (the unit under test, for the single-process checks)
 from distgrad.record import StepRecord
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
-from common import ATTR_GAS, ATTR_SLEEP, ATTR_SLOW_STEPS, ATTR_SPIKE, ATTR_STEPS, sample_ids  # noqa: E402
+from tests.dist.common import ATTR_GAS, ATTR_SLEEP, ATTR_SLOW_STEPS, ATTR_SPIKE, ATTR_STEPS, sample_ids
 
 
 def _case(results, engine):

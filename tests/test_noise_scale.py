@@ -24,6 +24,7 @@ import distgrad
 from distgrad.config import ConfigError
 from distgrad.record import StepRecord
 from distgrad.signals.noise_scale import estimate
+from tests.closed_forms import Dot, known_covariance, ratio_and_stderr
 
 
 def _mlp() -> nn.Module:
@@ -93,39 +94,10 @@ def test_the_noise_scale_does_not_depend_on_the_loss_scaling_of_the_loop():
         assert rb.noise_scale.ema_noise_trace == pytest.approx(9 * ra.noise_scale.ema_noise_trace, rel=1e-5)
 
 
-class _Dot(nn.Module):
-    """loss_i = w . z_i: the per-sample gradient is the input z_i itself."""
-
-    def __init__(self, d1: int, d2: int) -> None:
-        super().__init__()
-        self.a = nn.Linear(d1, 1, bias=False)
-        self.b = nn.Linear(d2, 1, bias=False)
-        self.d1 = d1
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return (self.a(z[:, :self.d1]) + self.b(z[:, self.d1:])).mean()
-
-
-def known_covariance(d: int = 10):
-    """Mean G and diagonal covariance C of the per-sample gradient; B_simple = tr(C) / |G|^2."""
-    G = torch.linspace(-0.6, 0.9, d)
-    C = torch.linspace(0.2, 1.4, d)
-    return G, C, float(C.sum() / G.pow(2).sum())
-
-
-def ratio_and_stderr(tr: np.ndarray, g2: np.ndarray, weights: np.ndarray | None = None) -> tuple[float, float]:
-    """Weighted ratio of means sum(w tr) / sum(w g2) and its delta-method standard error
-    sqrt(sum(w^2 (tr - R g2)^2)) / sum(w g2) (the steps are independent)."""
-    w = np.ones_like(tr) if weights is None else weights
-    r = float((w * tr).sum() / (w * g2).sum())
-    resid = tr - r * g2
-    return r, float(np.sqrt((w ** 2 * resid ** 2).sum()) / (w * g2).sum())
-
-
 def test_closed_form_on_a_problem_with_known_gradient_covariance():
     d, k, b, steps, decay = 10, 4, 6, 400, 0.98
     G, C, truth = known_covariance(d)
-    m = _Dot(4, d - 4)
+    m = Dot(4, d - 4)
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"},
                              noise_scale={"enabled": True, "micro_batch_size": b, "ema_decay": decay})

@@ -6,17 +6,14 @@ every rank's data, and B_simple against the known tr(C) / |G|^2 of the synthetic
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import launch
+from tests.helpers import launch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 
-from test_noise_scale import known_covariance, ratio_and_stderr  # noqa: E402
+from tests.closed_forms import known_covariance, ratio_and_stderr
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +23,7 @@ def gns_results(tmp_path_factory):
 
 @pytest.mark.parametrize("key", ["ddp", "z2", "z3", "fsdp1", "fsdp2"])
 def test_noise_scale_multirank(gns_results, key):
-    from gns_cases import B, DECAY, GAS, STEPS
+    from tests.dist.gns_cases import B, DECAY, GAS, STEPS
 
     case = gns_results["cases"][key]
     assert "error" not in case, case.get("traceback")
@@ -60,7 +57,7 @@ def test_noise_scale_deepspeed_fp16_divides_the_loss_scale_out(gns_results, key)
     hooked micro-batch gradients and the reduced pieces carry the scale; at ZeRO-0 neither does.
     It is divided out where present: the components match the float64 recomputation from the fp16
     inputs to fp16 precision (a scale left in, or divided out where absent, is off by 2**16)."""
-    from gns_cases import FP16_STEPS
+    from tests.dist.gns_cases import FP16_STEPS
 
     case = gns_results["cases"][key]
     assert "error" not in case, case.get("traceback")
@@ -76,7 +73,7 @@ def test_curvature_multirank(gns_results, key):
     """Curvature along the last update under ZeRO-2, ZeRO-3 and FSDP2 (2 ranks, AdamW, a
     quadratic loss): per layer and overall, the exact dtheta^T H dtheta / |dtheta|^2 from the
     gathered full weights (tests/test_curvature.py's reference), rtol 1e-5."""
-    from gns_cases import CURV_STEPS
+    from tests.dist.gns_cases import CURV_STEPS
 
     case = gns_results["cases"][key]
     assert "error" not in case, case.get("traceback")

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import launch
+from tests.helpers import launch
 from distgrad.grouping import group_keys
 from distgrad.record import StepRecord
 

@@ -18,7 +18,7 @@ from distgrad.diagnostics import Diagnostics
 from distgrad.naming import classify
 from distgrad.record import ParamStats, StepRecord
 from distgrad.sinks.prometheus import PrometheusSink
-from test_grouping import llama70b_layout
+from tests.synthetic import llama70b_layout
 
 
 def _record(names, grads, step):

@@ -7,8 +7,6 @@ never reach the vectorised loop; these do. Single process, no launcher."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +14,7 @@ import torch
 from distgrad import stats
 from distgrad.stats import kernels as stats_kernels, native as stats_native
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
-from common import HostSyncs as _Syncs  # noqa: E402
+from tests.dist.common import HostSyncs as _Syncs
 
 SIZES = [1, 15, 16, 17, 2047, 2048, 2049, 65535, 65536, 65537, 3 * 65536 + 5, 1_000_003]
 

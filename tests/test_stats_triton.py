@@ -82,9 +82,9 @@ def test_reference_driver_with_the_triton_kernel_forced(tmp_path):
     float64 full-gradient reference (reference A, 1e-5, extrema and counts exact), and the Triton
     kernel computed every piece (no silent fallback). The other kernels are covered by the rest
     of the suite run with ``DISTGRAD_STATS_KERNEL`` set (docs/performance.md)."""
-    from conftest import launch
+    from tests.helpers import launch
     from distgrad.record import StepRecord
-    from reference import case, check_against
+    from tests.reference import case, check_against
 
     res = launch("torch_cases.py", tmp_path / "out.json", "--cases", ",".join(FORCED_CASES),
                  env={"DISTGRAD_STATS_KERNEL": "triton", "TRITON_INTERPRET": "1"})

@@ -12,8 +12,6 @@ errors of ``distgrad.instrument`` for PyTorch models.
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,10 +20,9 @@ import torch
 
 import distgrad
 from distgrad.record import StepRecord
-from reference import case as _case, check_against as _check_against
+from tests.reference import case as _case, check_against as _check_against
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
-from common import TinyModel, batch_for, full_stats  # noqa: E402
+from tests.dist.common import TinyModel, batch_for, full_stats
 
 ENGINES = ("ddp", "fsdp1-orig-full", "fsdp1-orig-sgo", "fsdp1-flat-full", "fsdp1-flat-sgo", "fsdp2")
 CASES = [f"{e}-{d}-gas{g}" for e in ENGINES for d in ("fp32", "bf16") for g in (1, 2)] + [

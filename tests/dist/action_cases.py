@@ -34,9 +34,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distgrad
 
-sys.path.insert(0, os.path.dirname(__file__))
-from cause_cases import CLASSES, CauseModel, batch  # noqa: E402
-from common import run_gathered_cases  # noqa: E402
+from tests.dist.cause_cases import CLASSES, CauseModel, batch
+from tests.dist.common import run_gathered_cases
 
 BAD_NAN, BAD_SPIKE = 4, 14
 

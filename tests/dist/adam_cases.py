@@ -23,8 +23,7 @@ import torch.distributed as dist
 import distgrad
 from distgrad.canonical import clean_name
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import BoundaryCounter, TinyModel, batch_for  # noqa: E402
+from tests.dist.common import BoundaryCounter, TinyModel, batch_for
 
 STEPS = 4
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.01

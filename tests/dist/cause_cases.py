@@ -36,8 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distgrad
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import HostSyncs, run_gathered_cases  # noqa: E402
+from tests.dist.common import HostSyncs, run_gathered_cases
 
 D_IN, D, CLASSES, BATCH = 8, 16, 5, 16
 

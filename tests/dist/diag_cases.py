@@ -32,9 +32,8 @@ from deepspeed.accelerator import get_accelerator
 
 import distgrad
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import TinyModel, batch_for  # noqa: E402
-from ds_cases import ds_config  # noqa: E402
+from tests.dist.common import TinyModel, batch_for
+from tests.dist.ds_cases import ds_config
 
 
 def _engine(stage: int, dtype: str, seed: int = 7, **ds_extra):

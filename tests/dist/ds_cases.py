@@ -31,8 +31,7 @@ from deepspeed.utils import safe_get_full_grad
 
 import distgrad
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import (ATTR_GAS, LA_GAS, LA_SOURCES, TinyLM, TinyModel, batch_for, full_stats,  # noqa: E402
+from tests.dist.common import (ATTR_GAS, LA_GAS, LA_SOURCES, TinyLM, TinyModel, batch_for, full_stats,
                     loss_analysis_loop, loss_attribution_loop, reference_b)
 
 

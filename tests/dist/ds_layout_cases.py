@@ -39,9 +39,8 @@ from deepspeed.utils import groups, safe_get_full_grad
 import distgrad
 from distgrad import stats
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import full_stats  # noqa: E402
-from layout_cases import _count  # noqa: E402
+from tests.dist.common import full_stats
+from tests.dist.layout_cases import _count
 
 
 class MoEModel(nn.Module):

@@ -34,11 +34,8 @@ import torch.nn as nn
 import distgrad
 from distgrad import stats
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-sys.path.insert(0, os.path.dirname(__file__))
-from common import BoundaryCounter  # noqa: E402
-from test_curvature import LSQ, lsq_curvature, lsq_data  # noqa: E402
-from test_noise_scale import _Dot, known_covariance  # noqa: E402
+from tests.dist.common import BoundaryCounter
+from tests.closed_forms import LSQ, Dot, known_covariance, lsq_curvature, lsq_data
 
 D, GAS, B, STEPS, D1 = 10, 2, 4, 80, 4
 DECAY = 0.95
@@ -65,7 +62,7 @@ def run_noise(key: str, rank: int, world: int) -> dict:
     cfg = {"exporter": {"enabled": False}, "statistics": {"async_records": "off"},
            "noise_scale": {"enabled": True, "ema_decay": DECAY}}
     torch.manual_seed(5)
-    model = _Dot(D1, D - D1)
+    model = Dot(D1, D - D1)
     if key == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -38,8 +38,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import full_stats  # noqa: E402
+from tests.dist.common import full_stats
 
 SEQ, VOCAB, BATCH, GA = 16, 256, 2, 2
 

@@ -31,8 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import distgrad
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import BoundaryCounter, TinyModel, batch_for  # noqa: E402
+from tests.dist.common import BoundaryCounter, TinyModel, batch_for
 
 STEPS = 3
 

@@ -25,8 +25,7 @@ import deepspeed
 
 from distgrad import landscape as ls
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import TinyModel, batch_for  # noqa: E402
+from tests.dist.common import TinyModel, batch_for
 
 STEPS1, STEPS2, SPAN, SEED, NB = 5, 3, 0.5, 3, 2
 

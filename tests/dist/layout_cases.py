@@ -52,8 +52,7 @@ import distgrad
 from distgrad import stats
 from distgrad.engines.base import Ownership
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import HostSyncs, TinyModel, batch_for, full_stats, pieces_match, reference_b  # noqa: E402
+from tests.dist.common import HostSyncs, TinyModel, batch_for, full_stats, pieces_match, reference_b
 
 CPU = torch.device("cpu")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast",

@@ -33,9 +33,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import full_stats  # noqa: E402
-from hf_cases import SEQ, dataset, gns_reference, tiny_llama  # noqa: E402
+from tests.dist.common import full_stats
+from tests.dist.hf_cases import SEQ, dataset, gns_reference, tiny_llama
 
 BATCH = 2
 

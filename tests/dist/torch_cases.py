@@ -50,8 +50,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distgrad
 from distgrad import stats
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import (ATTR_GAS, LA_GAS, LA_SOURCES, TinyLM, TinyModel, batch_for, full_stats, pieces_match,  # noqa: E402
+from tests.dist.common import (ATTR_GAS, LA_GAS, LA_SOURCES, TinyLM, TinyModel, batch_for, full_stats, pieces_match,
                     loss_analysis_loop, loss_attribution_loop, reference_b)
 
 ENGINES = ("ddp", "fsdp1-orig-full", "fsdp1-orig-sgo", "fsdp1-flat-full", "fsdp1-flat-sgo", "fsdp2")

@@ -11,16 +11,13 @@ Prometheus. Everything is polled; every process is stopped at the end.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-from .stack import REPO, MissingBinary, MonitoringStack, WebhookReceiver, wait_until
+from .stack import MissingBinary, MonitoringStack, WebhookReceiver, wait_until
 
-sys.path.insert(0, str(REPO / "tests"))
-from conftest import free_port, load_grafana  # noqa: E402
-from example_job import start_example, stop  # noqa: E402
+from tests.helpers import free_port
+from tests.example_job import start_example, stop
 
 pytestmark = [pytest.mark.monitoring, pytest.mark.multirank]
 
@@ -80,7 +77,7 @@ def test_nan_injected_in_training_pages_and_healthy_run_is_silent(env):
 
 def test_every_dashboard_query_returns_data_from_the_live_run(env):
     stack, _, sick, healthy, _ = env
-    queries = load_grafana("queries")
+    from grafana import queries
     wait_until(lambda: stack.query(f'count_over_time(distgrad_samples_total{{instance="{healthy}"}}[1m]) >= 3'),
                240, what="three scrapes of the healthy run")
     wait_until(lambda: stack.query(f'distgrad_nonfinite_steps_total{{instance="{sick}"}} >= 1'), 240,

@@ -11,7 +11,6 @@ import time
 
 import pytest
 
-from conftest import load_grafana
 
 from .fake_exporter import FakeDistgradRun
 from .stack import REPO, MissingBinary, MonitoringStack, WebhookReceiver, wait_until
@@ -83,7 +82,7 @@ def test_every_dashboard_query_parses_and_has_data_from_the_fakes(env):
     """Runs every dashboard query (variables substituted) against the live Prometheus: each
     must be valid PromQL, and each over metrics the fakes export must return data."""
     stack, _, sick, healthy = env
-    queries = load_grafana("queries")
+    from grafana import queries
     exported = sick.metric_names() | healthy.metric_names()
     qs = queries.dashboard_queries("distgrad", rate_interval="1m")
     assert len(qs) > 40

@@ -1,0 +1,46 @@
+"""Plain helpers shared by test modules (import ``from tests.helpers import ...``): the repository
+paths, a free loopback port, and the launcher of the multi-rank drivers in ``tests/dist``."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DIST = ROOT / "tests" / "dist"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: str, out: Path, *args: str, nproc: int = 2, timeout: int = 900,
+           launcher: str = "torchrun", env: dict | None = None) -> dict:
+    """Run the driver ``tests/dist/<script>`` (``"ds_cases.py"`` or ``"ds_cases"``) on ``nproc``
+    CPU ranks (gloo) as the module ``tests.dist.<name>`` (``torchrun -m`` from the repository
+    root, so the driver imports ``tests.dist.common`` like any test module, without editing
+    ``sys.path``) and return the JSON it wrote to ``out``.
+
+    Raises AssertionError with the tail of the output when the launch fails; ValueError for a
+    launcher other than torchrun."""
+    e = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+             MASTER_ADDR="127.0.0.1")
+    e.update(env or {})
+    module = "tests.dist." + script.removesuffix(".py")
+    bindir = Path(sys.executable).parent
+    if launcher == "torchrun":
+        cmd = [str(bindir / "torchrun"), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), "-m", module, "--out", str(out), *args]
+    else:
+        raise ValueError(launcher)
+    p = subprocess.run(cmd, env=e, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0 or not out.exists():
+        raise AssertionError(f"{script} failed (rc={p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
+    return json.loads(out.read_text())
