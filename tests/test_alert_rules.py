@@ -117,7 +117,6 @@ def test_runbook_links_come_from_one_transform():
 def test_build_writes_rules_with_another_runbook_base(tmp_path):
     """``grafana/build.py --runbook-url URL --rules-out FILE``: the committed rules with every
     runbook link under URL instead of config.RUNBOOK_URL (docs/runbook.md of this repository)."""
-    build = load_grafana("build")
     out = tmp_path / "rules.yml"
     assert build.main(["--runbook-url", "https://wiki.example/rb", "--rules-out", str(out)]) == 0
     text = out.read_text()
@@ -160,7 +159,6 @@ def test_alertmanager_config_is_valid():
 
 
 def test_alertmanager_config_is_freshly_generated():
-    build = load_grafana("build")
     assert build.ALERTMANAGER_PATH not in build.stale_outputs(), \
         "configs/alertmanager.yml is stale: run python grafana/build.py"
 
@@ -184,7 +182,6 @@ def test_inhibitions_name_known_alerts():
     ``incident: divergence``), a dead exporter silences "stalled", critical silences warning,
     each within one run; every name used is an alert of the rule file."""
     cfg = yaml.safe_load((REPO / "configs" / "alertmanager.yml").read_text())
-    config = load_grafana("config")
     names = {r["alert"] for r in _rules()}
     divergence = {n for n, c in config.ALERTS.items() if c.get("incident") == "divergence"}
     assert {"DistgradGradNormSpike", "DistgradLossSpike"} <= divergence <= names

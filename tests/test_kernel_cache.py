@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, launch
+from tests.helpers import ROOT, launch
 from distgrad.stats import cbuild, native
 
 REAL_CC = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
