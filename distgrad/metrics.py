@@ -513,11 +513,13 @@ sampled optimizer step. Counters are exported at 0 from `instrument()` on, so th
 itself, `1` a dimensionless number.
 
 The exporter (a helper process of rank 0, `distgrad/sinks/http_server.py`) serves a cached page:
-the training process renders it at most once per change of the state and at most once per
-second (`refresh_s`), so a scrape shows the state of at most a second ago. Text format 0.0.4, or
-OpenMetrics 1.0.0 when the `Accept` header asks for it; gzip when `Accept-Encoding` allows it.
-Prometheus' `name[]` query parameter (`/metrics?name[]=distgrad_loss`) selects metric families;
-when none of the requested names is served the full page is returned (never an empty 200).
+the training process collects the metric families at most once per change of the state and at
+most once per second (`refresh_s`), so a scrape shows the state of at most a second ago; the
+helper renders them with `prometheus_client`'s exposition: text format 0.0.4, or OpenMetrics
+1.0.0 when the `Accept` header asks for it; gzip when `Accept-Encoding` allows it; Prometheus'
+`name[]` query parameter (`/metrics?name[]=distgrad_loss`) selects the samples of those names
+(sample names: `distgrad_sampled_steps_total`, not the counter family's name). When none of the
+requested names is served the full page is returned (never an empty 200).
 Connections without a whole request for 10 s are closed; at most 256 are kept open.
 
 ## Labels

@@ -1,6 +1,6 @@
 """The exporter (distgrad/sinks/exporter.py + its HTTP helper process, http_server.py) over real
-loopback sockets: pages rendered once per change (not per scrape) and served from the helper's
-copy, the name[] filter, OpenMetrics and gzip negotiation, keep-alive, and connections that
+loopback sockets: families collected once per change (not per scrape) and served from the
+helper's copy with prometheus_client's exposition (responses equal its own WSGI app's), the name[] filter, OpenMetrics and gzip negotiation, keep-alive, and connections that
 never finish a request dropped without a thread each."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client import generate_latest
+from prometheus_client import generate_latest, make_wsgi_app
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_families
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -134,6 +134,30 @@ def test_openmetrics_and_gzip_negotiation(sink):
     assert hdr["Content-Encoding"] == "gzip" and gzip.decompress(body) == plain
     filtered = _get(sink.port, "/metrics?name[]=distgrad_loss", {"Accept": accept})[2].decode()
     assert filtered.endswith("# EOF\n") and "distgrad_loss " in filtered and "distgrad_grad_norm" not in filtered
+
+
+def test_responses_equal_prometheus_clients_own_app(sink):
+    """Each variant (format, gzip, name[]) equals what prometheus_client's make_wsgi_app answers
+    for the training process's registry: same Content-Type and encoding, same page."""
+    sink.write(_record(3))
+    app = make_wsgi_app(sink.registry)
+    om = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+    cases = [("", "", ""), (om, "", ""), ("", "gzip", ""), (om, "gzip", "name[]=distgrad_loss"),
+             ("", "", "name[]=distgrad_param_grad_norm&name[]=distgrad_sampled_steps_total"),
+             ("text/plain;version=1.0.0", "", "")]
+    for accept, enc, query in cases:
+        status, hdr, body = _get(sink.port, "/metrics" + ("?" + query if query else ""),
+                                 {"Accept": accept, "Accept-Encoding": enc})
+        got: dict = {}
+        want = b"".join(app({"REQUEST_METHOD": "GET", "PATH_INFO": "/metrics", "QUERY_STRING": query,
+                             "HTTP_ACCEPT": accept, "HTTP_ACCEPT_ENCODING": enc},
+                            lambda st, h: got.update(status=st, headers=dict(h))))
+        assert status == 200 and got["status"] == "200 OK", (accept, enc, query)
+        assert hdr["Content-Type"] == got["headers"]["Content-Type"], (accept, enc, query)
+        assert hdr.get("Content-Encoding") == got["headers"].get("Content-Encoding"), (accept, enc, query)
+        if enc:  # gzip streams differ in their header's timestamp: compare the pages
+            body, want = gzip.decompress(body), gzip.decompress(want)
+        assert body == want, (accept, enc, query)
 
 
 def test_keep_alive_head_and_errors(sink):

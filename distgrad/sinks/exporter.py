@@ -1,15 +1,16 @@
-"""The training-process side of rank 0's exporter: render the served families once per change,
+"""The training-process side of rank 0's exporter: snapshot the served families once per change,
 hand them to the HTTP helper process (:mod:`distgrad.sinks.http_server`) when it asks.
 
 Per *change* of the served state (a sampled step's record, counters, the step time) the
 collector bumps a version, which :class:`ExporterProcess` publishes in a 16-byte shared memory
 map (a ``struct.pack_into``, no system call). Per *scrape* the training process does nothing:
 the helper answers from its copy, and only when the version moved does it ask (one line on a
-pipe) for the new families, which a daemon thread here renders (:class:`PageCache`: each part,
-*head* = run info and counters and *body* = the record's families, at most once per version and
-format) and sends back. So rendering happens at most once per change and only while someone
-scrapes, and at most once per ``refresh_s`` (1 s) and format however many scrape: a flood of
-scrapers costs the training process nothing more.
+pipe) for the new families, which a daemon thread here snapshots and pickles
+(:class:`PageCache`: each part, *head* = run info and counters and *body* = the record's
+families, at most once per version) and sends back; the helper renders them with
+``prometheus_client``'s exposition. So the training process works at most once per change and
+only while someone scrapes, and at most once per ``refresh_s`` (1 s) however many scrape: a
+flood of scrapers costs it nothing more.
 """
 
 from __future__ import annotations
@@ -24,60 +25,35 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Sequence
 
-from prometheus_client.exposition import generate_latest
-from prometheus_client.openmetrics import exposition as om
+import prometheus_client
 
 from distgrad.sinks import http_server
-from distgrad.sinks.http_server import OM_EOF, OPENMETRICS, TEXT, VERSIONS
+from distgrad.sinks.http_server import REQUEST, VERSIONS, Exposition
 
 log = logging.getLogger("distgrad")
 
 Part = tuple[Callable[[], int], Callable[[], tuple[int, list]]]
 
 
-class _One:
-    """A registry holding given families (what prometheus_client's generators iterate)."""
-
-    __slots__ = ("fams",)
-
-    def __init__(self, fams: list) -> None:
-        self.fams = fams
-
-    def collect(self) -> list:
-        return self.fams
-
-
-def render_families(fams: Iterable[Any], fmt: str) -> list[tuple[frozenset[str], bytes]]:
-    """Render each family alone with prometheus_client's own generators: ``[(names, bytes)]``
-    with ``names`` the family name and its sample names (what ``name[]`` matches). OpenMetrics
-    chunks carry no ``# EOF`` (added once per page)."""
-    out = []
-    for fam in fams:
-        names = frozenset({fam.name, *(s.name for s in fam.samples)})
-        if fmt == TEXT:
-            out.append((names, generate_latest(_One([fam]))))
-        else:
-            out.append((names, om.generate_latest(_One([fam]))[: -len(OM_EOF)]))
-    return out
-
-
 class PageCache:
-    """Rendered families of the latest state, re-rendered only when a part's version moves.
+    """Pickled families of the latest state, snapshotted again only when a part's version moves.
 
     Args:
         parts: ``{name: (version, snapshot)}`` in page order: ``version()`` a cheap int that
             changes with the part's state, ``snapshot()`` returning ``(version, families)``
-            consistently (under the collector's lock).
+            consistently (under the collector's lock); families are ``prometheus_client``
+            ``Metric`` objects.
 
     Attributes:
-        renders: number of part renders so far (tests: once per change, not per scrape).
+        renders: number of part snapshots (families collected and pickled for the helper) so
+            far: the training process's work, once per change, not per scrape (tests).
     """
 
     def __init__(self, parts: dict[str, Part]) -> None:
         self._parts = parts
-        self._cache: dict[tuple[str, str], tuple[int, list]] = {}
+        self._cache: dict[str, tuple[int, bytes]] = {}
         self._lock = threading.Lock()
         self.renders = 0
 
@@ -85,29 +61,30 @@ class PageCache:
         """Current version of every part."""
         return tuple(v() for v, _ in self._parts.values())
 
-    def chunks(self, fmt: str) -> tuple[tuple[int, ...], list[tuple[frozenset[str], bytes]]]:
-        """``(versions, chunks)`` of the whole page in ``fmt``, every part of one state (a part
-        that changed while another was rendered is rendered again, up to 3 times)."""
+    def parts(self) -> tuple[tuple[int, ...], list[bytes]]:
+        """``(versions, pickled family lists)`` of the whole page, in page order, every part of
+        one state (a part that changed while another was snapshotted is taken again, up to 3
+        times)."""
         with self._lock:
             for _ in range(3):
                 got = []
                 for name, (version, snapshot) in self._parts.items():
-                    hit = self._cache.get((name, fmt))
+                    hit = self._cache.get(name)
                     if hit is None or hit[0] != version():
                         v, fams = snapshot()
-                        hit = self._cache[(name, fmt)] = (v, render_families(fams, fmt))
+                        hit = self._cache[name] = (v, pickle.dumps(list(fams), protocol=pickle.HIGHEST_PROTOCOL))
                         self.renders += 1
                     got.append(hit)
                 key = tuple(v for v, _ in got)
                 if key == self.versions():
                     break
-            return key, [c for _, chunks in got for c in chunks]
+            return key, [p for _, p in got]
 
-    def page(self, fmt: str = TEXT, names: frozenset[str] | None = None) -> bytes:
-        """The page as the helper serves it (uncompressed), for in-process use and tests."""
-        _, chunks = self.chunks(fmt)
-        return (http_server.assemble(chunks, fmt, names) if names else None) or \
-            http_server.assemble(chunks, fmt, None)
+    def page(self, accept: str = "", accept_encoding: str = "", names: Sequence[str] | None = None) -> bytes:
+        """The body the helper serves for these request headers and ``name[]`` values, rendered
+        here (in-process use and tests)."""
+        _, parts = self.parts()
+        return Exposition([f for p in parts for f in pickle.loads(p)]).respond(accept, accept_encoding, names)[1]
 
 
 class ExporterProcess:
@@ -119,7 +96,7 @@ class ExporterProcess:
             :meth:`notify`, called after every change (the collector's listener).
         timeout_s: connection timeout of the helper (seconds).
         max_connections: connections the helper keeps open at most.
-        refresh_s: the helper asks for a new rendering at most this often (seconds; 0: on
+        refresh_s: the helper asks for new families at most this often (seconds; 0: on
             every change).
 
     Raises:
@@ -138,7 +115,9 @@ class ExporterProcess:
         fd = self._shm_file.fileno()
         self._proc = subprocess.Popen(
             [sys.executable, "-I", "-S", str(Path(http_server.__file__)), host, str(port), str(timeout_s),
-             str(max_connections), str(fd), str(refresh_s)],
+             str(max_connections), str(fd), str(refresh_s),
+             # the helper runs isolated (-I -S): it is told where prometheus_client lives
+             str(Path(prometheus_client.__file__).resolve().parent.parent)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,), bufsize=0, close_fds=True,
             # its own session: with the kernel's autogroup scheduling, serving scrapes then does
             # not come out of the training job's CPU share (it exits when our pipe closes)
@@ -173,17 +152,18 @@ class ExporterProcess:
                     log.error("distgrad: the metrics exporter process exited (code %s); /metrics is down",
                               self._proc.poll())
                 return
-            fmt = line.decode().strip()
+            if line != REQUEST:
+                log.error("distgrad: unexpected request from the metrics exporter process: %r", line[:80])
+                continue
             try:
-                key, chunks = self.cache.chunks(fmt if fmt in (TEXT, OPENMETRICS) else TEXT)
-                data = pickle.dumps((fmt, (key[0], key[-1]), chunks),
-                                    protocol=pickle.HIGHEST_PROTOCOL)
+                key, parts = self.cache.parts()
+                data = pickle.dumps(((key[0], key[-1]), parts), protocol=pickle.HIGHEST_PROTOCOL)
                 w.write(struct.pack("<Q", len(data)) + data)
             except (BrokenPipeError, ValueError, OSError):
                 return  # closed under us
-            except Exception:  # noqa: BLE001  a failing render must not end serving
-                log.exception("distgrad: rendering the metrics page failed")
-                data = pickle.dumps((fmt, None, None))  # the helper keeps its copy or answers 503
+            except Exception:  # noqa: BLE001  a failing snapshot must not end serving
+                log.exception("distgrad: collecting the metrics for the exporter failed")
+                data = pickle.dumps(((0, 0), None))  # the helper keeps its copy or answers 503
                 try:
                     w.write(struct.pack("<Q", len(data)) + data)
                 except OSError:

@@ -1,4 +1,5 @@
-"""The HTTP server of rank 0's exporter, run as a separate helper process (standard library only).
+"""The HTTP server of rank 0's exporter, run as a separate helper process (standard library plus
+``prometheus_client``'s exposition functions).
 
 Why a process: ``prometheus_client.start_http_server`` starts one thread per connection, with no
 timeout, and renders the exposition in Python on every scrape, inside the training process.
@@ -6,10 +7,12 @@ Any Python work per scrape there competes with the training thread for the GIL (
 machine each hand-over of the GIL also waits for the OS to reschedule the training thread):
 a flood of 32 scrapers halved the step rate and 1,000 idle connections made 1,000 threads
 (issue 14). Serving from another process leaves the training process one thing to do per
-*change* of the served state (render it, :mod:`distgrad.sinks.exporter`) and nothing per scrape.
+*change* of the served state (snapshot its families, :mod:`distgrad.sinks.exporter`) and
+nothing per scrape.
 
-The helper (``python http_server.py HOST PORT TIMEOUT MAX_CONN SHM_FD REFRESH_S``, started by
-:class:`distgrad.sinks.exporter.ExporterProcess`):
+The helper (``python http_server.py HOST PORT TIMEOUT MAX_CONN SHM_FD REFRESH_S LIBDIR``, started
+by :class:`distgrad.sinks.exporter.ExporterProcess`; ``LIBDIR``: the directory holding
+``prometheus_client``, appended to ``sys.path`` since the helper runs with ``-I -S``):
 
 * binds ``HOST:PORT`` and writes ``OK <port>`` (or ``ERR <message>``) on stdout;
 * runs one :mod:`selectors` loop (epoll) over non-blocking sockets: no thread per connection,
@@ -17,17 +20,20 @@ The helper (``python http_server.py HOST PORT TIMEOUT MAX_CONN SHM_FD REFRESH_S`
   connection that is not being answered, so idle or half-sent floods cannot lock scrapers
   out); a connection without a whole request, or not taking its response, for ``TIMEOUT``
   seconds since its last progress is closed;
-* keeps the rendered families per format (text 0.0.4; OpenMetrics 1.0.0 once asked for) with
-  the version of the state they show; the training process publishes the current version in a
-  shared 16-byte memory map (``SHM_FD``); a scrape that finds its copy out of date asks the
-  training process for the families (one line on stdout, a length-prefixed pickle back on
-  stdin), else is answered from the copy: the full page and its gzip are cached per version;
-  a copy younger than ``REFRESH_S`` (default 1 s) is served even when the state has moved on,
-  so a flood makes the training process render at most once per second and format (a scrape
-  sees the state of at most ``REFRESH_S`` ago; Prometheus scrapes every 15 s or so);
-* honours Prometheus' ``name[]`` query parameter by selecting the families whose name or
-  sample names are requested; when none is served the full page is returned (never an empty
-  200, which a scraper would read as "target up, no data");
+* keeps a copy of the served metric families with the version of the state they show; the
+  training process publishes the current version in a shared 16-byte memory map (``SHM_FD``);
+  a scrape that finds its copy out of date asks the training process for the families (one
+  line on stdout, a length-prefixed pickle back on stdin), else is answered from the copy; a
+  copy younger than ``REFRESH_S`` (default 1 s) is served even when the state has moved on, so
+  a flood makes the training process snapshot at most once per second (a scrape sees the state
+  of at most ``REFRESH_S`` ago; Prometheus scrapes every 15 s or so);
+* answers with ``prometheus_client``'s exposition (:class:`Exposition`): the ``Accept`` header
+  chooses the format (``choose_encoder``: text 0.0.4, or OpenMetrics 1.0.0 when asked for),
+  Prometheus' ``name[]`` query parameter restricts the page to the samples of those names
+  (``restricted_registry``), gzip when ``Accept-Encoding`` allows it; the body of each variant
+  is cached per version. distgrad adds one rule: when none of the requested names is served,
+  the full page is returned (never an empty 200, which a scraper would read as "target up, no
+  data");
 * exits when its stdin closes (the training process ended or closed the exporter).
 
 HTTP/1.0 and 1.1 (keep-alive), ``GET`` and ``HEAD``; any path but ``/favicon.ico`` serves the
@@ -36,7 +42,6 @@ metrics (as prometheus_client does).
 
 from __future__ import annotations
 
-import gzip
 import logging
 import mmap
 import os
@@ -47,78 +52,106 @@ import socket
 import struct
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 from urllib.parse import parse_qs
 
 log = logging.getLogger("distgrad")
 
-TEXT, OPENMETRICS = "text", "openmetrics"
-CONTENT_TYPE = {TEXT: "text/plain; version=0.0.4; charset=utf-8",
-                OPENMETRICS: "application/openmetrics-text; version=1.0.0; charset=utf-8"}
-OM_EOF = b"# EOF\n"
 VERSIONS = struct.Struct("<qq")  # (head, body) versions of the served state, in the shared map
 _MAX_HEADER = 16 << 10
-Chunks = list  # [(frozenset of names, bytes)], one per family, in page order
+#: the request line the helper sends for the current families
+REQUEST = b"families\n"
 
 
-def choose_format(accept: str) -> str:
-    """OpenMetrics when the Accept header lists ``application/openmetrics-text`` without a
-    version or with version >= 1 (Prometheus asks for it first), else text 0.0.4."""
-    for part in accept.split(","):
-        toks = [t.strip() for t in part.split(";")]
-        if toks[0] != "application/openmetrics-text":
-            continue
-        version = next((t.split("=", 1)[1] for t in toks[1:] if t.startswith("version=")), "")
-        major = version.split(".")[0]
-        if not version or (major.isdigit() and int(major) >= 1):
-            return OPENMETRICS
-    return TEXT
+class _Families:
+    """A collector holding given families (``describe`` too, so that the registry maps every
+    sample name to it, which ``restricted_registry`` uses)."""
+
+    def __init__(self, fams: list) -> None:
+        self.fams = fams
+
+    def collect(self) -> list:
+        return self.fams
+
+    def describe(self) -> list:
+        return self.fams
 
 
-def assemble(chunks: Chunks, fmt: str, names: frozenset[str] | None) -> bytes | None:
-    """The page of the families matching ``names`` (all when ``names`` is None); None when
-    ``names`` matches none."""
-    sel = [b for n, b in chunks if names is None or n & names]
-    if names is not None and not sel:
-        return None
-    return b"".join(sel) + (OM_EOF if fmt == OPENMETRICS else b"")
+class Exposition:
+    """``prometheus_client``'s exposition of a fixed list of metric families, one response body
+    cached per variant (format, gzip, requested names).
+
+    Args:
+        families: ``prometheus_client`` ``Metric`` objects (one state of the collector).
+        max_cached: variants kept at most (the cache is emptied beyond that: ``name[]`` sets
+            are chosen by clients).
+    """
+
+    def __init__(self, families: Sequence[Any], max_cached: int = 64) -> None:
+        from prometheus_client import CollectorRegistry
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_Families(list(families)))
+        self._served = frozenset(s.name for f in families for s in f.samples)
+        self._cache: dict[tuple, tuple[list[tuple[str, str]], bytes]] = {}
+        self._max = max_cached
+
+    def respond(self, accept: str, accept_encoding: str, names: Sequence[str] | None = None
+                ) -> tuple[list[tuple[str, str]], bytes]:
+        """``(headers, body)`` for a scrape with these ``Accept`` / ``Accept-Encoding`` headers and
+        ``name[]`` values: ``prometheus_client.exposition._bake_output`` (``choose_encoder``,
+        ``restricted_registry``, gzip), except that names of which none is served give the full
+        page. ``headers``: ``Content-Type`` and, when compressed, ``Content-Encoding: gzip``."""
+        from prometheus_client import exposition
+
+        _, ctype = exposition.choose_encoder(accept)
+        gz = exposition.gzip_accepted(accept_encoding)
+        wanted = tuple(sorted(self._served.intersection(names))) if names else ()
+        key = (ctype, gz, wanted)
+        hit = self._cache.get(key)
+        if hit is None:
+            if len(self._cache) >= self._max:
+                self._cache.clear()
+            params = {"name[]": list(wanted)} if wanted else {}
+            _, headers, body = exposition._bake_output(self.registry, accept, accept_encoding, params, False)
+            hit = self._cache[key] = (list(headers), body)
+        return hit
 
 
 class Unavailable(Exception):
-    """The training process has not provided the page (yet)."""
+    """The training process has not provided the families (yet)."""
 
 
 class RemotePages:
-    """The helper's copy of the rendered families, refreshed from the training process when
-    the shared version map says it is out of date (module docstring).
+    """The helper's copy of the served families, refreshed from the training process when the
+    shared version map says it is out of date (module docstring).
 
     Args:
         versions: the shared map holding :data:`VERSIONS` of the current state.
         rfd: descriptor of the pipe from the training process (replies).
-        wfile: unbuffered binary file of the pipe to it (requests: one format name per line).
+        wfile: unbuffered binary file of the pipe to it (requests: :data:`REQUEST`).
         wait_s: how long a scrape waits for a refresh before it is answered from the old copy
             (or 503 when there is none).
         refresh_s: a copy younger than this is served even when the state has moved on, so
-            that the training process renders at most once per ``refresh_s`` however many
+            that the training process snapshots at most once per ``refresh_s`` however many
             scrapers flood it (0: always the latest state).
     """
 
     def __init__(self, versions: mmap.mmap, rfd: int, wfile: Any, wait_s: float, refresh_s: float = 0.0) -> None:
         self._versions, self._rfd, self._w, self._wait = versions, rfd, wfile, wait_s
         self._refresh = refresh_s
-        self._fetched: dict[str, float] = {}
-        self._chunks: dict[str, tuple[tuple[int, int], Chunks]] = {}
-        self._full: dict[tuple[str, bool], tuple[tuple[int, int], bytes]] = {}
-        self._pending: list[str] = []
+        self._fetched = 0.0
+        self._copy: tuple[tuple[int, int], Exposition] | None = None
+        self._pending = False
 
     def receive(self) -> None:
-        """Read one reply ``(fmt, key, chunks)``; EOFError when the training process is gone."""
+        """Read one reply ``(key, parts)`` (``parts``: pickled family lists, or None when the
+        training process failed to snapshot); EOFError when the training process is gone."""
         n = struct.unpack("<Q", _read_exact(self._rfd, 8))[0]
-        fmt, key, chunks = pickle.loads(_read_exact(self._rfd, n))
-        if fmt in self._pending:
-            self._pending.remove(fmt)
-        if chunks is not None:  # None: rendering failed in the training process (logged there)
-            self._chunks[fmt] = (tuple(key), chunks)
+        key, parts = pickle.loads(_read_exact(self._rfd, n))
+        self._pending = False
+        if parts is not None:  # None: the snapshot failed in the training process (logged there)
+            self._copy = (tuple(key), Exposition([f for p in parts for f in pickle.loads(p)]))
 
     def on_readable(self) -> None:
         """The reply pipe is readable outside a scrape: a late reply, or EOF (raises EOFError)."""
@@ -126,39 +159,33 @@ class RemotePages:
             raise EOFError("the training process closed the exporter")
         self.receive()
 
-    def _fetch(self, fmt: str) -> tuple[tuple[int, int], Chunks]:
+    def _fetch(self) -> Exposition:
         current = VERSIONS.unpack_from(self._versions, 0)
-        hit = self._chunks.get(fmt)
         now = time.monotonic()
-        if hit is not None and (hit[0] == current or now - self._fetched.get(fmt, 0.0) < self._refresh):
-            return hit
-        if fmt not in self._pending:
-            self._w.write(f"{fmt}\n".encode())
-            self._pending.append(fmt)
-            self._fetched[fmt] = now
+        if self._copy is not None and (self._copy[0] == current or now - self._fetched < self._refresh):
+            return self._copy[1]
+        if not self._pending:
+            self._w.write(REQUEST)
+            self._pending = True
+            self._fetched = now
         deadline = time.monotonic() + self._wait
-        while fmt in self._pending:
+        while self._pending:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self._rfd], [], [], left)[0]:
                 break  # too slow: the copy we have (one state older) or 503
             self.receive()
-        hit = self._chunks.get(fmt)
-        if hit is None:
-            raise Unavailable("the training process has not rendered the metrics in time")
-        return hit
+        if self._copy is None:
+            raise Unavailable("the training process has not provided the metrics in time")
+        return self._copy[1]
 
-    def page(self, fmt: str, names: frozenset[str] | None, gz: bool) -> bytes:
-        """Bytes to serve for ``fmt`` (``names``: the ``name[]`` filter), gzip-compressed if ``gz``."""
-        key, chunks = self._fetch(fmt)
-        if names:
-            data = assemble(chunks, fmt, names)
-            if data is not None:
-                return gzip.compress(data, 6) if gz else data
-        hit = self._full.get((fmt, gz))
-        if hit is None or hit[0] != key:
-            data = assemble(chunks, fmt, None)
-            hit = self._full[(fmt, gz)] = (key, gzip.compress(data, 6) if gz else data)
-        return hit[1]
+    def page(self, accept: str, accept_encoding: str, names: Sequence[str] | None
+             ) -> tuple[list[tuple[str, str]], bytes]:
+        """``(headers, body)`` to serve (:meth:`Exposition.respond` of the current copy).
+
+        Raises:
+            Unavailable: no copy yet and the training process did not answer within ``wait_s``.
+        """
+        return self._fetch().respond(accept, accept_encoding, names)
 
 
 def _read_exact(fd: int, n: int) -> bytes:
@@ -189,7 +216,7 @@ class HttpServer:
 
     Args:
         sock: a bound, listening TCP socket (ownership passes to the server).
-        pages: has ``page(fmt, names, gz) -> bytes``.
+        pages: has ``page(accept, accept_encoding, names) -> (headers, body)`` (:class:`RemotePages`).
         stop_fd: the pipe from the training process: readable outside a scrape means a late
             reply (``pages.on_readable()``) or EOF, which ends :meth:`run`.
         timeout_s: a connection without a whole request, or with a response not taken, for
@@ -322,16 +349,15 @@ class HttpServer:
         if path == "/favicon.ico":
             self._respond(c, 404, "Not Found", b"", close=close, head_only=method == "HEAD")
             return
-        names = frozenset(parse_qs(query).get("name[]", ())) if query else None
-        fmt = choose_format(headers.get("accept", ""))
-        gz = any(e.split(";")[0].strip().lower() == "gzip" for e in headers.get("accept-encoding", "").split(","))
+        names = parse_qs(query).get("name[]") if query else None
         try:
-            body = self.pages.page(fmt, names, gz)
+            resp, body = self.pages.page(headers.get("accept", ""), headers.get("accept-encoding", ""), names)
         except Unavailable as e:
             self._respond(c, 503, "Service Unavailable", f"{e}\n".encode(), close=close)
             return
-        self._respond(c, 200, "OK", body, close=close, head_only=method == "HEAD", ctype=CONTENT_TYPE[fmt],
-                      extra="Content-Encoding: gzip\r\n" if gz else "")
+        ctype = next(v for k, v in resp if k.lower() == "content-type")
+        extra = "".join(f"{k}: {v}\r\n" for k, v in resp if k.lower() != "content-type")
+        self._respond(c, 200, "OK", body, close=close, head_only=method == "HEAD", ctype=ctype, extra=extra)
 
     def _respond(self, c: _Conn, code: int, reason: str, body: bytes, *, close: bool, head_only: bool = False,
                  ctype: str = "text/plain; charset=utf-8", extra: str = "") -> None:
@@ -366,11 +392,18 @@ class HttpServer:
 
 
 def main(argv: list[str]) -> int:
-    """Helper process entry: ``HOST PORT TIMEOUT_S MAX_CONNECTIONS SHM_FD REFRESH_S`` (module docstring)."""
+    """Helper process entry: ``HOST PORT TIMEOUT_S MAX_CONNECTIONS SHM_FD REFRESH_S LIBDIR`` (module docstring)."""
     host, port, timeout_s, max_conn, shm_fd = argv[0], int(argv[1]), float(argv[2]), int(argv[3]), int(argv[4])
     refresh_s = float(argv[5])
+    if len(argv) > 6 and argv[6] not in sys.path:
+        sys.path.append(argv[6])
     logging.basicConfig(format="%(message)s")
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb", buffering=0)
+    try:
+        import prometheus_client.exposition  # noqa: F401  fail now (ERR on stdout), not at the first scrape
+    except ImportError as e:
+        out.write(f"ERR the exporter process cannot import prometheus_client: {e}\n".encode())
+        return 1
     try:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -3,9 +3,10 @@
 A custom collector (prometheus_client's documented pattern for values computed elsewhere)
 renders the latest :class:`~distgrad.record.StepRecord`. The record is swapped atomically by
 the training thread, so a scrape sees one step's values, never a mix; label sets of parameters
-that leave the exported set (top-k changes) disappear with it. The families are rendered once
-per change and served by a helper process (:mod:`distgrad.sinks.exporter`,
-:mod:`distgrad.sinks.http_server`): a scrape costs the training process nothing.
+that leave the exported set (top-k changes) disappear with it. The families are collected once
+per change and handed to a helper process that renders and serves them with prometheus_client's
+exposition (:mod:`distgrad.sinks.exporter`, :mod:`distgrad.sinks.http_server`): a scrape costs
+the training process nothing.
 Metric names, types, labels and meanings: :mod:`distgrad.metrics` (rendered as ``docs/metrics.md``).
 """
 
@@ -377,8 +378,9 @@ def check_port_free(host: str, port: int) -> None:
 
 class PrometheusSink(Sink):
     """Serves ``/metrics`` over HTTP from a helper process (:mod:`distgrad.sinks.http_server`:
-    one selector loop, bounded connections with timeouts, ``name[]`` filter, OpenMetrics and
-    gzip negotiation) with pages rendered here once per change (:mod:`distgrad.sinks.exporter`).
+    one selector loop, bounded connections with timeouts; prometheus_client's exposition with
+    its ``name[]`` filter, OpenMetrics and gzip negotiation) with the families collected here
+    once per change (:mod:`distgrad.sinks.exporter`).
 
     Args:
         host: bind address (default loopback).
@@ -393,7 +395,7 @@ class PrometheusSink(Sink):
             many seconds are closed (default 10).
         max_connections: open connections kept at most (default 256; a new one replaces the
             least recently active idle one).
-        refresh_s: the page is re-rendered at most this often (default 1 s; a scrape shows
+        refresh_s: the families are collected again at most this often (default 1 s; a scrape shows
             the state of at most ``refresh_s`` ago); 0 re-renders on every change.
 
     Raises:
@@ -431,7 +433,7 @@ class PrometheusSink(Sink):
         return self._server
 
     def write(self, record: StepRecord) -> None:
-        """Serve ``record`` from now on (atomic swap; rendered by the exporter thread at the
+        """Serve ``record`` from now on (atomic swap; collected by the exporter thread at the
         next scrape, once)."""
         self.collector.update(record, record.counters)
 
