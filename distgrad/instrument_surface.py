@@ -285,7 +285,11 @@ class InstrumentSurface:
     def __enter__(self) -> Any:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        if (exc_type is not None and not issubclass(exc_type, KeyboardInterrupt)
+                and self.prometheus is not None):
+            # the loop raised: not a clean end (the target file stays, the exporter-down alert pages)
+            self.prometheus.close(clean=False)
         self.close()
 
     def _publish(self, rec: StepRecord) -> None:

@@ -27,7 +27,8 @@ def start(inst: Any) -> None:
         try:
             inst.prometheus = PrometheusSink(ex.host, ex.port, static, inst.world_size,
                                              has_loss_scaler=inst.source.has_loss_scaler(),
-                                             has_samples=inst.source.samples() is not None)
+                                             has_samples=inst.source.samples() is not None,
+                                             linger_s=ex.linger_seconds)
             inst.port = inst.prometheus.port
             inst.sinks.append(inst.prometheus)
             if ex.file_sd_path:
@@ -107,8 +108,28 @@ def collective_settings_hash(inst: Any) -> int:
     return int.from_bytes(hashlib.sha256(key).digest()[:6], "big")
 
 
+def file_sd_file(file_sd_path: str, run_name: str | None, host: str, port: int) -> str:
+    """The file rank 0 writes for ``exporter.file_sd_path``: the path itself, or, when it is an
+    existing directory or ends with ``/``, ``<dir>/distgrad-<run_name or "run">-<host>-<port>.json``
+    (characters other than letters, digits, ``.``, ``_``, ``-`` become ``_``), so that many runs
+    and nodes share one directory that Prometheus globs (``<dir>/*.json``)."""
+    import os
+    import re
+
+    path = str(file_sd_path)
+    if path.endswith(os.sep) or os.path.isdir(path):
+        name = re.sub(r"[^A-Za-z0-9._-]", "_", f"distgrad-{run_name or 'run'}-{host}-{port}") + ".json"
+        path = os.path.join(path, name)
+    return path
+
+
 def write_file_sd(inst: Any) -> None:
-    """Write rank 0's exporter as a Prometheus file_sd target (atomically: write + rename)."""
+    """Write rank 0's exporter as a Prometheus file_sd target (atomically: write + rename) at
+    :func:`file_sd_file` of ``exporter.file_sd_path``: ``[{"targets": ["<host>:<port>"],
+    "labels": {"run": run_name}}]`` with host ``exporter.advertise_host``, else the bound
+    address, else (bound to all interfaces) this machine's FQDN. The exporter removes the file
+    at a clean end, after its final state was scraped (:meth:`PrometheusSink.close`); a crashed
+    run leaves it, so that Prometheus keeps finding the dead target and the alert pages."""
     import json
     import os
     import socket
@@ -118,17 +139,13 @@ def write_file_sd(inst: Any) -> None:
     entry: dict[str, Any] = {"targets": [f"{host}:{inst.port}"]}
     if ex.run_name:
         entry["labels"] = {"run": ex.run_name}
-    path = str(ex.file_sd_path)
+    path = file_sd_file(str(ex.file_sd_path), ex.run_name, host, inst.port)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump([entry], f)
     os.replace(tmp, path)
-
-    def remove() -> None:
-        if os.path.exists(path):
-            os.remove(path)
-    inst.on_close(remove)
+    inst.prometheus.file_sd_path = path
 
 
 def start_file_sinks(inst: Any) -> BaseException | None:

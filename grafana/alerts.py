@@ -212,7 +212,8 @@ def _groups() -> dict[str, Any]:
         _rule(
             "DistgradTrainingStalled",
             f"(time() - distgrad_last_step_timestamp_seconds{sel()} > {stall_s})\n"
-            f"and distgrad_last_step_timestamp_seconds{sel()} > 0\n",
+            f"and distgrad_last_step_timestamp_seconds{sel()} > 0\n"
+            f"and on (job, instance, run) distgrad_run_state{sel()} == 1\n",
             "Training stalled in {{ $labels.job }}.",
             f"{WHO} has not sampled an optimizer step for {{{{ $value | humanizeDuration }}}} "
             f"(threshold {stall_s}s); the last sampled step was {tvalue('distgrad_optimizer_step')}.",
@@ -295,20 +296,28 @@ def _groups() -> dict[str, Any]:
             f"at sampled step {tvalue('distgrad_optimizer_step')}. Loss spikes tend to follow within a few steps.",
         ),
     ]
+    down, gone = a["DistgradExporterDown"], a["DistgradExporterAbsent"]
+    # the last state the target served within the window (stale markers are not samples)
+    last_state = f"last_over_time(distgrad_run_state{sel()}[" + "{w}])"
+    step_of = ('{{ with printf "last_over_time(distgrad_optimizer_step{job=%q,instance=%q}[' + "{w}" +
+               '])" $labels.job $labels.instance | query }}{{ . | first | value | printf "%.0f" }}'
+               "{{ else }}unknown{{ end }}")
     exporter = [
         _rule(
             "DistgradExporterDown",
-            f"up{sel()} == 0",
-            "distgrad exporter of {{ $labels.job }} is down.",
-            f"Prometheus has failed to scrape {WHO} for {a['DistgradExporterDown']['for']}: rank 0 "
-            "exited, hung or is unreachable.",
+            f"up{sel()} == 0\nand on (job, instance, run) {last_state.replace('{w}', down['window'])} == 1\n",
+            "distgrad exporter of {{ $labels.job }} is down while the run was running.",
+            f"Prometheus has failed to scrape {WHO} for {down['for']}, and the last state it served was "
+            "running (distgrad_run_state 1), not finished: rank 0 was killed, crashed or is unreachable "
+            f"(a clean end serves 2 first). Last sampled step seen: {step_of.replace('{w}', down['window'])}.",
         ),
         _rule(
             "DistgradExporterAbsent",
-            f"absent(up{sel()})",
-            "No distgrad scrape target.",
-            f"Prometheus has had no target matching {{{config.SELECTOR}}} for "
-            f"{a['DistgradExporterAbsent']['for']}: no distgrad training job is being monitored.",
+            f"{last_state.replace('{w}', gone['window'])} == 1\nunless on (job, instance, run) up{sel()}\n",
+            "The scrape target of {{ $labels.job }} vanished while the run was running.",
+            f"Prometheus no longer has a scrape target for {WHO}, whose last state (within {gone['window']}) "
+            "was running, not finished: its file_sd target file was deleted or its service discovery lost "
+            f"it without a clean end. Last sampled step seen: {step_of.replace('{w}', gone['window'])}.",
         ),
     ]
     return {

@@ -44,10 +44,18 @@ ALERTS: dict[str, dict[str, Any]] = {
                               "incident": "divergence"},
     "DistgradLossScaleCollapsed": {"severity": "critical", "for": "2m"},
     "DistgradRepeatedOverflow": {"severity": "warning", "for": "0s", "threshold": 5},
-    # seconds since the last sampled step; must exceed sample_every x step time
+    # seconds since the last sampled step; must exceed sample_every x step time; only while the
+    # run is running (distgrad_run_state 1), not while a finished run lingers for its last scrape
     "DistgradTrainingStalled": {"severity": "critical", "for": "1m", "threshold_seconds": 600},
-    "DistgradExporterDown": {"severity": "critical", "for": "2m"},
-    "DistgradExporterAbsent": {"severity": "warning", "for": "5m"},
+    # lifecycle (distgrad_run_state: 1 running, 2 finished, served until scraped at a clean end):
+    # a target that fails its scrapes for `for` pages only if the last state it served within
+    # `window` was "running" -- not before the first run, not after a clean end, and it resolves
+    # `window` after the last successful scrape of a crashed run. kill -9 of rank 0 pages after
+    # one failed scrape + `for` + the pager's group_wait (~1.5 min with the shipped settings).
+    "DistgradExporterDown": {"severity": "critical", "for": "1m", "window": "1h"},
+    # a running run's scrape target vanished (its file_sd file deleted, the service discovery lost
+    # it) without a clean end: its last state within `window` is "running" and it has no `up`
+    "DistgradExporterAbsent": {"severity": "warning", "for": "2m", "window": "1h"},
     "DistgradReplicaMismatch": {"severity": "critical", "for": "0s", "window": "10m"},
     "DistgradInternalErrors": {"severity": "warning", "for": "0s", "window": "10m"},
     # sampled steps distgrad refused to export (gradients read in the wrong order, clipped

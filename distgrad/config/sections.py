@@ -84,15 +84,23 @@ class ExporterConfig(Section):
         "Address the exporter binds to; 0.0.0.0 to be scraped from another host."))
     port: int = Field(9400, ge=0, le=65535, description=(
         "Exporter TCP port; 0 picks a free port (logged, and available as Instrument.port)."))
-    file_sd_path: OptPath = Field(None, examples=["/shared/prometheus/targets/myrun.json"], description=(
-        "Multi-node jobs: rank 0 writes its exporter address here as a Prometheus file_sd_configs "
-        "target file ([{\"targets\": [\"<host>:<port>\"], \"labels\": {\"run\": run_name}}]) and "
-        "removes it at close, so the job is scraped wherever rank 0 lands (see "
-        "configs/prometheus.yml)."))
+    file_sd_path: OptPath = Field(None, examples=["/shared/prometheus/targets/myrun.json",
+                                                  "/shared/prometheus/targets/"], description=(
+        "Rank 0 writes its exporter address here as a Prometheus file_sd_configs target file "
+        "([{\"targets\": [\"<host>:<port>\"], \"labels\": {\"run\": run_name}}]), so the job is "
+        "scraped wherever rank 0 lands with no edit of prometheus.yml. A directory (existing, or "
+        "ending in /) gets one file per run: distgrad-<run_name>-<host>-<port>.json. Removed at a "
+        "clean end once the final state was scraped; kept after a crash, so that the dead target "
+        "pages (see configs/prometheus.yml, docs/runbook.md)."))
     advertise_host: OptName = Field(None, description=(
         "Host name written to file_sd_path (default: this machine's FQDN, or host when the "
         "exporter is bound to a specific address)."))
     run_name: OptName = Field(None, description="Value of the run label in file_sd_path (default: none).")
+    linger_seconds: float = Field(30.0, ge=0, le=600, description=(
+        "At a clean end (close(), or interpreter exit without an uncaught exception) rank 0 serves "
+        "distgrad_run_state = 2 (finished) until a scraper has read it, so that the exporter-down "
+        "alert knows the run finished: at most this many seconds, and only while a scraper keeps "
+        "coming (about 2 scrape intervals; a job nobody scrapes exits at once). 0: no wait."))
 
 
 class StatisticsConfig(Section):

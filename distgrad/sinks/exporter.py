@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import prometheus_client
 
 from distgrad.sinks import http_server
-from distgrad.sinks.http_server import REQUEST, VERSIONS, Exposition
+from distgrad.sinks.http_server import REQUEST, SERVED, SHM_SIZE, VERSIONS, Exposition
 
 log = logging.getLogger("distgrad")
 
@@ -108,9 +108,9 @@ class ExporterProcess:
         self.cache = cache
         shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._shm_file = tempfile.TemporaryFile(dir=shm_dir)
-        self._shm_file.write(b"\0" * VERSIONS.size)
+        self._shm_file.write(b"\0" * SHM_SIZE)
         self._shm_file.flush()
-        self._shm = mmap.mmap(self._shm_file.fileno(), VERSIONS.size)
+        self._shm = mmap.mmap(self._shm_file.fileno(), SHM_SIZE)
         self.notify()
         fd = self._shm_file.fileno()
         self._proc = subprocess.Popen(
@@ -142,6 +142,35 @@ class ExporterProcess:
             VERSIONS.pack_into(self._shm, 0, v[0], v[-1])
         except ValueError:  # closed: nothing to tell
             pass
+
+    def served(self) -> tuple[int, int, float, float]:
+        """What the helper has served (:data:`~distgrad.sinks.http_server.SERVED`): ``(head
+        version of the last page, pages served, time.monotonic() of the last, seconds between
+        the last two)``; zeros before the first page."""
+        try:
+            return SERVED.unpack_from(self._shm, VERSIONS.size)
+        except ValueError:  # closed
+            return (0, 0, 0.0, 0.0)
+
+    def wait_served(self, head_version: int, max_s: float) -> bool:
+        """Wait until a whole page showing head version ``head_version`` or later has been
+        served to a scraper; True when it has. Waits only for a scraper that comes regularly
+        and is still coming: none when fewer than two pages were served, or when the last one
+        is older than twice the gap between the last two (+0.25 s); then until that scraper's
+        second next visit is due (last + 2 x gap + 0.25 s: a page younger than the helper's
+        refresh_s may be served once more from its copy), never longer than ``max_s`` seconds.
+        So a job nobody scrapes never waits, and one scraped every 5 s waits at most ~10 s."""
+        import time
+
+        deadline = time.monotonic() + max(0.0, max_s)
+        while True:
+            version, n, last, gap = self.served()
+            if version >= head_version and n:
+                return True
+            now = time.monotonic()
+            if n < 2 or gap <= 0 or now > min(deadline, last + 2 * gap + 0.25):
+                return False
+            time.sleep(min(0.05, gap / 4))
 
     def _serve(self) -> None:
         r, w = self._proc.stdout, self._proc.stdin

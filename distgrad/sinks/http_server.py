@@ -21,7 +21,7 @@ by :class:`distgrad.sinks.exporter.ExporterProcess`; ``LIBDIR``: the directory h
   out); a connection without a whole request, or not taking its response, for ``TIMEOUT``
   seconds since its last progress is closed;
 * keeps a copy of the served metric families with the version of the state they show; the
-  training process publishes the current version in a shared 16-byte memory map (``SHM_FD``);
+  training process publishes the current version in a shared memory map (``SHM_FD``);
   a scrape that finds its copy out of date asks the training process for the families (one
   line on stdout, a length-prefixed pickle back on stdin), else is answered from the copy; a
   copy younger than ``REFRESH_S`` (default 1 s) is served even when the state has moved on, so
@@ -34,6 +34,8 @@ by :class:`distgrad.sinks.exporter.ExporterProcess`; ``LIBDIR``: the directory h
   is cached per version. distgrad adds one rule: when none of the requested names is served,
   the full page is returned (never an empty 200, which a scraper would read as "target up, no
   data");
+* after each whole page served to a GET, writes into the same map which state it showed, how
+  many pages it has served and when (:data:`SERVED`);
 * exits when its stdin closes (the training process ended or closed the exporter).
 
 HTTP/1.0 and 1.1 (keep-alive), ``GET`` and ``HEAD``; any path but ``/favicon.ico`` serves the
@@ -58,6 +60,12 @@ from urllib.parse import parse_qs
 log = logging.getLogger("distgrad")
 
 VERSIONS = struct.Struct("<qq")  # (head, body) versions of the served state, in the shared map
+#: written by the helper after each metrics page it serves, at offset VERSIONS.size of the map:
+#: (head version of that page, pages served so far, monotonic time of the last one, seconds
+#: between the last two), so the training process can wait at close until its final state has
+#: been scraped (:meth:`distgrad.sinks.exporter.ExporterProcess.wait_served`)
+SERVED = struct.Struct("<qqdd")
+SHM_SIZE = VERSIONS.size + SERVED.size
 _MAX_HEADER = 16 << 10
 #: the request line the helper sends for the current families
 REQUEST = b"families\n"
@@ -143,6 +151,22 @@ class RemotePages:
         self._fetched = 0.0
         self._copy: tuple[tuple[int, int], Exposition] | None = None
         self._pending = False
+        self._last_key: tuple[int, int] = (0, 0)
+        self._served = 0
+        self._served_at = 0.0
+        self._gap = 0.0
+
+    def served(self, now: float) -> None:
+        """Record in the shared map (:data:`SERVED`) that the page of the last :meth:`page`
+        call was served at ``now`` (monotonic seconds)."""
+        if self._served:
+            self._gap = now - self._served_at
+        self._served += 1
+        self._served_at = now
+        try:
+            SERVED.pack_into(self._versions, VERSIONS.size, self._last_key[0], self._served, now, self._gap)
+        except (TypeError, ValueError, struct.error):  # a read-only or short map (tests): nothing to tell
+            pass
 
     def receive(self) -> None:
         """Read one reply ``(key, parts)`` (``parts``: pickled family lists, or None when the
@@ -163,6 +187,7 @@ class RemotePages:
         current = VERSIONS.unpack_from(self._versions, 0)
         now = time.monotonic()
         if self._copy is not None and (self._copy[0] == current or now - self._fetched < self._refresh):
+            self._last_key = self._copy[0]
             return self._copy[1]
         if not self._pending:
             self._w.write(REQUEST)
@@ -176,6 +201,7 @@ class RemotePages:
             self.receive()
         if self._copy is None:
             raise Unavailable("the training process has not provided the metrics in time")
+        self._last_key = self._copy[0]
         return self._copy[1]
 
     def page(self, accept: str, accept_encoding: str, names: Sequence[str] | None
@@ -358,6 +384,9 @@ class HttpServer:
         ctype = next(v for k, v in resp if k.lower() == "content-type")
         extra = "".join(f"{k}: {v}\r\n" for k, v in resp if k.lower() != "content-type")
         self._respond(c, 200, "OK", body, close=close, head_only=method == "HEAD", ctype=ctype, extra=extra)
+        served = getattr(self.pages, "served", None)
+        if served is not None and method == "GET" and not names:  # a whole page: what a scraper reads
+            served(now)
 
     def _respond(self, c: _Conn, code: int, reason: str, body: bytes, *, close: bool, head_only: bool = False,
                  ctype: str = "text/plain; charset=utf-8", extra: str = "") -> None:
@@ -412,7 +441,7 @@ def main(argv: list[str]) -> int:
     except OSError as e:
         out.write(f"ERR {e}\n".encode())
         return 1
-    versions = mmap.mmap(shm_fd, VERSIONS.size, access=mmap.ACCESS_READ)
+    versions = mmap.mmap(shm_fd, SHM_SIZE)  # shared, written: SERVED
     out.write(f"OK {sock.getsockname()[1]}\n".encode())
     pages = RemotePages(versions, sys.stdin.fileno(), out, min(3.0, timeout_s / 2), refresh_s)
     HttpServer(sock, pages, sys.stdin.fileno(), timeout_s, max_conn).run()

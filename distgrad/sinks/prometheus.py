@@ -12,11 +12,15 @@ Metric names, types, labels and meanings: :mod:`distgrad.metrics` (rendered as `
 
 from __future__ import annotations
 
+import atexit
 import errno
 import math
 import logging
+import os
 import socket
+import sys
 import threading
+import weakref
 from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry
@@ -30,6 +34,9 @@ from distgrad.sinks.base import Sink
 from distgrad.sinks.exporter import ExporterProcess, PageCache
 
 log = logging.getLogger("distgrad")
+
+#: values of ``distgrad_run_state``
+RUNNING, FINISHED = 1, 2
 
 #: counter keys of :attr:`StepRecord.counters` -> catalogue name (exported from the start at 0
 #: so that ``increase()`` sees the first event; ``overflow_steps`` only with an fp16 loss scaler,
@@ -122,6 +129,7 @@ class DistgradCollector(Collector):
         self._labeled_counters: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {}
         self.static = dict(static)
         self.world_size = world_size
+        self._run_state = RUNNING
         #: change counters of the served state: ``head`` (counters, step time, run info) and
         #: ``body`` (the record's families); the exporter re-renders a part when its version moves
         self.head_version = 0
@@ -142,6 +150,18 @@ class DistgradCollector(Collector):
     def step_time(self, t: float | None) -> None:
         with self._lock:
             self._step_time = t
+            self.head_version += 1
+        self._changed()
+
+    @property
+    def run_state(self) -> int:
+        """``distgrad_run_state``: :data:`RUNNING` (1) or :data:`FINISHED` (2)."""
+        return self._run_state
+
+    @run_state.setter
+    def run_state(self, state: int) -> None:
+        with self._lock:
+            self._run_state = int(state)
             self.head_version += 1
         self._changed()
 
@@ -193,11 +213,12 @@ class DistgradCollector(Collector):
     def snapshot_head(self) -> tuple[int, list[Metric]]:
         """``(head_version, families)``: run info, step time and counters, one consistent state."""
         with self._lock:
-            version, step_time = self.head_version, self._step_time
+            version, step_time, state = self.head_version, self._step_time, self._run_state
             counters, labeled = dict(self._counters), dict(self._labeled_counters)
         info = metrics.family("distgrad_info", labels=sorted(self.static))
         info.add_metric([self.static[k] for k in sorted(self.static)], 1.0)
-        out = [info, metrics.family("distgrad_world_size", value=self.world_size)]
+        out = [info, metrics.family("distgrad_world_size", value=self.world_size),
+               metrics.family("distgrad_run_state", value=state)]
         if step_time is not None:
             out.append(metrics.family("distgrad_last_step_timestamp_seconds", value=step_time))
         for key, name in COUNTERS.items():
@@ -397,16 +418,27 @@ class PrometheusSink(Sink):
             least recently active idle one).
         refresh_s: the families are collected again at most this often (default 1 s; a scrape shows
             the state of at most ``refresh_s`` ago); 0 re-renders on every change.
+        linger_s: at a clean end (:meth:`close`, or interpreter exit without an uncaught
+            exception) ``distgrad_run_state`` turns 2 (finished) and serving goes on until a
+            scraper has read it, at most this many seconds (and only for a scraper that keeps
+            coming: :meth:`ExporterProcess.wait_served`); 0: stop at once.
+
+    Attributes:
+        file_sd_path: a Prometheus file_sd file naming this exporter (written by
+            :func:`distgrad.startup.write_file_sd`), removed at a clean end after the final
+            state was scraped; left in place after a crash, so that the dead target pages.
 
     Raises:
         OSError: the address cannot be bound; the message says how to fix it.
     """
 
     name = "prometheus"
+    file_sd_path: str | None = None
 
     def __init__(self, host: str, port: int, static: dict[str, str], world_size: int,
                  serve: bool = True, has_loss_scaler: bool = True, has_samples: bool = True,
-                 timeout_s: float = 10.0, max_connections: int = 256, refresh_s: float = 1.0) -> None:
+                 timeout_s: float = 10.0, max_connections: int = 256, refresh_s: float = 1.0,
+                 linger_s: float = 30.0) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = DistgradCollector(static, world_size, has_loss_scaler, has_samples)
         self.registry.register(self.collector)
@@ -415,6 +447,8 @@ class PrometheusSink(Sink):
                                 "body": (lambda: c.body_version, c.snapshot_body)})
         self._server: ExporterProcess | None = None
         self.host, self.port = host, port
+        self.linger_s = float(linger_s)
+        self._ended = False
         if serve:
             check_port_free(host, port)
             try:
@@ -426,6 +460,7 @@ class PrometheusSink(Sink):
             self.port = self._server.port
             (log.warning if port == 0 else log.info)(  # a picked port must be seen to be found
                 "distgrad: serving Prometheus metrics on http://%s:%d/metrics", host, self.port)
+            _at_exit(self)
 
     @property
     def server(self) -> ExporterProcess | None:
@@ -441,12 +476,64 @@ class PrometheusSink(Sink):
         """Update the counters between records (unsampled steps, errors)."""
         self.collector.update(None, counters)
 
-    def close(self) -> None:
-        """Stop the HTTP server and release the port."""
+    def finish(self) -> bool:
+        """The run ended cleanly: serve ``distgrad_run_state`` 2 (finished) until a scraper has
+        read it (at most ``linger_s``; see :meth:`ExporterProcess.wait_served`). Returns True
+        when it was scraped. Idempotent; no-op when not serving."""
+        if self._ended or self._server is None:
+            return False
+        self._ended = True
+        self.collector.run_state = FINISHED
+        try:
+            return self._server.wait_served(self.collector.head_version, self.linger_s)
+        except Exception:  # noqa: BLE001  never hold up the end of a run
+            log.exception("distgrad: waiting for the final scrape failed")
+            return False
+
+    def close(self, clean: bool = True) -> None:
+        """End serving: when ``clean``, first :meth:`finish` (the final state, scraped), then
+        stop the HTTP server, release the port and remove :attr:`file_sd_path` (a crash,
+        ``clean=False``, leaves the file: the dead target then pages)."""
         if self._server is not None:
+            if clean:
+                self.finish()
             self.collector.listener = None
             self._server.close()
             self._server = None
+            if clean and self.file_sd_path:
+                try:
+                    os.remove(self.file_sd_path)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    log.warning("distgrad: cannot remove the scrape target file %s: %s", self.file_sd_path, e)
+                self.file_sd_path = None
 
 
-__all__ = ["PrometheusSink", "DistgradCollector", "check_port_free", "COUNTERS"]
+_live: "weakref.WeakSet[PrometheusSink]" = weakref.WeakSet()
+
+
+def _at_exit(sink: PrometheusSink) -> None:
+    """Register ``sink`` for :func:`_close_at_exit` (one atexit hook per process)."""
+    if not _live:
+        atexit.unregister(_close_at_exit)
+        atexit.register(_close_at_exit)
+    _live.add(sink)
+
+
+def _close_at_exit() -> None:
+    """Interpreter exit with sinks still serving (the loop never called ``close()``): a clean
+    exit finishes them (final state scraped, file_sd target removed); after an uncaught
+    exception (``sys.last_value`` is set) they only stop, the target file stays and the
+    exporter-down alert pages, as for a crash. ``KeyboardInterrupt`` counts as clean (a person
+    stopped the run); ``sys.exit(code)`` too (it sets no ``sys.last_value``)."""
+    last = getattr(sys, "last_value", None)
+    crashed = last is not None and not isinstance(last, KeyboardInterrupt)  # Ctrl-C: a person ended it
+    for sink in list(_live):
+        try:
+            sink.close(clean=not crashed)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+__all__ = ["PrometheusSink", "DistgradCollector", "check_port_free", "COUNTERS", "RUNNING", "FINISHED"]
