@@ -104,6 +104,55 @@ def test_layers_view_covers_layers_and_parameters():
         assert needle in exprs, needle
 
 
+def _metrics(panel: dict) -> list[str]:
+    return sorted({m for t in panel["targets"] for m in re.findall(r"\b(distgrad_[a-z0-9_]+|ALERTS)\b", t["expr"])})
+
+
+def _opt_in_only(panel: dict, queries, opt_in: set[str]) -> set[str]:
+    """The off-by-default conditions of ``panel`` when every metric it reads has one, else empty."""
+    per_metric = [set(queries.conditions([m])) for m in _metrics(panel)]
+    if per_metric and all(c and c <= opt_in for c in per_metric):
+        return set().union(*per_metric)
+    return set()
+
+
+def test_off_by_default_features_sit_in_collapsed_rows_that_say_how_to_enable_them():
+    """A default run fills every panel in sight: each panel whose metrics exist only with a
+    feature a default run lacks (the conditions of ``common.OPT_IN``) is in a collapsed row whose
+    title names how to turn that feature on; no panel of a default feature hides in such a row;
+    the non-finite tables say "none" instead of "No data" before any event. Values spanning
+    decades are drawn on log axes."""
+    queries, common = load_grafana("queries"), load_grafana("dashboards.common")
+    opt_in = set(common.OPT_IN)
+    hidden = 0
+    for d in _dashboards().values():
+        for top in d["panels"]:
+            inner = top.get("panels", [])
+            assert top["type"] == "row" or not inner, top["title"]
+            if top["type"] != "row":
+                continue
+            assert top["collapsed"] == bool(inner), top["title"]  # collapsed rows hold their panels
+            for p in inner:
+                conds = _opt_in_only(p, queries, opt_in)
+                assert conds, (top["title"], p["title"])  # nothing a default run has
+                for c in conds:
+                    assert common.OPT_IN[c] in top["title"], (top["title"], c)
+                hidden += 1
+        for p in d["panels"]:
+            if p["type"] == "row":
+                continue
+            assert not _opt_in_only(p, queries, opt_in), p["title"]  # in sight: a default run fills it
+            if p["type"] == "table" and set(queries.conditions(_metrics(p))) == {"nonfinite"}:
+                assert p["fieldConfig"]["defaults"]["noValue"] == "none: no non-finite step yet", p["title"]
+    assert hidden >= 11
+    log_axes = {p["title"]: p["fieldConfig"]["defaults"]["custom"]["scaleDistribution"]
+                for d in _dashboards().values() for p in _panels(d) if p["type"] == "timeseries"}
+    for title in ("Update RMS", "Update RMS per layer", "Second-moment spike fraction", "Spike fraction per layer",
+                  "Global gradient norm", "Layer gradient norm (lines)", "Abs-max headroom per layer"):
+        assert log_axes[title] == {"type": "log", "log": 10}, title
+    assert log_axes["fp16 loss scale"] == {"type": "log", "log": 2}
+
+
 def test_dashboards_use_catalogue_metrics_only():
     catalogue = build.catalogue_metrics()
     queried = {m for q in queries.dashboard_queries("distgrad") for m in q.metrics} - {"ALERTS"}

@@ -205,9 +205,13 @@ def bargauge(title: str, note: str, expr: str, legend: str, w: int, h: int, *, u
             .targets([query(expr, legend, instant=True)]))
 
 
-def table(title: str, note: str, expr: str, w: int, h: int, *, unit: str | None = None) -> table_b.Panel:
-    """One row per series of an instant query, its labels as columns (Time and __name__ hidden)."""
+def table(title: str, note: str, expr: str, w: int, h: int, *, unit: str | None = None,
+          no_value: str | None = None) -> table_b.Panel:
+    """One row per series of an instant query, its labels as columns (Time and __name__ hidden);
+    ``no_value``: the text shown instead of "No data" when the query returns nothing."""
     p = _common(table_b.Panel(), title, note, [expr], unit, w, h, None, d.FieldColorModeId.THRESHOLDS)
+    if no_value:
+        p = p.no_value(no_value)
     return (p.align(c.FieldTextAlignment.AUTO).cell_options(c.TableAutoCellOptions()).inspect(False)
             .cell_height(c.TableCellHeight.SM)
             .footer(common_b.TableFooterOptions().count_rows(False).reducer(["sum"]).show(False))
@@ -242,6 +246,37 @@ def heatmap(title: str, note: str, expr: str, legend: str, w: int, h: int, *,
 def row(title: str) -> dashboard_b.Row:
     """An expanded row header; the panels after it (until the next row) belong to it."""
     return dashboard_b.Row(title).collapsed(False)
+
+
+#: The catalogue conditions (:data:`distgrad.metrics.CONDITIONS`) of features a default run does
+#: not have, and how to turn each on: the panels that read only such metrics go in a collapsed
+#: row (:func:`opt_in_row`) whose title says it, never among the panels a default run fills.
+OPT_IN: dict[str, str] = {
+    "loss_scaler": "fp16 runs with a dynamic loss scaler only",
+    "update_ratio": "statistics.update_ratio: true",
+    "replicated": "replicated gradients (DDP, ZeRO-0, HSDP) with statistics.replica_check: true",
+    "components": "observe_loss(loss, components=...)",
+    "tokens": "observe_loss(loss, token_losses=... or logits=, labels=)",
+    "histogram": "histogram.enabled: true",
+    "noise_scale": "noise_scale.enabled: true",
+    "curvature": "curvature.enabled: true",
+    "action": "action.on_nonfinite / action.on_spike",
+}
+
+
+def opt_in_row(what: str, conditions: Sequence[str], panels: Sequence[Any]) -> dashboard_b.Row:
+    """A collapsed row of ``panels``, which read metrics that exist only with ``conditions``
+    (keys of :data:`OPT_IN`), titled ``"<what> (off by default: <how to turn it on>)"``: the
+    panels a default run cannot fill stay out of sight instead of saying "No data".
+
+    Raises:
+        KeyError: a condition that is not in :data:`OPT_IN`.
+    """
+    how = "; ".join(OPT_IN[k] for k in conditions)
+    b = dashboard_b.Row(f"{what} (off by default: {how})").collapsed(True)
+    for panel in panels:
+        b = b.with_panel(panel)
+    return b
 
 
 # --- dashboard --------------------------------------------------------------------------------
@@ -321,7 +356,8 @@ def dashboard(uid: str, title: str, description: str, panels: Sequence[Any],
         b = b.with_row(p) if isinstance(p, dashboard_b.Row) else b.with_panel(p)
     model = b.build()
     model.annotations = d.AnnotationContainer(list_val=alert_annotations())
-    for i, p in enumerate(model.panels or [], start=1):
+    flat = [q for p in model.panels or [] for q in (p, *(getattr(p, "panels", None) or []))]
+    for i, p in enumerate(flat, start=1):  # collapsed rows' panels numbered after their row
         p.id_val = i
     return model
 

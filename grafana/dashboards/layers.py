@@ -6,8 +6,8 @@ from __future__ import annotations
 from grafana_foundation_sdk.models.dashboard import Dashboard
 
 from grafana import config
-from grafana.dashboards.common import (RED_IF_ANY, S, bargauge, dashboard, heatmap, queries, row, table,
-                                       timeseries as ts)
+from grafana.dashboards.common import (RED_IF_ANY, S, bargauge, dashboard, heatmap, opt_in_row, queries, row,
+                                       table, timeseries as ts)
 
 FILE = "distgrad-layers.json"
 
@@ -30,45 +30,54 @@ def build() -> Dashboard:
         ts("Non-finite elements per layer", "On the last sampled step.",
            queries((f"distgrad_layer_grad_nonfinite{{{L}}}", "{{layer}}")), 12, 8, bars=True, min_=0, th=RED_IF_ANY),
         table("Non-finite parameters (last non-finite step)", "Elements per (parameter, rank shard).",
-              f"distgrad_nonfinite_params{{{S}}}", 12, 8),
+              f"distgrad_nonfinite_params{{{S}}}", 12, 8, no_value="none: no non-finite step yet"),
         table("Culprit ranks (last non-finite step)", "Ranks whose own loss or gradient was NaN/Inf before the "
               "reduction (source loss / grad): where the NaN came from; the shard table shows where it landed.",
-              f"distgrad_nonfinite_culprit{{{S}}}", 12, 8),
+              f"distgrad_nonfinite_culprit{{{S}}}", 12, 8, no_value="none: no non-finite step yet"),
         table("Culprit module (last non-finite step)", "The first module whose forward output went NaN/Inf when the "
               "step's micro-batches were replayed on the culprit rank (module, rank), or why none is named (outcome: "
               "finite = the NaN came from the backward pass; see the runbook).",
-              f"distgrad_nonfinite_culprit_module{{{S}}} or distgrad_nonfinite_replay_outcome{{{S}}}", 12, 8),
+              f"distgrad_nonfinite_culprit_module{{{S}}} or distgrad_nonfinite_replay_outcome{{{S}}}", 12, 8,
+              no_value="none: no non-finite step yet"),
         ts("Zero-gradient ratio per layer", "",
            queries((f"distgrad_layer_grad_zero_ratio{{{L}}}", "{{layer}}")), 12, 8, min_=0, max_=1),
-        ts("Abs-max headroom per layer", "Largest |gradient| over the largest finite value of the training dtype; 100% = overflow.",
-           queries((f"distgrad_layer_grad_headroom_ratio{{{L}}}", "{{layer}}")), 12, 8, min_=0,
+        ts("Abs-max headroom per layer", "Largest |gradient| over the largest finite value of the training dtype; "
+           "100% = overflow. Log scale: fp16 runs sit at 1e-4..1e-1, fp32/bf16 far below.",
+           queries((f"distgrad_layer_grad_headroom_ratio{{{L}}}", "{{layer}}")), 12, 8, log=10,
            th=head_th, threshold_lines=True),
-        ts("Curvature along the last update per layer", "(g_t - g_{t-1}) . dtheta / |dtheta|^2 over the layer's "
-           "parameters, and over the model (curvature.enabled): how sharply the loss bends along the step just "
-           "taken; below 0 it curves down (a saddle direction or an overshooting step).",
-           queries((f"distgrad_layer_curvature{{{L}}}", "{{layer}}"),
-                   (f"distgrad_curvature{{{S}}}", "model {{instance}}")), 12, 8),
-        ts("Underflow ratio per layer", "Fraction of the layer's gradient elements that are non-zero but below the "
-           "smallest normal value of the training dtype (as held, loss-scaled): precision lost to subnormals, or lost "
-           "to 0 in fp16. Needs histogram.enabled; full log2|g| histograms are in TensorBoard and distgrad report.",
-           queries((f"distgrad_layer_grad_underflow_ratio{{{L}}}", "{{layer}}")), 12, 8, min_=0, max_=1),
         ts("Update RMS per layer", "sqrt(mean(g^2 / v_hat)) over the layer, Adam's second moment before the step "
            "(~1 when it tracks the gradient). Log scale.",
            queries((f"distgrad_layer_update_rms{{{L}}}", "{{layer}}")), 12, 8, log=10),
-        ts("Spike fraction per layer", "Fraction of the layer's elements with g^2 > theta * v_hat.",
-           queries((f"distgrad_layer_adam_spike_fraction{{{L}}}", "{{layer}}")), 12, 8, min_=0),
+        ts("Spike fraction per layer", "Fraction of the layer's elements with g^2 > theta * v_hat. Log scale.",
+           queries((f"distgrad_layer_adam_spike_fraction{{{L}}}", "{{layer}}")), 12, 8, log=10),
         row("Parameters"),
         bargauge(f"Top {k} parameters by gradient norm", "Largest at the last sample.",
-                 f"topk({k}, distgrad_param_grad_norm{{{S}}})", "{{param}}", 12, 10),
+                 f"topk({k}, distgrad_param_grad_norm{{{S}}})", "{{param}}", 8, 10),
         bargauge(f"Top {k} parameters by abs-max headroom", "The parameters closest to overflowing the training dtype.",
-                 f"topk({k}, distgrad_param_grad_headroom_ratio{{{S}}})", "{{param}}", 12, 10, th=head_th, max_=1),
+                 f"topk({k}, distgrad_param_grad_headroom_ratio{{{S}}})", "{{param}}", 8, 10, th=head_th, max_=1),
         bargauge(f"Top {k} parameters by zero-gradient ratio", "The parameters with the largest fraction of exactly-zero gradient elements.",
-                 f"topk({k}, distgrad_param_grad_zero_ratio{{{S}}})", "{{param}}", 12, 10, max_=1),
-        # typically ~1e-3 and unbounded above: a plain number, not a percentage
-        bargauge(f"Top {k} parameters by update ratio", "Largest at the last applied step.",
-                 f"topk({k}, distgrad_param_update_ratio{{{S}}})", "{{param}}", 12, 10, unit="none"),
+                 f"topk({k}, distgrad_param_grad_zero_ratio{{{S}}})", "{{param}}", 8, 10, max_=1),
         ts(f"Top {k} parameter gradient norms over time", "The parameters with the largest gradient norm at each evaluation.",
            queries((f"topk({k}, distgrad_param_grad_norm{{{S}}})", "{{param}}")), 24, 8, log=10),
+        # features a default run does not have: collapsed, titled with how to turn them on
+        opt_in_row("Update-to-weight ratio", ["update_ratio"], [
+            # typically ~1e-3 and unbounded above: a plain number, not a percentage
+            bargauge(f"Top {k} parameters by update ratio", "Largest at the last applied step.",
+                     f"topk({k}, distgrad_param_update_ratio{{{S}}})", "{{param}}", 24, 10, unit="none"),
+        ]),
+        opt_in_row("Gradient histogram", ["histogram"], [
+            ts("Underflow ratio per layer", "Fraction of the layer's gradient elements that are non-zero but below the "
+               "smallest normal value of the training dtype (as held, loss-scaled): precision lost to subnormals, or lost "
+               "to 0 in fp16. Needs histogram.enabled; full log2|g| histograms are in TensorBoard and distgrad report.",
+               queries((f"distgrad_layer_grad_underflow_ratio{{{L}}}", "{{layer}}")), 24, 8, min_=0, max_=1),
+        ]),
+        opt_in_row("Curvature", ["curvature"], [
+            ts("Curvature along the last update per layer", "(g_t - g_{t-1}) . dtheta / |dtheta|^2 over the layer's "
+               "parameters, and over the model (curvature.enabled): how sharply the loss bends along the step just "
+               "taken; below 0 it curves down (a saddle direction or an overshooting step).",
+               queries((f"distgrad_layer_curvature{{{L}}}", "{{layer}}"),
+                       (f"distgrad_curvature{{{S}}}", "model {{instance}}")), 24, 8),
+        ]),
     ]
     layer_var = ("layer", "Layer", 'label_values(distgrad_layer_grad_norm{job=~"$job", run=~"$run", instance=~"$instance"}, layer)')
     return dashboard("layers", "distgrad / Layers and parameters",

@@ -6,8 +6,8 @@ from __future__ import annotations
 from grafana_foundation_sdk.models.dashboard import Dashboard
 
 from grafana import config
-from grafana.dashboards.common import (FIRING_ALERTS, RATE, RED_IF_ANY, S, dashboard, queries, row, stat, table,
-                                       timeseries as ts)
+from grafana.dashboards.common import (FIRING_ALERTS, RATE, RED_IF_ANY, S, dashboard, opt_in_row, queries, row,
+                                       stat, table, timeseries as ts)
 
 FILE = "distgrad-overview.json"
 
@@ -40,20 +40,15 @@ def build() -> Dashboard:
         ts("Loss", "", queries((f"distgrad_loss{{{S}}}", "{{instance}}")), 12, 8),
         ts("Global gradient norm", "Log scale; gaps are NaN/Inf steps.",
            queries((f"distgrad_grad_norm{{{S}}}", "{{instance}}")), 12, 8, log=10),
-        ts("fp16 loss scale", "Log2 scale.",
-           queries((f"distgrad_loss_scale{{{S}}}", "{{instance}}")), 8, 8, unit="short", log=2),
         ts("Overflow, non-finite and skipped steps", "Steps per interval: fp16 overflows, sampled steps with NaN/Inf gradients, optimizer steps not applied.",
            queries((f"increase(distgrad_overflow_steps_total{{{S}}}[{RATE}])", "overflow {{instance}}"),
                    (f"increase(distgrad_nonfinite_steps_total{{{S}}}[{RATE}])", "non-finite {{instance}}"),
                    (f"increase(distgrad_skipped_steps_total{{{S}}}[{RATE}])", "skipped {{instance}}")),
            8, 8, bars=True, min_=0),
-        ts("Consecutive overflow steps", f"The red line is DistgradRepeatedOverflow's threshold ({overflow_n}).",
-           queries((f"distgrad_consecutive_overflow_steps{{{S}}}", "{{instance}}")), 8, 8, min_=0,
-           th=overflow_th, threshold_lines=True),
         ts("Samples/s", "Training throughput.",
-           queries((f"rate(distgrad_samples_total{{{S}}}[{RATE}])", "{{instance}}")), 12, 8, unit="short", min_=0),
+           queries((f"rate(distgrad_samples_total{{{S}}}[{RATE}])", "{{instance}}")), 8, 8, unit="short", min_=0),
         ts("Time since last sample", f"Seconds since the last optimizer step; the red band starts at the DistgradTrainingStalled threshold ({stall} s).",
-           queries((f"time() - distgrad_last_step_timestamp_seconds{{{S}}}", "{{instance}}")), 12, 8, min_=0,
+           queries((f"time() - distgrad_last_step_timestamp_seconds{{{S}}}", "{{instance}}")), 8, 8, min_=0,
            th=stall_th, threshold_lines=True),
         row("Loss analysis"),
         ts("Loss trend (slope per 1000 steps)", "Least-squares slope of the loss over the last loss.trend_window steps, "
@@ -62,12 +57,7 @@ def build() -> Dashboard:
            queries((f"distgrad_loss_trend_slope{{{S}}}", "slope {{instance}}"),
                    (f"distgrad_loss_trend_slope{{{S}}} + 2 * distgrad_loss_trend_stderr{{{S}}}", "+2 se {{instance}}"),
                    (f"distgrad_loss_trend_slope{{{S}}} - 2 * distgrad_loss_trend_stderr{{{S}}}", "-2 se {{instance}}"),
-                   (f"distgrad_loss_plateau{{{S}}}", "plateau {{instance}}")), 12, 8),
-        ts("Loss components: share of the total", "sum(weight x component) / sum(loss) per component.",
-           queries((f"distgrad_loss_component_share{{{S}}}", "{{component}} {{instance}}")), 12, 8, min_=0),
-        ts("Per-token loss", "Token-weighted mean per-token loss, overall and per data source (nats).",
-           queries((f"distgrad_token_loss_mean{{{S}}}", "all {{instance}}"),
-                   (f"distgrad_source_token_loss_mean{{{S}}}", "{{source}} {{instance}}")), 8, 8),
+                   (f"distgrad_loss_plateau{{{S}}}", "plateau {{instance}}")), 8, 8),
         ts("Straggler ratio", "The step's wall time over what it would be at the median rank's data time; "
            f"DistgradStragglingRank fires above {a['DistgradStragglingRank']['threshold']}.",
            queries((f"distgrad_straggler_ratio{{{S}}}", "{{instance}}")), 8, 8),
@@ -75,17 +65,6 @@ def build() -> Dashboard:
            "waited for.",
            queries((f"distgrad_loss_max_rank{{{S}}}", "highest loss {{instance}}"),
                    (f"distgrad_straggler_rank{{{S}}}", "straggler {{instance}}")), 8, 8, min_=0),
-        row("Gradient noise scale"),
-        ts("Gradient noise scale vs batch size", "B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018), about the "
-           "critical batch size: well above the step's batch, a larger batch would still train about as "
-           "efficiently per sample; well below it, larger batches waste samples (noise_scale.enabled).",
-           queries((f"distgrad_gradient_noise_scale{{{S}}}", "noise scale {{instance}}"),
-                   (f"distgrad_gradient_noise_batch_size{{{S}}}", "step batch {{instance}}")), 12, 8,
-           unit="short", log=10),
-        ts("Noise-scale components", "The two moving averages whose ratio is the noise scale: tr(Sigma), the "
-           "per-sample gradient variance, and |G|^2, the squared norm of the full-batch gradient.",
-           queries((f"distgrad_gradient_noise_trace{{{S}}}", "tr(Sigma) {{instance}}"),
-                   (f"distgrad_gradient_noise_true_grad_sq{{{S}}}", "|G|^2 {{instance}}")), 12, 8, log=10),
         row("Spikes"),
         ts("Spike z-scores", "Per detector.",
            queries((f"distgrad_grad_norm_zscore{{{S}}}", "grad norm {{detector}} {{instance}}"),
@@ -97,11 +76,13 @@ def build() -> Dashboard:
         row("Optimizer (Adam)"),
         ts("Update RMS", "sqrt(mean(g^2 / v_hat)) with Adam's second moment before the step: ~1 when v_hat tracks the "
            f"gradient; DistgradAdamUpdateExcursion fires above {adam['rms']} for {adam['for']} (from step "
-           f"{adam['min_step']} on).",
-           queries((f"distgrad_update_rms{{{S}}}", "{{instance}}")), 8, 8, min_=0, th=adam_rms_th, threshold_lines=True),
-        ts("Second-moment spike fraction", "Fraction of gradient elements with g^2 > theta * v_hat; "
-           f"DistgradAdamUpdateExcursion fires above {adam['fraction']:g} for {adam['for']}.",
-           queries((f"distgrad_adam_spike_fraction{{{S}}}", "{{instance}}")), 8, 8, min_=0, th=adam_frac_th,
+           f"{adam['min_step']} on). Log scale: early steps and rare tokens reach 10-1000.",
+           queries((f"distgrad_update_rms{{{S}}}", "{{instance}}")), 8, 8, log=10, th=adam_rms_th,
+           threshold_lines=True),
+        ts("Second-moment spike fraction", "Fraction of gradient elements with g^2 > theta * v_hat (~1e-4 when "
+           f"healthy); DistgradAdamUpdateExcursion fires above {adam['fraction']:g} for {adam['for']}. Log scale; no "
+           "sample on steps the gradient clip scales.",
+           queries((f"distgrad_adam_spike_fraction{{{S}}}", "{{instance}}")), 8, 8, log=10, th=adam_frac_th,
            threshold_lines=True),
         ts("Diagonal Fisher trace", "sum(v_hat): the trace of the empirical diagonal Fisher estimate Adam keeps. Log scale.",
            queries((f"distgrad_fisher_trace{{{S}}}", "{{instance}}")), 8, 8, log=10),
@@ -128,17 +109,48 @@ def build() -> Dashboard:
            queries((f"increase(distgrad_sampled_steps_total{{{S}}}[{RATE}])", "sampled {{instance}}"),
                    (f"increase(distgrad_refused_steps_total{{{S}}}[{RATE}])", "refused {{reason}} {{instance}}")),
            12, 8, bars=True, min_=0),
-        ts("Updates skipped by distgrad", "Optimizer updates distgrad's opt-in action skipped on every rank, per "
-           "cause (docs/action.md; DistgradUpdatesSkipped), and 1 once it requested a stop of the run "
-           "(DistgradStopRequested). Empty when no action is configured.",
-           queries((f"increase(distgrad_action_skipped_steps_total{{{S}}}[{RATE}])", "skipped {{cause}} {{instance}}"),
-                   (f"distgrad_action_stop_requested{{{S}}}", "stop requested {{instance}}")),
-           12, 8, bars=True, min_=0),
-        ts("Gradient underflow and zero ratio", "Fraction of all gradient elements below the smallest normal value "
-           "of the training dtype (as held, loss-scaled), and exactly 0. Needs histogram.enabled; per layer on the "
-           "Layers dashboard.",
-           queries((f"distgrad_grad_underflow_ratio{{{S}}}", "underflow {{instance}}"),
-                   (f"distgrad_grad_zero_ratio{{{S}}}", "zero {{instance}}")), 12, 8, min_=0, max_=1),
+        # features a default run does not have: collapsed, titled with how to turn them on
+        opt_in_row("fp16 loss scaling", ["loss_scaler"], [
+            ts("fp16 loss scale", "Log2 scale.",
+               queries((f"distgrad_loss_scale{{{S}}}", "{{instance}}")), 12, 8, unit="short", log=2),
+            ts("Consecutive overflow steps", f"The red line is DistgradRepeatedOverflow's threshold ({overflow_n}).",
+               queries((f"distgrad_consecutive_overflow_steps{{{S}}}", "{{instance}}")), 12, 8, min_=0,
+               th=overflow_th, threshold_lines=True),
+        ]),
+        opt_in_row("Loss components and per-token losses", ["components", "tokens"], [
+            ts("Loss components: share of the total", "sum(weight x component) / sum(loss) per component.",
+               queries((f"distgrad_loss_component_share{{{S}}}", "{{component}} {{instance}}")), 12, 8, min_=0),
+            ts("Per-token loss", "Token-weighted mean per-token loss, overall and per data source (nats).",
+               queries((f"distgrad_token_loss_mean{{{S}}}", "all {{instance}}"),
+                       (f"distgrad_source_token_loss_mean{{{S}}}", "{{source}} {{instance}}")), 12, 8),
+        ]),
+        opt_in_row("Gradient noise scale", ["noise_scale"], [
+            ts("Gradient noise scale vs batch size", "B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018), about the "
+               "critical batch size: well above the step's batch, a larger batch would still train about as "
+               "efficiently per sample; well below it, larger batches waste samples (noise_scale.enabled).",
+               queries((f"distgrad_gradient_noise_scale{{{S}}}", "noise scale {{instance}}"),
+                       (f"distgrad_gradient_noise_batch_size{{{S}}}", "step batch {{instance}}")), 12, 8,
+               unit="short", log=10),
+            ts("Noise-scale components", "The two moving averages whose ratio is the noise scale: tr(Sigma), the "
+               "per-sample gradient variance, and |G|^2, the squared norm of the full-batch gradient.",
+               queries((f"distgrad_gradient_noise_trace{{{S}}}", "tr(Sigma) {{instance}}"),
+                       (f"distgrad_gradient_noise_true_grad_sq{{{S}}}", "|G|^2 {{instance}}")), 12, 8, log=10),
+        ]),
+        opt_in_row("Gradient histogram", ["histogram"], [
+            ts("Gradient underflow and zero ratio", "Fraction of all gradient elements below the smallest normal value "
+               "of the training dtype (as held, loss-scaled), and exactly 0. Needs histogram.enabled; per layer on the "
+               "Layers dashboard.",
+               queries((f"distgrad_grad_underflow_ratio{{{S}}}", "underflow {{instance}}"),
+                       (f"distgrad_grad_zero_ratio{{{S}}}", "zero {{instance}}")), 24, 8, min_=0, max_=1),
+        ]),
+        opt_in_row("Opt-in action", ["action"], [
+            ts("Updates skipped by distgrad", "Optimizer updates distgrad's opt-in action skipped on every rank, per "
+               "cause (docs/action.md; DistgradUpdatesSkipped), and 1 once it requested a stop of the run "
+               "(DistgradStopRequested). Empty when no action is configured.",
+               queries((f"increase(distgrad_action_skipped_steps_total{{{S}}}[{RATE}])", "skipped {{cause}} {{instance}}"),
+                       (f"distgrad_action_stop_requested{{{S}}}", "stop requested {{instance}}")),
+               24, 8, bars=True, min_=0),
+        ]),
     ]
     return dashboard("overview", "distgrad / Overview",
                      "Training health from distgrad's rank-0 exporter: loss, gradient norm, fp16 loss scaling, non-finite steps, throughput, stalls, errors.",
