@@ -9,18 +9,21 @@ objects in a :class:`collections.deque` and, on :meth:`FlightRecorder.dump`, wri
   ``NaN`` / ``Infinity`` literals), the non-finite provenance, the loss-scale history and the
   run configuration -- :func:`load_dump` reads it back into ``StepRecord`` objects;
 * ``flightrec-step{step}-{reason}.txt``: a short human-readable summary (first non-finite
-  step, parameters holding NaN/Inf with counts and ranks, the likely origin, the global-norm
-  history).
+  step, its culprit ranks and the forward replay's culprit module, parameters holding NaN/Inf
+  with counts and ranks, the one last in forward order, the global-norm history).
 
-**Origin rule** (used by :func:`provenance_from` and the summary): among the parameters whose
-gradient holds NaN/Inf, the one that comes *last in forward order* is reported as the likely
-origin (``first_param``). Backpropagation visits layers in reverse forward order and every
+**Last in forward order** (used by :func:`provenance_from` and the summary): among the parameters
+whose gradient holds NaN/Inf, the one that comes *last in forward order* (``first_param``, exported
+as ``distgrad_nonfinite_last_param_in_forward_order``) is where the backward pass met the NaN
+first: the origin of a NaN made in the backward pass. Where a NaN was made in the *forward* pass
+is the forward replay's culprit module (:mod:`distgrad.replay`), which the page, the log and the
+report's verdict lead with. Backpropagation visits layers in reverse forward order and every
 gradient upstream (earlier in forward order) of a non-finite activation-gradient is contaminated
 by it, whereas layers after the origin are computed before it and stay finite. Forward order is
 the order of ``names`` (module registration order, which is execution order for the usual
 ``embed -> blocks -> norm -> head`` stacks) unless ``order_key`` supplies the real execution
-order. Caveats: a non-finite *loss* makes every gradient non-finite and the rule then names the
-last layer (head) -- correct, the loss is downstream of it; tied or shared weights appear at
+order. Caveats: a non-finite *loss* (a NaN made anywhere in the forward pass) makes every gradient
+non-finite and the rule then names the last layer (head), not the origin; tied or shared weights appear at
 their first registration; a NaN produced in the optimizer or by a corrupt weight (not by
 backward) need not follow the rule.
 """
@@ -370,6 +373,7 @@ class FlightRecorder:
             w("no records buffered")
         w("")
         first_nf = next((r for r in recs if r.nonfinite), None)
+        cm = None
         if first_nf is None:
             w("no non-finite gradient in the buffered steps")
         else:
@@ -380,18 +384,21 @@ class FlightRecorder:
             )
             ev = first_nf.nonfinite_event
             cm = first_nf.culprit_module or (ev.culprit_module if ev is not None else None)
+            culprits = first_nf.culprits or (ev.culprits if ev is not None else [])
+            if culprits:
+                w("culprit rank(s), whose own loss / gradient was non-finite before the reduction: " + ", ".join(
+                    f"{c.rank} ({'+'.join(k for k in ('loss', 'grad') if getattr(c, k)) or '?'})" for c in culprits))
             if cm is not None:
                 w(f"forward replay of step {cm.step}: {cm.describe()}")
         prov = doc.get("provenance")
         if prov and prov.get("params"):
             rows = prov["params"]
             fp = prov.get("first_param")
-            if fp:
-                module = fp.rsplit(".", 1)[0] if "." in fp else fp
-                w(
-                    f"likely origin (non-finite parameter last in forward order): {fp} "
-                    f"(module {module})"
-                )
+            if fp:  # the backward-order view: the origin only when the NaN was made in the backward pass
+                why = ("not the origin: the forward replay above found where the NaN was made"
+                       if cm is not None and cm.outcome == "found" else
+                       "where the backward pass met the NaN first; the origin of a NaN made in the backward pass")
+                w(f"non-finite parameter last in forward order: {fp} ({why})")
             src = " (ranks from the record, not per parameter)" if doc.get(
                 "provenance_derived_from_record") else ""
             at = first_nf.step if doc.get("provenance_derived_from_record") else doc["step"]

@@ -395,8 +395,20 @@ CATALOGUE: tuple[Metric, ...] = (
            "`failed`, `off`, `budget`, `async_records`, `model_parallel`, `uneven_micro_batches` "
            "(docs/runbook.md)"),
     _g("distgrad_nonfinite_origin_step", "steps",
-       "Optimizer step where the last non-finite streak started, labelled with its probable origin "
-       "(the non-finite parameter last in forward order).", "nonfinite", ("param", "layer"), max_series=1),
+       "Optimizer step where the last non-finite streak started (its first non-finite sampled step).",
+       "nonfinite",
+       doc="the step where the last non-finite streak started: its first non-finite sampled step, which the "
+           "other `distgrad_nonfinite_*` views describe (the culprit rank, the replay's culprit module, the "
+           "shard view). Where the NaN started: that step, `distgrad_nonfinite_culprit` (rank) and "
+           "`distgrad_nonfinite_culprit_module` (module)"),
+    _g("distgrad_nonfinite_last_param_in_forward_order", "steps",
+       "Optimizer step where the last non-finite streak started, labelled with the non-finite parameter that "
+       "comes last in forward order (where the backward pass met the NaN first; not where it was made).",
+       "nonfinite", ("param", "layer"), max_series=1,
+       doc="a weaker view, for a NaN made in the backward pass: the non-finite parameter of the streak's first "
+           "step that comes *last* in forward order (backpropagation meets it first). For a NaN made in the "
+           "forward pass every gradient goes NaN and this names the last layer (e.g. `lm_head.weight`), not the "
+           "origin: use `distgrad_nonfinite_culprit_module`. Kept off the alert pages"),
     # --- replicas, fp16, clipping ---------------------------------------------------------------
     _g("distgrad_replica_mismatch_rank", "rank", "Rank that disagreed on the last replica mismatch, -1 if none.",
        "replicated"),

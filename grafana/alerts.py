@@ -6,8 +6,9 @@ case>``, a section of docs/runbook.md), so no rule can lack one. :func:`render_r
 YAML that ``python grafana/build.py`` writes to ``grafana/alerts/distgrad.rules.yml`` (checked
 by ``promtool check rules``; unit-tested by ``grafana/alerts/tests/*.yml``).
 
-Annotation texts name the alert's target and pull context (the last sampled step, the
-non-finite parameters, ...) with Prometheus' ``query`` template function.
+Annotation texts name the alert's target and pull context (the step where a non-finite streak
+started, its culprit rank and module, the last sampled step, ...) with Prometheus' ``query``
+template function.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _nonfinite_rule() -> dict[str, Any]:
     # count in distgrad_overflow_steps_total; persistent fp16 trouble pages through
     # DistgradRepeatedOverflow and DistgradLossScaleCollapsed), so nothing is subtracted here.
     expr = f"increase(distgrad_nonfinite_steps_total{sel()}[{w}]) > 0"
-    note = " (fp16 overflow steps, which the loss scaler skips, are not counted)"
+    note = "; fp16 overflow steps, which the loss scaler skips, do not count"
     params = tlist(
         "topk(5, distgrad_nonfinite_params{job=%q,instance=%q} > 0)",
         '{{ $s.Labels.param }} (rank {{ $s.Labels.rank }}: {{ $s.Value | printf "%.0f" }} elements)',
@@ -86,6 +87,22 @@ def _nonfinite_rule() -> dict[str, Any]:
             ),
         ),
     )
+    culprits, module = _culprit_texts()
+    origin = tvalue("distgrad_nonfinite_origin_step")
+    return _rule(
+        "DistgradNonFiniteGradients",
+        expr,
+        f"NaN/Inf gradients in {{{{ $labels.job }}}} from step {origin}.",
+        f"{WHO} has NaN/Inf gradients since sampled optimizer step {origin}, where the streak started "
+        f"(last sampled step: {tvalue('distgrad_optimizer_step')}; alerting on the last {w}{note}). "
+        f"{_where_it_started(culprits, module)} "
+        f"Non-finite parameters (by rank shard of the reduced gradient: where the NaN landed): {params}.",
+    )
+
+
+def _culprit_texts() -> tuple[str, str]:
+    """Template texts of the culprit rank(s) and the culprit module of the last non-finite
+    event (its first step), each with what to say when there is none."""
     culprits = tlist(
         "sum by (rank) (distgrad_nonfinite_culprit{job=%q,instance=%q})",
         "{{ $s.Labels.rank }}",
@@ -104,16 +121,14 @@ def _nonfinite_rule() -> dict[str, Any]:
             "unknown (not replayed)",
         ),
     )
-    return _rule(
-        "DistgradNonFiniteGradients",
-        expr,
-        "NaN/Inf gradients in {{ $labels.job }}.",
-        f"{WHO} had sampled optimizer steps with NaN/Inf gradients in the last {w}{note}. "
-        f"Last sampled step: {tvalue('distgrad_optimizer_step')}. "
-        f"Culprit rank(s), whose own loss or gradient was non-finite before the reduction: {culprits}. "
-        f"Culprit module, whose forward output first went NaN/Inf when the step was replayed: {module}. "
-        f"Non-finite parameters (by rank shard of the reduced gradient): {params}.",
-    )
+    return culprits, module
+
+
+def _where_it_started(culprits: str, module: str) -> str:
+    """The page's one answer to "where did the NaN start" (besides the origin step): the culprit
+    rank(s) and the forward replay's culprit module; never the parameter last in forward order."""
+    return (f"Culprit rank(s), whose own loss or gradient was non-finite before the reduction: {culprits}. "
+            f"Culprit module, whose forward output first went NaN/Inf when that step was replayed: {module}.")
 
 
 def _spike_rule(name: str, what: str, counter: str, gauge: str) -> dict[str, Any]:
@@ -176,7 +191,9 @@ def _groups() -> dict[str, Any]:
             f"or distgrad_loss{sel()} == Inf\nor distgrad_loss{sel()} == -Inf\n",
             "Non-finite training loss in {{ $labels.job }}.",
             f"{WHO} reports a training loss of {{{{ $value }}}} at sampled step "
-            f"{tvalue('distgrad_optimizer_step')}.",
+            f"{tvalue('distgrad_optimizer_step')}; its non-finite gradients started at step "
+            f"{tvalue('distgrad_nonfinite_origin_step', missing='unknown (no non-finite gradient step exported)')}. "
+            f"{_where_it_started(*_culprit_texts())}",
         ),
         _spike_rule("DistgradGradNormSpike", "gradient norm", "distgrad_grad_norm_spikes_total", "distgrad_grad_norm"),
         _spike_rule("DistgradLossSpike", "loss", "distgrad_loss_spikes_total", "distgrad_loss"),

@@ -15,10 +15,18 @@ Model: the decoder of Radford et al. 2019 (GPT-2), written with torch.nn in the 
 nanoGPT: token + learned position embeddings, pre-LayerNorm blocks of causal self-attention and
 a 4x GELU MLP, final LayerNorm, untied linear head. Default size ~3.3M parameters.
 
-Fault injection (for testing alerts and the flight recorder): ``--inject nan|inf|spike|zero``
-at ``--inject-step`` changes the gradient of ``--inject-param`` on ``--inject-rank`` during
-backward, before DeepSpeed reduces it, as a real numerical fault would. The same GPU/NCCL run
-works unchanged: nothing here assumes a CPU beyond the launcher's defaults.
+Fault injection (for testing alerts and the flight recorder), at ``--inject-step``:
+``--inject nan`` makes the NaN in the *forward* pass of one rank (``--inject-rank``), in the module
+that owns ``--inject-param`` (default ``blocks.2.mlp.fc``, a linear layer of block 2): its output
+goes through a naive ``log(softmax(y / T))`` with a collapsed temperature, whose underflowed
+entries are ``log(0) = -inf`` and turn into NaN in the next GELU, as a real numerical fault in a
+model's forward would. distgrad finds it with its own machinery: that rank's loss and gradients
+are non-finite before the reduction (the culprit rank) and the forward replay of the step names
+the module. ``inf`` sets one gradient element to +Inf during backward, before the reduction (a
+fault of the backward pass: the loss stays finite, the replay comes out finite); ``spike``
+multiplies every gradient by 100 on every rank; ``zero`` zeroes ``--inject-param``'s gradient from
+then on. The same GPU/NCCL run works unchanged: nothing here assumes a CPU beyond the launcher's
+defaults.
 """
 
 from __future__ import annotations
@@ -176,34 +184,53 @@ def get_batch(data: torch.Tensor, batch: int, block: int, seed: int, device) -> 
 # ----------------------------------------------------------------------------------------------
 # fault injection
 class Injector:
-    """Changes gradients during backward, before the engine reduces them (tensor hooks).
+    """Makes a fault at one optimizer step, as a real one would arise.
 
-    kinds: ``nan``/``inf`` set one element of ``param``'s gradient on ``rank`` at ``step``: the
-    first element that ``rank``'s shard holds after the reduction (``offset``, from distgrad's
-    adapter), so the fault lands in that rank's shard as if it had arisen there;
-    ``spike`` multiplies every gradient by 100 on every rank at ``step``; ``zero`` zeroes
-    ``param``'s gradient on every rank from ``step`` on (a frozen / dead layer)."""
+    kinds: ``nan`` makes ``param``'s module on ``rank`` at ``step`` pass its output, for the
+    step's last micro-batch (``batch`` of :meth:`arm`), through ``log(softmax(y / T))``, ``T`` =
+    1e-4: the softmax underflows to 0 for all but the largest entries and the log of 0 is -inf (a
+    forward fault: the module's output is the first non-finite value of the forward pass; the
+    loss, and then every gradient of that rank, go NaN). The fault is tied to that micro-batch (a
+    forward pre-hook on the root module compares its input with it) and stays armed until
+    :meth:`disarm`, which the loop calls after the step's ``optimizer.step()`` /
+    ``engine.step()``: distgrad's forward replay at the step boundary meets it again on that
+    micro-batch, and on no other. ``inf`` sets one element of ``param``'s gradient on ``rank`` at
+    ``step`` during backward (a backward fault): the first element that ``rank``'s shard holds
+    after the reduction (``offset``, from distgrad's adapter), so the fault lands in that rank's
+    shard as if it had arisen there; ``spike`` multiplies every gradient by 100 on every rank at
+    ``step``; ``zero`` zeroes ``param``'s gradient on every rank from ``step`` on (a frozen /
+    dead layer)."""
+
+    #: the temperature of the naive log-softmax the ``nan`` fault applies (float32 ``exp``
+    #: underflows below about -103, so entries more than ~0.01 below the largest underflow)
+    TEMPERATURE = 1e-4
 
     def __init__(self, model: nn.Module, kind: str | None, step: int, param: str, rank: int,
                  my_rank: int, offset: int = 0) -> None:
         self.kind, self.step, self.rank, self.my_rank, self.offset = kind, step, rank, my_rank, offset
+        self.model = model
         self.params = dict(model.named_parameters())
         if kind and kind != "spike" and param not in self.params:
             raise SystemExit(f"--inject-param {param!r} is not a parameter; e.g. {list(self.params)[:4]}")
         self.param = param
+        #: the module whose output the ``nan`` fault makes non-finite: the one owning ``param``
+        self.module_name = param.rpartition(".")[0]
+        self.module = model.get_submodule(self.module_name) if kind == "nan" else None
         self.handles: list = []
+        self._patched = False
 
-    def arm(self, step: int) -> None:
+    def arm(self, step: int, batch: torch.Tensor | None = None) -> None:
+        """Arm the fault of ``step`` (if any) for the coming micro-batch, whose input is ``batch``."""
         self.disarm()
         k = self.kind
         if not k:
             return
-        if k in ("nan", "inf") and step == self.step and self.my_rank == self.rank:
-            val = float("nan") if k == "nan" else float("inf")
-
+        if k == "nan" and step == self.step and self.my_rank == self.rank:
+            self._arm_forward_fault(batch)
+        elif k == "inf" and step == self.step and self.my_rank == self.rank:
             def poison(g: torch.Tensor) -> torch.Tensor:
                 g = g.clone()
-                g.view(-1)[self.offset] = val
+                g.view(-1)[self.offset] = float("inf")
                 return g
             self.handles.append(self.params[self.param].register_hook(poison))
         elif k == "spike" and step == self.step:
@@ -211,10 +238,35 @@ class Injector:
         elif k == "zero" and step >= self.step:
             self.handles.append(self.params[self.param].register_hook(lambda g: torch.zeros_like(g)))
 
+    def _arm_forward_fault(self, batch: torch.Tensor) -> None:
+        bad = batch.detach().clone()
+        state = {"on": False}
+
+        def root_pre_hook(module: nn.Module, args: tuple) -> None:
+            x = args[0] if args else None
+            state["on"] = isinstance(x, torch.Tensor) and x.shape == bad.shape and \
+                torch.equal(x.detach().to(bad.device), bad)
+
+        forward, module, temperature = type(self.module).forward, self.module, self.TEMPERATURE
+
+        def faulty_forward(*args, **kwargs):
+            y = forward(module, *args, **kwargs)
+            if not state["on"]:
+                return y
+            # a naive log-softmax (log of softmax instead of log_softmax) at a collapsed
+            # temperature: exp underflows to 0, log(0) = -inf
+            return torch.log(torch.softmax(y / temperature, dim=-1))
+        self.handles.append(self.model.register_forward_pre_hook(root_pre_hook))
+        module.forward = faulty_forward  # an instance attribute: nn.Module.__call__ calls it
+        self._patched = True
+
     def disarm(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
+        if self._patched:
+            del self.module.forward  # the class's forward again
+            self._patched = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,6 +278,31 @@ def skip_cpu_shm_op() -> None:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def quiet_deepspeed_noise() -> None:
+    """Silence, in this example only, two messages DeepSpeed 0.19 prints on every CPU run that
+    say nothing about the run (the library installs no filter; README, "The example job"):
+
+    - ``FutureWarning: torch.distributed.all_gather_into_tensor is deprecated``, once per rank:
+      ZeRO's all-gather of the updated partitions calls it (``deepspeed/comm/torch.py``);
+      distgrad's own all-gathers use ``all_gather_single``;
+    - ``Attempting to get learning rate from scheduler before it has started``, once per rank:
+      ``WarmupLR.__init__`` calls its own ``get_lr()`` before its first step.
+    """
+    import logging
+    import warnings
+
+    from deepspeed.utils import logger as ds_logger
+
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
+
+    class _DropLrNotStarted(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "get learning rate from scheduler before it has started" not in record.getMessage()
+
+    ds_logger.addFilter(_DropLrNotStarted())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -249,7 +326,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hold", type=float, default=0.0,
                     help="keep serving metrics this many seconds after training ends")
-    ap.add_argument("--inject", choices=["nan", "inf", "spike", "zero"], default=None)
+    ap.add_argument("--inject", choices=["nan", "inf", "spike", "zero"], default=None,
+                    help="nan: a NaN made in the forward of --inject-param's module on --inject-rank; inf: an "
+                         "Inf written into that parameter's gradient in the backward; spike: every gradient x100; "
+                         "zero: that parameter's gradient zeroed from --inject-step on")
     ap.add_argument("--inject-step", type=int, default=20)
     ap.add_argument("--inject-param", default="blocks.2.mlp.fc.weight")
     ap.add_argument("--inject-rank", type=int, default=1)
@@ -421,6 +501,7 @@ def main(argv: list[str] | None = None) -> None:
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
+        quiet_deepspeed_noise()
         acc = get_accelerator()
         if acc.device_name() == "cpu":
             skip_cpu_shm_op()
@@ -442,9 +523,10 @@ def main(argv: list[str] | None = None) -> None:
         runner = DeepSpeedRunner(model, ds_cfg)
     else:
         device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-        if args.inject and args.engine.startswith("fsdp"):
-            raise SystemExit("--inject works with --engine deepspeed or ddp (FSDP's autograd sees flat/"
-                             "unsharded parameters, not the hooks of the user's parameters)")
+        if args.inject not in (None, "nan") and args.engine.startswith("fsdp"):
+            raise SystemExit(f"--inject {args.inject} works with --engine deepspeed or ddp (FSDP's autograd sees "
+                             "flat/unsharded parameters, not the hooks of the user's parameters); --inject nan "
+                             "(a forward fault) works with every engine")
         if args.tp > 1 and args.engine != "fsdp2":
             raise SystemExit("--tp works with --engine fsdp2 (FSDP2 + tensor parallel on a (dp, tp) mesh)")
         runner = TorchRunner(model, ds_cfg, args.engine, device, args.tp)
@@ -464,7 +546,7 @@ def main(argv: list[str] | None = None) -> None:
         where = f"http://{dg.config.exporter.host}:{dg.port}/metrics" if dg and dg.port else "off"
         print(f"[train] {n_params / 1e6:.2f}M params ({n_trainable / 1e6:.2f}M trainable), {runner.describe}, "
               f"world {world} ({launcher}), {len(data) / 1e6:.1f} MB text, metrics: {where}", flush=True)
-    if dg is not None and args.inject in ("nan", "inf") and args.inject_param in dg.source.names:
+    if dg is not None and args.inject == "inf" and args.inject_param in dg.source.names:
         off = dg.source.local_offsets()[dg.source.names.index(args.inject_param)]
         if off is None and rank == args.inject_rank:
             print(f"[train] warning: rank {rank} holds no shard of {args.inject_param} after the reduction; "
@@ -482,7 +564,7 @@ def main(argv: list[str] | None = None) -> None:
                              runner.device)
             last = micro == gas - 1
             if last:
-                injector.arm(step)
+                injector.arm(step, x)
             loss = runner.micro_step(x, y, last)
             injector.disarm()
         step_times.append(time.perf_counter() - t0)

@@ -108,7 +108,7 @@ def _metrics(panel: dict) -> list[str]:
     return sorted({m for t in panel["targets"] for m in re.findall(r"\b(distgrad_[a-z0-9_]+|ALERTS)\b", t["expr"])})
 
 
-def _opt_in_only(panel: dict, queries, opt_in: set[str]) -> set[str]:
+def _opt_in_only(panel: dict, opt_in: set[str]) -> set[str]:
     """The off-by-default conditions of ``panel`` when every metric it reads has one, else empty."""
     per_metric = [set(queries.conditions([m])) for m in _metrics(panel)]
     if per_metric and all(c and c <= opt_in for c in per_metric):
@@ -122,7 +122,7 @@ def test_off_by_default_features_sit_in_collapsed_rows_that_say_how_to_enable_th
     title names how to turn that feature on; no panel of a default feature hides in such a row;
     the non-finite tables say "none" instead of "No data" before any event. Values spanning
     decades are drawn on log axes."""
-    queries, common = load_grafana("queries"), load_grafana("dashboards.common")
+    from grafana.dashboards import common
     opt_in = set(common.OPT_IN)
     hidden = 0
     for d in _dashboards().values():
@@ -133,7 +133,7 @@ def test_off_by_default_features_sit_in_collapsed_rows_that_say_how_to_enable_th
                 continue
             assert top["collapsed"] == bool(inner), top["title"]  # collapsed rows hold their panels
             for p in inner:
-                conds = _opt_in_only(p, queries, opt_in)
+                conds = _opt_in_only(p, opt_in)
                 assert conds, (top["title"], p["title"])  # nothing a default run has
                 for c in conds:
                     assert common.OPT_IN[c] in top["title"], (top["title"], c)
@@ -141,7 +141,7 @@ def test_off_by_default_features_sit_in_collapsed_rows_that_say_how_to_enable_th
         for p in d["panels"]:
             if p["type"] == "row":
                 continue
-            assert not _opt_in_only(p, queries, opt_in), p["title"]  # in sight: a default run fills it
+            assert not _opt_in_only(p, opt_in), p["title"]  # in sight: a default run fills it
             if p["type"] == "table" and set(queries.conditions(_metrics(p))) == {"nonfinite"}:
                 assert p["fieldConfig"]["defaults"]["noValue"] == "none: no non-finite step yet", p["title"]
     assert hidden >= 11

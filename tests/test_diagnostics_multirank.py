@@ -53,6 +53,31 @@ def test_spike_fires_each_detector_once_and_nan_does_not_poison(diag_results):
     assert r[145]["grad_norm"] == pytest.approx(100 * r[144]["grad_norm"], rel=0.05)
 
 
+def test_one_log_line_per_event_from_rank_0_naming_the_ranks(diag_results):
+    """Both ranks' distgrad log lines (a handler on the ``distgrad`` logger of each rank): each
+    event (the NaN at 130, the Inf at 135, the spike at 145) is logged once in the job, by rank 0,
+    whatever the number of ranks; the spike line names the rank with the highest own loss (from
+    the step's per-rank losses) and the non-finite line names the culprit and shard ranks."""
+    c = _case(diag_results, "faults")
+    logs = c["logs"]
+    assert len(logs) == 2
+    for step, what in ((130, "non-finite gradients"), (135, "non-finite gradients"), (145, "grad_norm spike")):
+        per_rank = [[ln for ln in logs[r] if ln.startswith(f"distgrad: step {step}: {what}")] for r in (0, 1)]
+        assert len(per_rank[0]) == 1 and per_rank[1] == [], (step, per_rank)
+    spike = next(ln for ln in logs[0] if ln.startswith("distgrad: step 145: grad_norm spike"))
+    r = _by_step(c)
+    lm = r[145]["rank_loss_max"]
+    top = max(range(2), key=lambda k: (lm[k], -k))  # the highest loss, ties to the lower rank
+    assert r[145]["rank_loss_max_rank"] == top and spike.endswith(
+        f"; rank {top} had the highest own loss ({lm[top]:.4g}, median over ranks {(lm[0] + lm[1]) / 2:.4g})"), spike
+    nan_line = next(ln for ln in logs[0] if ln.startswith("distgrad: step 130: non-finite gradients"))
+    # the NaN is written into rank 1's shard of the reduced gradient (no rank made it itself)
+    assert "culprit rank(s), whose own loss / gradient was non-finite before the reduction: none seen" in nan_line
+    assert f"{c['X']}: 1 NaN, 0 Inf, ranks [1]" in nan_line
+    # nothing else is logged by every rank without its rank: rank 1 logs only what names rank 1
+    assert all("rank 1" in ln for ln in logs[1]), logs[1]
+
+
 def test_zeroed_layer_is_reported_vanishing_after_patience(diag_results):
     c = _case(diag_results, "faults")
     r = _by_step(c)

@@ -1,13 +1,16 @@
 """The main job: the example training run under the deepspeed launcher (2 CPU ranks, ZeRO-2)
 serves the metric catalogue from rank 0; scrapes taken mid-run parse and show finite, moving
-values; an injected NaN is counted and attributed to the right parameter."""
+values; a NaN made in one rank's forward is counted and attributed to that rank and module."""
 
 from __future__ import annotations
+
+import json
+from html import unescape
 
 import pytest
 
 from tests.helpers import free_port
-from tests.example_job import finite, scrape, start_example, step_at_least, stop, value, wait_for
+from tests.example_job import ROOT, finite, scrape, start_example, step_at_least, stop, value, wait_for
 
 CATALOGUE = [
     "distgrad_grad_norm", "distgrad_param_grad_norm", "distgrad_param_grad_mean", "distgrad_param_grad_std",
@@ -54,27 +57,50 @@ def test_example_serves_finite_moving_metrics_mid_run(tmp_path):
 
 @pytest.mark.multirank
 def test_example_injected_nan_is_counted_named_recorded_and_reported(tmp_path):
-    """One run with a NaN injected at step 3 on rank 1: /metrics counts and names it; the JSONL
-    record of the last step equals what /metrics served for that step; the flight recorder and
-    `distgrad report` name the step, the parameter and the rank."""
+    """One run with a NaN made at step 3 in the forward of ``blocks.2.mlp.fc`` on rank 1 (the
+    example's ``--inject nan``: a naive log-softmax that underflows, on the step's last
+    micro-batch): distgrad's own machinery finds where it started, and every view says the same:
+    /metrics (the inputs of the NaN page's text: origin step, culprit rank, culprit module), the
+    JSONL record (equal to what /metrics served for the last step), the flight recorder, rank 0's
+    one log line of the event and `distgrad report`'s verdict; the parameter last in forward order
+    (`head.weight`, where the backward met the NaN first) is exported under its own name only."""
     port, log = free_port(), tmp_path / "train.log"
     jsonl, fr = tmp_path / "run.jsonl", tmp_path / "flightrec"
-    param = "blocks.2.mlp.fc.weight"
+    param, module = "blocks.2.mlp.fc.weight", "blocks.2.mlp.fc"
+    gas = json.loads((ROOT / "configs" / "ds_zero2_fp32.json").read_text())["gradient_accumulation_steps"]
     proc = start_example(port, "--steps", "8", "--inject", "nan", "--inject-step", "3",
                          "--inject-param", param, "--inject-rank", "1", "--hold", "60", "--log-every", "1",
                          "--set", f"sinks.jsonl.path={jsonl}", "--set", f"flight_recorder.dir={fr}", log=log)
     try:
         m = wait_for(step_at_least(port, 7), proc, 240, "the last step", log)
         assert value(m, "distgrad_nonfinite_steps_total") == 1
-        rows = {k[1] for k in m if k[0] == "distgrad_nonfinite_params"}
-        # injected on rank 1 into an element of its own ZeRO-2 shard: named with that rank
-        assert [dict(r) for r in rows] == [{"param": param, "rank": "1"}], rows
-        assert value(m, "distgrad_nonfinite_origin_step", param=param, layer="2") == 3
+        # where it started, as the NaN page reads it: the step, the rank, the module
+        assert value(m, "distgrad_nonfinite_origin_step") == 3
+        culprits = sorted(k[1] for k in m if k[0] == "distgrad_nonfinite_culprit")
+        assert culprits == [(("rank", "1"), ("source", "grad")), (("rank", "1"), ("source", "loss"))], culprits
+        assert [dict(k[1]) for k in m if k[0] == "distgrad_nonfinite_culprit_module"] == [
+            {"rank": "1", "module": module}]
+        assert value(m, "distgrad_nonfinite_culprit_module", rank="1", module=module) == 1
+        assert value(m, "distgrad_nonfinite_replay_outcome", outcome="found") == 1
+        # the weaker view under its own name: a forward NaN makes every gradient NaN, and the
+        # backward meets it first in the head
+        assert value(m, "distgrad_nonfinite_last_param_in_forward_order", param="head.weight", layer="head") == 3
+        assert not [k for k in m if k[0] == "distgrad_nonfinite_origin_step" and k[1]]  # no labels: no 2nd answer
+        # the shard view: rank 1's NaN reached every rank's shard through the reduction
+        rows = {dict(k[1])["rank"] for k in m if k[0] == "distgrad_nonfinite_params"}
+        assert rows and rows <= {"0", "1"}, rows
         assert finite(value(m, "distgrad_grad_norm"))  # later healthy steps are reported as healthy
     finally:
         stop(proc)
-    assert "non-finite gradient" in log.read_text()
+    text = log.read_text()
+    # rank 0 logs the event once, naming the culprit rank and module; the culprit rank its own line
+    events = [ln for ln in text.splitlines() if "distgrad: step 3: non-finite gradients" in ln]
+    assert len(events) == 1, events
+    assert "before the reduction: 1 (loss+grad); first non-finite forward output in module " \
+           f"'{module}' on rank 1, micro-batch {gas - 1}" in events[0], events[0]
+    assert len([ln for ln in text.splitlines() if "distgrad: step 3: nonfinite_loss on rank 1" in ln]) == 1
 
+    from distgrad.record import Culprit
     from distgrad.sinks.jsonl import read_jsonl
 
     recs = list(read_jsonl(jsonl))
@@ -88,19 +114,33 @@ def test_example_injected_nan_is_counted_named_recorded_and_reported(tmp_path):
         for stat, arr in (("norm", p.norm), ("mean", p.mean), ("std", p.std), ("min", p.min), ("max", p.max),
                           ("abs_max", p.abs_max), ("zero_ratio", p.zero_ratio)):
             assert value(m, f"distgrad_param_grad_{stat}", param=name) == pytest.approx(arr[i], rel=1e-12, abs=0)
-    assert recs[3].nonfinite and recs[3].params.nan[p.names.index(param)] == 1
+    bad = recs[3]
+    assert bad.nonfinite and [r.step for r in recs if r.nonfinite] == [3]
+    assert bad.culprits == [Culprit(rank=1, loss=True, grad=True)]
+    cm = bad.culprit_module
+    # the fault is on the step's last micro-batch only: the replay finds it there, not before
+    assert (cm.outcome, cm.rank, cm.module, cm.micro_batch) == ("found", 1, module, gas - 1)
+    assert bad.params.nan[p.names.index(param)] > 0
 
     dumps = sorted(fr.glob("flightrec-*.json"))
     assert len(dumps) == 1 and "step3" in dumps[0].name
     summary = dumps[0].with_suffix(".txt").read_text()
-    assert param in summary and "rank" in summary and "1" in summary
+    assert "culprit rank(s), whose own loss / gradient was non-finite before the reduction: 1 (loss+grad)" in summary
+    assert f"first non-finite forward output in module '{module}' on rank 1" in summary
+    assert "non-finite parameter last in forward order: head.weight (not the origin" in summary
 
     from distgrad.cli import main as cli
 
     assert cli(["report", str(jsonl), "-o", str(tmp_path / "report")]) == 0
     html = (tmp_path / "report" / "report.html").read_text()
-    verdict = html[: html.index(param) + 200] if param in html else ""
-    assert "step 3" in verdict and param in verdict, html[:2000]
+    verdict = html[html.index('id="verdict"'):]
+    verdict = unescape(verdict[verdict.index(">") + 1:verdict.index("</p>")])
+    # the verdict's headline is the replay's module on the culprit rank; the head's parameter
+    # comes last, named for what it is
+    assert verdict.startswith(f"PROBLEM at step 3: non-finite gradient made in the forward pass: first non-finite "
+                              f"forward output in module '{module}' on rank 1, micro-batch {gas - 1}"), verdict[:1000]
+    assert "culprit rank(s) [1]" in verdict
+    assert verdict.index(module) < verdict.index("head.weight")
 
 
 @pytest.mark.multirank

@@ -121,8 +121,9 @@ def test_ring_buffer_and_dump_once_on_first_nonfinite(tmp_path):
     text = path.with_suffix(".txt").read_text()
     assert "first non-finite step: 8" in text
     assert "layers.1.mlp.up.weight" in text and "layers.0.attn.q.weight" in text
-    origin = [ln for ln in text.splitlines() if ln.startswith("likely origin")]
-    assert origin and "layers.1.mlp.up.weight" in origin[0]
+    # the backward-order view, named for what it is (no replay here: the origin of a backward NaN)
+    origin = [ln for ln in text.splitlines() if ln.startswith("non-finite parameter last in forward order")]
+    assert origin and "layers.1.mlp.up.weight" in origin[0] and "made in the backward pass" in origin[0]
     row = [ln for ln in text.splitlines() if ln.strip().startswith("layers.1.mlp.up.weight")][0]
     assert row.split()[-3:] == ["7", "0", "1"]  # nan, inf, ranks
     assert "ranks with non-finite shards: 0, 1" in text

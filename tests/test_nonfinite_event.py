@@ -46,10 +46,16 @@ def test_event_is_the_first_step_of_a_streak_and_stays_after_it(caplog):
             sink.write(r)
     assert [m for m in caplog.messages if "non-finite gradients" in m] == [caplog.messages[0]]  # once
     assert "step 5" in caplog.messages[0] and "layers.1.w" in caplog.messages[0]
-    assert _series(sink, "distgrad_nonfinite_origin_step") == [({"param": "layers.1.w", "layer": "1"}, 5.0)]
+    # where it started: the streak's first step; the backward-order view keeps its old labels under
+    # the name of what it is (not an origin)
+    assert _series(sink, "distgrad_nonfinite_origin_step") == [({}, 5.0)]
+    assert _series(sink, "distgrad_nonfinite_last_param_in_forward_order") == [
+        ({"param": "layers.1.w", "layer": "1"}, 5.0)]
     assert _series(sink, "distgrad_nonfinite_params") == [({"param": "layers.1.w", "rank": "1"}, 1.0)]
     # a new streak later is a new event
     r = _rec(10, [0])
     diag.on_record(r)
     sink.write(r)
-    assert _series(sink, "distgrad_nonfinite_origin_step") == [({"param": "embed.weight", "layer": "other"}, 10.0)]
+    assert _series(sink, "distgrad_nonfinite_origin_step") == [({}, 10.0)]
+    assert _series(sink, "distgrad_nonfinite_last_param_in_forward_order") == [
+        ({"param": "embed.weight", "layer": "other"}, 10.0)]

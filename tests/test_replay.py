@@ -178,9 +178,13 @@ def test_exported_recorded_and_dumped(tmp_path):
 
     prob = next(p for p in analyze(tmp_path / "run.jsonl").problems if p.kind == "nonfinite_grad")
     assert prob.step == 1 and "culprit rank(s) [0]" in prob.detail
-    # the replay's module leads the verdict line, before the parameter the backward met first
-    assert prob.detail.startswith("forward replay: first non-finite forward output in module 'energy' on rank 0, "
-                                  "micro-batch 0; non-finite gradient, last in forward order in parameter")
+    # the replay's module leads the verdict line; the parameter the backward met first comes last,
+    # named for what it is (one answer: module, its layer and the culprit rank agree with the replay)
+    assert prob.detail.startswith("non-finite gradient made in the forward pass: first non-finite forward output "
+                                  "in module 'energy' on rank 0, micro-batch 0 (forward replay); culprit rank(s) [0]")
+    assert prob.detail.endswith("the last of them in forward order, where the backward pass met the NaN first: "
+                                "'head.bias' (layer head)")
+    assert (prob.module, prob.param, prob.ranks) == ("energy", None, [0])
 
 
 # ---------------------------------------------------------------------------- pure decisions

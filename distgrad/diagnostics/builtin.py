@@ -29,6 +29,18 @@ _LIST_CAP = 20
 
 
 
+def _highest_loss_rank(rec: StepRecord) -> str:
+    """``"; rank R had the highest own loss (V)"`` from the step's per-rank losses
+    (``rec.ranks``, the step's SUM collective: no extra communication), or ``""`` when unknown."""
+    rs = rec.ranks
+    r = rs.loss_max_rank if rs is not None else None
+    if r is None or not 0 <= r < len(rs.loss_max):
+        return ""
+    finite = [float(v) for v in rs.loss_max if math.isfinite(v)]
+    median = f", median over ranks {float(np.median(finite)):.4g}" if finite else ""
+    return f"; rank {r} had the highest own loss ({float(rs.loss_max[r]):.4g}{median})"
+
+
 @register
 class SpikeDiagnostic(Diagnostic):
     """Spike detectors (:class:`SpikeMonitor`: ZClip's EMA z-score, OLMo's window test and the
@@ -60,8 +72,10 @@ class SpikeDiagnostic(Diagnostic):
             if fired:
                 out.flagged.append(series)
                 out.fired[series] = fired
-                log.warning("distgrad: step %d: %s spike (%s = %.4g; detector(s) %s; z %s)", rec.step, series, series,
-                            value, ", ".join(fired), {k: round(r.score, 2) for k, r in res.items()})
+                if self.ctx.global_rank == 0:  # one line per spike for the job, not one per rank
+                    log.warning("distgrad: step %d: %s spike (%s = %.4g; detector(s) %s; z %s)%s", rec.step, series,
+                                series, value, ", ".join(fired), {k: round(r.score, 2) for k, r in res.items()},
+                                _highest_loss_rank(rec))
         rec.spikes = out
 
     def state_dict(self) -> dict[str, Any]:
@@ -247,15 +261,7 @@ class ProvenanceDiagnostic(Diagnostic):
             self._event = NonfiniteEvent(rec.step, list(rows[:_LIST_CAP]), prov, list(rec.culprits[:_LIST_CAP]),
                                          rec.culprit_module)
             if self.ctx.global_rank == 0 and not rec.overflow:  # fp16 overflows are routine: counted, not logged
-                n = len(prov.params)
-                who = ", ".join(f"{c.rank} ({'+'.join(k for k in ('loss', 'grad') if getattr(c, k))})"
-                                for c in rec.culprits[:_LIST_CAP]) or "none seen"
-                log.warning("distgrad: step %d: non-finite gradients in %d parameter(s); culprit rank(s), whose own "
-                            "loss / gradient was non-finite before the reduction: %s; probable origin %s "
-                            "(layer %s; the non-finite parameter last in forward order); by rank shard of the "
-                            "reduced gradient: %s%s", rec.step, n, who, prov.first_param, prov.first_layer,
-                            "; ".join(f"{r.name}: {r.nan} NaN, {r.inf} Inf, ranks {r.ranks}"
-                                      for r in prov.params[:5]), f"; and {n - 5} more" if n > 5 else "")
+                log.warning("%s", _event_line(rec, prov))
         rec.nonfinite_event = self._event
 
     def state_dict(self) -> dict[str, Any]:
@@ -270,6 +276,23 @@ class ProvenanceDiagnostic(Diagnostic):
         self._loss_scale_history = [(int(s), float(v)) for s, v in sd.get("loss_scale_history", [])]
         if self.recorder is not None and sd.get("dumped"):
             self.recorder.dumped_nonfinite = Path(sd["dumped"])
+
+
+def _event_line(rec: StepRecord, prov: Provenance) -> str:
+    """The one log line of a non-finite event (rank 0): its step, where the NaN/Inf started
+    (culprit rank(s), the forward replay's culprit module or why none), then the shard view."""
+    n = len(prov.params)
+    who = ", ".join(f"{c.rank} ({'+'.join(k for k in ('loss', 'grad') if getattr(c, k))})"
+                    for c in rec.culprits[:_LIST_CAP]) or "none seen"
+    cm = rec.culprit_module
+    module = cm.describe() if cm is not None else "culprit module unknown: not replayed"
+    last = (f"; last in forward order (where the backward pass met it first): {prov.first_param} "
+            f"(layer {prov.first_layer})" if prov.first_param is not None else "")
+    shards = "; ".join(f"{r.name}: {r.nan} NaN, {r.inf} Inf, ranks {r.ranks}" for r in prov.params[:5])
+    return (f"distgrad: step {rec.step}: non-finite gradients; culprit rank(s), whose "
+            f"own loss / gradient was non-finite before the reduction: {who}; {module}; {n} non-finite "
+            f"parameter(s){last}; by rank shard of the reduced gradient: {shards}"
+            f"{f'; and {n - 5} more' if n > 5 else ''}")
 
 
 @register
@@ -296,8 +319,8 @@ class TracerDiagnostic(Diagnostic):
         if rec.nonfinite and not self.traced:
             self.traced = True
             self.tracer.arm()
-            log.warning("distgrad: forward overflow tracer armed for %d micro-batch(es)",
-                        self.ctx.config.tracer.micro_batches)
+            log.warning("distgrad: rank %d: forward overflow tracer armed for %d micro-batch(es)",
+                        self.ctx.global_rank, self.ctx.config.tracer.micro_batches)
 
     def report(self) -> dict[str, Any] | None:
         """The tracer's report once it has run (None before)."""

@@ -261,14 +261,22 @@ class RunAnalyzer:
             self._upd.add(step, np.full(self._upd.n_cols, np.nan))
 
     def _nonfinite_problem(self, r: StepRecord, idx: np.ndarray) -> Problem:
-        """Parameter and ranks of a non-finite step.
+        """Where a non-finite step's NaN/Inf started, one answer (the page's, docs/runbook.md).
 
-        Parameter: ``record.provenance.first_param`` when present, else -- the origin rule of
-        :mod:`distgrad.flight_recorder` -- the non-finite parameter that comes *last* in the
-        record's (registration = forward) order. Ranks: ``record.nonfinite_ranks`` plus the ranks
-        that ``record.provenance.params`` or ``record.nonfinite_params`` give for that parameter.
-        The detail adds the culprit ranks and the culprit module of the step's forward replay
-        when the record has them.
+        1. The forward replay found the module (``record.culprit_module``, outcome ``found``):
+           the line leads with that module and its rank; ``module``, ``layer`` (the module's) and
+           ``ranks`` (the culprit ranks, else the replay's rank) say the same; ``param`` is None.
+        2. Else, culprit ranks known (``record.culprits``): the line leads with them (``ranks``);
+           ``param`` is the non-finite parameter that comes *last* in forward order (the rule of
+           :mod:`distgrad.flight_recorder`: where the backward pass met the NaN first, which for a
+           NaN made in the backward pass is where it was made), and the replay's reason for naming
+           no module follows.
+        3. Else (records without culprit data): ``param`` as in 2., ``ranks`` the ranks whose shard of
+           the reduced gradient held it (``record.nonfinite_ranks``, ``provenance.params``,
+           ``nonfinite_params``).
+
+        In 1. the last non-finite parameter in forward order is named at the end of the line, for
+        what it is; for a NaN made in the forward pass it is the model's last layer, not the origin.
         """
         p = r.params
         nf = p.nonfinite
@@ -283,8 +291,9 @@ class RunAnalyzer:
             if e.name == name:
                 ranks.update(int(x) for x in e.ranks)
         ranks.update(int(e.rank) for e in (r.nonfinite_params or []) if e.param == name)
-        ranks = sorted(ranks)
+        shard_ranks = sorted(ranks)
         n_params = int(np.count_nonzero(nf > 0))
+        layer = None
         if name is not None:
             layer = self._li.layers[int(idx[p.names.index(name)])] if name in p.names else layer_of(name)
             try:
@@ -292,22 +301,33 @@ class RunAnalyzer:
                 counts = f"{int(p.nan[j])} NaN / {int(p.inf[j])} Inf elements"
             except KeyError:
                 counts = "element counts unknown"
-            # the last non-finite parameter in forward order: where the backward pass met the NaN
-            # first, which for a NaN made in the forward pass is not where it was made (the
-            # forward replay's culprit module, when known, leads the line)
-            detail = (f"non-finite gradient, last in forward order in parameter '{name}' (layer {layer}), {counts}, "
-                      f"rank(s) {ranks if ranks else 'unknown'}; {n_params} parameter(s) non-finite on this step")
+            last_param = (f"last in forward order in parameter '{name}' (layer {layer}), {counts}, "
+                          f"rank(s) {shard_ranks if shard_ranks else 'unknown'}")
+        culprit_ranks = [int(c.rank) for c in r.culprits]
+        who = (f"culprit rank(s) {culprit_ranks} (own loss / gradient non-finite before the reduction)"
+               if culprit_ranks else "")
+        cm = r.culprit_module
+        if cm is not None and cm.outcome == "found":
+            detail = f"non-finite gradient made in the forward pass: {cm.describe()} (forward replay)"
+            detail += f"; {who}" if who else ""
+            detail += f"; {n_params} parameter(s) non-finite on this step"
+            if name is not None:  # the backward-order view, for what it is (not the origin)
+                detail += (f"; the last of them in forward order, where the backward pass met the NaN first: "
+                           f"'{name}' (layer {layer})")
+            rk = culprit_ranks or ([int(cm.rank)] if cm.rank is not None else shard_ranks)
+            return Problem("nonfinite_grad", int(r.step), None, layer_of(str(cm.module)), rk, detail,
+                           module=str(cm.module))
+        if name is not None:
+            detail = f"non-finite gradient, {last_param}; {n_params} parameter(s) non-finite on this step"
         else:
-            layer = None
             detail = (f"non-finite global grad norm ({r.grad_norm!r}) with no per-parameter count; "
-                      f"rank(s) {ranks if ranks else 'unknown'}")
-        if r.culprits:
-            detail += f"; culprit rank(s) {[c.rank for c in r.culprits]} (own loss / gradient non-finite before the reduction)"
-        if r.culprit_module is not None and r.culprit_module.outcome == "found":
-            detail = f"forward replay: {r.culprit_module.describe()}; {detail}"
-        elif r.culprit_module is not None:  # the forward replay of the step (distgrad.replay)
-            detail += f"; forward replay: {r.culprit_module.describe()}"
-        return Problem("nonfinite_grad", int(r.step), name, layer, ranks, detail)
+                      f"rank(s) {shard_ranks if shard_ranks else 'unknown'}")
+        if who:
+            detail = f"non-finite gradient from {who}; " + detail[len("non-finite gradient, "):] \
+                if name is not None else f"{detail}; {who}"
+        if cm is not None:  # the forward replay of the step (distgrad.replay) named no module: why
+            detail += f"; forward replay: {cm.describe()}"
+        return Problem("nonfinite_grad", int(r.step), name, layer, culprit_ranks or shard_ranks, detail)
 
     def finish(self) -> RunAnalysis:
         """The :class:`RunAnalysis` of everything added so far (layers sorted)."""

@@ -29,9 +29,12 @@ class Problem:
             ``no_progress``, ``loss_scale_collapse``).
         step: optimizer step where it (first) happened.
         param: parameter name, when one is implicated (else None).
-        layer: that parameter's layer label (else None).
-        ranks: implicated ranks (may be empty when unknown).
+        layer: the layer label of ``module`` when set, else of ``param`` (else None).
+        ranks: implicated ranks (may be empty when unknown); for a non-finite step, the culprit
+            ranks when known (whose own loss / gradient was non-finite before the reduction).
         detail: one-line human-readable description (no trailing period).
+        module: for a non-finite step, the module whose forward output first went NaN/Inf in
+            the step's forward replay (``culprit_module``), when found (else None).
     """
 
     kind: str
@@ -40,6 +43,7 @@ class Problem:
     layer: str | None = None
     ranks: list[int] = field(default_factory=list)
     detail: str = ""
+    module: str | None = None
 
 
 ANOMALY_LABELS = {

@@ -259,8 +259,10 @@ class DistgradCollector(Collector):
             for row in nonfinite_rows[:metrics.by_name("distgrad_nonfinite_params").max_series]:
                 fam.add_metric([row["param"], str(row["rank"])], float(row["count"]))
             out.append(fam)
-        if provenance.get("first_param"):
-            fam = metrics.family("distgrad_nonfinite_origin_step")
+        if provenance:  # where the streak started: its first step (rank and module: the views above)
+            out.append(metrics.family("distgrad_nonfinite_origin_step", value=float(provenance.get("step", -1))))
+        if provenance.get("first_param"):  # the weaker, backward-order view, named for what it is
+            fam = metrics.family("distgrad_nonfinite_last_param_in_forward_order")
             fam.add_metric([provenance["first_param"], str(provenance.get("first_layer", ""))],
                            float(provenance.get("step", -1)))
             out.append(fam)

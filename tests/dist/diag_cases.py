@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -53,6 +54,8 @@ def _slim(rec) -> dict:
     return {"step": rec.step, "grad_norm": rec.grad_norm, "loss": rec.loss, "loss_scale": rec.loss_scale,
             "overflow": rec.overflow, "step_applied": rec.step_applied, "counters": dict(rec.counters),
             "nonfinite_ranks": rec.nonfinite_ranks, "spikes": rec.spikes.flagged,
+            "rank_loss_max_rank": rec.ranks.loss_max_rank if rec.ranks else None,
+            "rank_loss_max": list(rec.ranks.loss_max) if rec.ranks else None,
             "grad_norm_spikes_total": rec.spikes.total["grad_norm"],
             "loss_spikes_total": rec.spikes.total["loss"], "vanishing": rec.health.vanishing,
             "provenance": rec.provenance.to_dict() if rec.provenance else None, "report": rec.flight_recorder_report,
@@ -64,7 +67,27 @@ def _slim(rec) -> dict:
             "loss_scale_collapsed": int(sc.loss_scale_collapsed) if sc else None}
 
 
+class _Lines(logging.Handler):
+    """Keeps the messages of the ``distgrad`` logger on this rank (what it writes to stderr)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def faults_case(rank: int, out_dir: str) -> dict:
+    lines = _Lines()
+    logging.getLogger("distgrad").addHandler(lines)
+    try:
+        return _faults_case(rank, out_dir, lines)
+    finally:
+        logging.getLogger("distgrad").removeHandler(lines)
+
+
+def _faults_case(rank: int, out_dir: str, lines: _Lines) -> dict:
     engine = _engine(2, "fp32")
     inst = distgrad.instrument(engine, prometheus=False, flight_recorder_dir=out_dir, trace_micro_batches=1)
     src = inst.source
@@ -99,9 +122,11 @@ def faults_case(rank: int, out_dir: str) -> dict:
         engine.backward(engine(x, y))
         engine.step()
         recs.append(_slim(inst.last_record))
-    out = {"records": recs, "X": src.names[x_idx], "Y": src.names[y_idx], "Z": src.names[z_idx],
-           "reports": [str(p) for p in inst.diagnostics.reports], "counters": dict(inst.counters)}
     inst.close()
+    logs: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(logs, lines.lines)  # every rank's distgrad log lines, for rank 0's JSON
+    out = {"records": recs, "X": src.names[x_idx], "Y": src.names[y_idx], "Z": src.names[z_idx],
+           "reports": [str(p) for p in inst.diagnostics.reports], "counters": dict(inst.counters), "logs": logs}
     return out
 
 

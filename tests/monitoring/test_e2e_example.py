@@ -2,9 +2,10 @@
 the deepspeed launcher, 2 CPU ranks each, ZeRO-2) scraped every second by a real Prometheus with
 the repository's rule file, Alertmanager posting to a local webhook.
 
-The sick run injects a NaN into one layer's gradient at a chosen step (the example's
+The sick run makes a NaN in one layer's forward on rank 1 at a chosen step (the example's
 ``--inject nan`` flag); the healthy run is the same job without it. Asserts: the NaN alert goes
-firing for the sick run, Alertmanager delivers it with the alert name and the parameter / layer,
+firing for the sick run, Alertmanager delivers it with the alert name, the origin step, the
+culprit rank and the culprit module,
 the healthy run fires nothing, and every dashboard panel query returns data from this live
 Prometheus. Everything is polled; every process is stopped at the end.
 """
@@ -22,6 +23,8 @@ from tests.example_job import start_example, stop
 pytestmark = [pytest.mark.monitoring, pytest.mark.multirank]
 
 NAN_PARAM = "blocks.1.mlp.fc.weight"
+NAN_MODULE = "blocks.1.mlp.fc"  # the module owning NAN_PARAM, whose forward the injection breaks
+NAN_STEP = 25
 SMALL = ["--layers", "2", "--width", "64", "--heads", "2", "--block", "32", "--log-every", "5"]
 
 
@@ -40,7 +43,7 @@ def env(tmp_path_factory):
         try:
             with stack:
                 procs.append(start_example(sick_port, *SMALL, "--steps", "60", "--inject", "nan",
-                                           "--inject-step", "25", "--inject-param", NAN_PARAM,
+                                           "--inject-step", str(NAN_STEP), "--inject-param", NAN_PARAM,
                                            "--inject-rank", "1", "--hold", "120", log=tmp / "sick.log"))
                 procs.append(start_example(healthy_port, *SMALL, "--steps", "60", "--hold", "120",
                                            log=tmp / "healthy.log"))
@@ -60,13 +63,16 @@ def test_nan_injected_in_training_pages_and_healthy_run_is_silent(env):
     firing = wait_until(lambda: _about(stack.firing("DistgradNonFiniteGradients"), sick), 240,
                         what="DistgradNonFiniteGradients firing for the sick run")
     assert firing[0]["labels"]["severity"] == "critical"
-    assert NAN_PARAM in firing[0]["annotations"]["description"]
+    # the event: where the streak started, who made it, in which module (distgrad's replay)
+    where = (f"since sampled optimizer step {NAN_STEP}, where the streak started", "non-finite before the "
+             "reduction: 1.", f"went NaN/Inf when that step was replayed: {NAN_MODULE} (rank 1).")
+    assert all(w in firing[0]["annotations"]["description"] for w in where), firing[0]["annotations"]
     delivered = wait_until(lambda: _about(hook.alerts("DistgradNonFiniteGradients", status="firing"), sick), 30,
                            what="the page on the webhook")
     a = delivered[0]
     assert a["labels"]["alertname"] == "DistgradNonFiniteGradients"
-    assert NAN_PARAM in a["annotations"]["description"]  # the layer's parameter, with its rank
-    assert "rank 1" in a["annotations"]["description"]
+    assert all(w in a["annotations"]["description"] for w in where), a["annotations"]
+    assert a["annotations"]["summary"] == f"NaN/Inf gradients in {a['labels']['job']} from step {NAN_STEP}."
     # the healthy run has been scraped and evaluated well past the same step: nothing at all
     wait_until(lambda: stack.query(f'distgrad_optimizer_step{{instance="{healthy}"}} >= 40'), 240,
                what="the healthy run past step 40")
@@ -84,24 +90,22 @@ def test_every_dashboard_query_returns_data_from_the_live_run(env):
                what="the NaN step scraped")
     qs = queries.dashboard_queries("distgrad", rate_interval="1m")
     counts = queries.run_queries(stack.prometheus_url, qs)  # raises on a PromQL error
-    # data required unless the query is about something this run cannot have (conditions of
-    # distgrad/metrics.py: fp16 loss scale, update ratio, ZeRO-0 replicas, loss components and
-    # per-token losses, which the example's loop does not pass; the opt-in noise scale, curvature,
-    # gradient histogram and skip/stop action, which it does not enable; alerts), or sink errors (exported
-    # per file sink; the example writes none). Those metrics are served as declared
-    # (tests/test_metric_catalogue.py) with values checked in tests/test_loss_analysis.py.
-    allowed = {"loss_scaler", "update_ratio", "replicated", "components", "tokens", "noise_scale", "curvature",
-               "histogram", "action", queries.ALERT}
+    # data required unless the query is about something this run cannot have: the features a
+    # default run lacks (grafana/dashboards/common.py OPT_IN: fp16 loss scale, update ratio, ZeRO-0
+    # replicas, loss components and per-token losses, which the example's loop does not pass; the
+    # opt-in noise scale, curvature, gradient histogram and skip/stop action, which it does not
+    # enable), whose panels sit in collapsed rows that say how to turn them on
+    # (tests/test_dashboards.py); alerts; or sink errors (exported per file sink; the example writes
+    # none). Those metrics are served as declared (tests/test_metric_catalogue.py) with values
+    # checked in tests/test_loss_analysis.py.
+    from grafana.dashboards.common import OPT_IN
+
+    allowed = set(OPT_IN) | {queries.ALERT}
+    assert allowed == {"loss_scaler", "update_ratio", "replicated", "components", "tokens", "noise_scale",
+                       "curvature", "histogram", "action", queries.ALERT}
     empty = [(q.dashboard, q.title, q.expr, q.conditional) for q, n in counts.items()
              if n == 0 and q.kind != "annotation" and not set(q.conditional) & allowed
              and q.metrics != ("distgrad_sink_errors_total",)
-             # the culprit view has no series here: the example writes its NaN into a gradient
-             # with a tensor hook it registers at the injection step, after distgrad's
-             # pre-reduction check (registered at instrument()), so the check sees the gradient
-             # before the poison, as it would see a corruption inside the reduction; the loss
-             # stays finite. tests/test_causes.py serves it from a DDP run and checks the culprit
-             # under every engine
-             and q.metrics != ("distgrad_nonfinite_culprit",)
              # the spike fraction has no sample on a step the gradient clip scales (its pre-clip
              # count would be inflated by 1/c^2, docs/signals.md): the example clips at 1.0
              # (configs/ds_zero2_fp32.json) and its gradient norm is above that when queried here;
