@@ -25,7 +25,6 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 import tempfile
 
 import torch
@@ -35,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distgrad
 
 from tests.dist.cause_cases import CLASSES, CauseModel, batch
+from tests.dist.engines import build_deepspeed
 from tests.dist.common import run_gathered_cases
 
 BAD_NAN, BAD_SPIKE = 4, 14
@@ -142,17 +142,13 @@ def torch_case(kind: str, mode: str, rank: int, world: int) -> dict:
 
 
 def ds_case(rank: int, world: int, stage: int = 2, dtype: str = "fp32") -> dict:
-    import deepspeed
 
     torch.manual_seed(0)
     model = CauseModel()
-    cfg = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1,
-           "zero_optimization": {"stage": stage}, **({"bf16": {"enabled": True}} if dtype == "bf16" else {}),
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-           "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2,
-                                                             "warmup_num_steps": 2, "total_num_steps": 1000}},
-           "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine, _ = build_deepspeed(model, stage, dtype, micro_batch=16, lr=1e-2,
+                                scheduler={"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2,
+                                                                               "warmup_num_steps": 2,
+                                                                               "total_num_steps": 1000}})
     tmp = tempfile.mkdtemp(prefix="action-ds-") if rank == 0 else None
     box = [tmp]
     dist.broadcast_object_list(box)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import deepspeed
 import deepspeed.comm
@@ -23,6 +21,7 @@ import torch.distributed as dist
 import distgrad
 from distgrad.canonical import clean_name
 
+from tests.dist.engines import build_deepspeed
 from tests.dist.common import BoundaryCounter, TinyModel, batch_for
 
 STEPS = 4
@@ -38,12 +37,7 @@ def deepspeed_case(stage: int) -> dict:
 
     torch.manual_seed(1234)
     model = TinyModel()
-    cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1,
-           "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, "wall_clock_breakdown": False,
-           "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
-                                                     "weight_decay": WD, "torch_adam": True}}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=cfg)
+    engine, _ = build_deepspeed(model, stage, lr=LR, adamw_params={"betas": list(BETAS), "eps": EPS, "weight_decay": WD})
     inst = distgrad.instrument(engine, prometheus=False)
     named = [(clean_name(n), p) for n, p in engine.module.named_parameters() if p.requires_grad]
     assert [n for n, _ in named] == inst.names

@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -36,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distgrad
 
+from tests.dist.engines import build_deepspeed
 from tests.dist.common import HostSyncs, run_gathered_cases
 
 D_IN, D, CLASSES, BATCH = 8, 16, 5, 16
@@ -301,10 +300,7 @@ def _wrap_engine(kind: str, model: PaddedNormModel):
     if kind.startswith("ds-"):
         import deepspeed
 
-        cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-               "zero_optimization": {"stage": int(kind[-1])}, "steps_per_print": 10**9,
-               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
+        engine, _ = build_deepspeed(model, int(kind[-1]), micro_batch=BATCH, lr=1e-2)
         inst = distgrad.instrument(engine, prometheus=False)
 
         from deepspeed.utils import safe_get_full_grad
@@ -636,10 +632,7 @@ def _module_case_zero3(user: nn.Module, hook_state: tuple, rank: int, replays: i
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see launch/train.py skip_cpu_shm_op
     first_bad, cur = hook_state
-    cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": MOD_GAS,
-           "zero_optimization": {"stage": 3}, "steps_per_print": 10**9,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
-    engine, *_ = deepspeed.initialize(model=user, model_parameters=user.parameters(), config=cfg)
+    engine, _ = build_deepspeed(user, 3, gas=MOD_GAS, micro_batch=BATCH)
     inst = distgrad.instrument(engine, prometheus=False, tracer={"replays": replays})
     count = Counting(inst)
     out, losses = [], []

@@ -103,18 +103,21 @@ def reference_b(ref_model: nn.Module, gas: int, world: int) -> tuple[dict, float
 
 class HostSyncs(torch.overrides.TorchFunctionMode):
     """Counts calls of the tensor methods that wait for the device (``.cpu()``, ``.item()``,
-    ``.tolist()``, truth and number conversions) in ``self.n``; used by the tests that assert a
-    path makes no host sync."""
+    ``.tolist()``, truth and number conversions) in ``self.n`` and lists their names in
+    ``self.calls``; used by the tests that assert a path makes no host sync."""
 
     SYNCING = {"cpu", "item", "tolist", "__bool__", "__float__", "__int__", "__index__"}
 
     def __init__(self) -> None:
         super().__init__()
         self.n = 0
+        self.calls: list[str] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.SYNCING:
+        name = getattr(func, "__name__", "")
+        if name in self.SYNCING:
             self.n += 1
+            self.calls.append(name)
         return func(*args, **(kwargs or {}))
 
 

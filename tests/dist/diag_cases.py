@@ -22,7 +22,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 
 import torch
 import torch.distributed as tdist
@@ -34,18 +33,13 @@ from deepspeed.accelerator import get_accelerator
 import distgrad
 
 from tests.dist.common import TinyModel, batch_for
-from tests.dist.ds_cases import ds_config
+from tests.dist.engines import build_deepspeed
 
 
 def _engine(stage: int, dtype: str, seed: int = 7, **ds_extra):
     torch.manual_seed(seed)
     model = TinyModel()
-    cfg = ds_config(stage, dtype, 1)
-    cfg["optimizer"]["params"]["lr"] = 1e-4
-    for k, v in ds_extra.items():
-        cfg.setdefault(k, {}).update(v) if isinstance(v, dict) else cfg.__setitem__(k, v)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=cfg)
+    engine, _ = build_deepspeed(model, stage, dtype, 1, lr=1e-4, **ds_extra)
     return engine
 
 

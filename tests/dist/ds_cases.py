@@ -19,37 +19,17 @@ import argparse
 import copy
 import json
 import os
-import sys
 
 import torch
-import torch.nn as nn
 
-import deepspeed
-import deepspeed.comm
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import safe_get_full_grad
 
 import distgrad
 
-from tests.dist.common import (ATTR_GAS, LA_GAS, LA_SOURCES, TinyLM, TinyModel, batch_for, full_stats,
+from tests.dist.engines import build_deepspeed, ds_config
+from tests.dist.common import (ATTR_GAS, HostSyncs, LA_GAS, LA_SOURCES, TinyLM, TinyModel, batch_for, full_stats,
                     loss_analysis_loop, loss_attribution_loop, reference_b)
-
-
-def ds_config(stage: int, dtype: str, gas: int) -> dict:
-    cfg = {
-        "train_micro_batch_size_per_gpu": 3,
-        "gradient_accumulation_steps": gas,
-        "zero_optimization": {"stage": stage},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    if dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    if dtype == "fp16":
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000,
-                       "min_loss_scale": 1}
-    return cfg
 
 
 def run_case(stage: int, dtype: str, gas: int, steps: int, rank: int, world: int) -> dict:
@@ -60,9 +40,7 @@ def run_case(stage: int, dtype: str, gas: int, steps: int, rank: int, world: int
         ref_model.load_state_dict({k: v.bfloat16().double() for k, v in model.state_dict().items()})
     if dtype == "fp16":
         ref_model.load_state_dict({k: v.half().double() for k, v in model.state_dict().items()})
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
-                                                                      if p.requires_grad],
-                                      config=ds_config(stage, dtype, gas))
+    engine, _ = build_deepspeed(model, stage, dtype, gas)
     inst = distgrad.instrument(engine, prometheus=False)
     refs: list[dict] = []
     inner = engine._take_model_step
@@ -107,22 +85,6 @@ def run_case(stage: int, dtype: str, gas: int, steps: int, rank: int, world: int
     return out
 
 
-class SyncCounter(torch.overrides.TorchFunctionMode):
-    """Counts tensor methods that force a device-to-host synchronisation on an accelerator."""
-
-    SYNCING = {"cpu", "item", "tolist", "__bool__", "__float__", "__int__", "__index__"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in self.SYNCING:
-            self.calls.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 def update_ratio_case(stage: int, dtype: str, rank: int) -> dict:
     """distgrad's update-to-weight ratios vs ||w1 - w0|| / ||w0|| of the full fp32 master
     weights gathered with safe_get_full_fp32_param (test only) around the step, in float64."""
@@ -130,8 +92,7 @@ def update_ratio_case(stage: int, dtype: str, rank: int) -> dict:
 
     torch.manual_seed(99)
     model = TinyModel()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=ds_config(stage, dtype, 1))
+    engine, _ = build_deepspeed(model, stage, dtype, 1)
     inst = distgrad.instrument(engine, prometheus=False, update_ratio=True)
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     inner = engine._take_model_step
@@ -167,8 +128,7 @@ def loss_attribution_case(rank: int, tmp: str) -> dict:
     common.loss_attribution_loop."""
     torch.manual_seed(5)
     model = TinyModel()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=ds_config(2, "fp32", ATTR_GAS))
+    engine, _ = build_deepspeed(model, 2, "fp32", ATTR_GAS)
     inst = distgrad.instrument(engine, prometheus=False, **{"flight_recorder.dir": tmp, "spikes.ema_warmup": 3,
                                    "spikes.ema_z": 10.0})
     def backward(loss, micro):
@@ -190,8 +150,7 @@ def loss_analysis_case(rank: int) -> dict:
     twice). See common.loss_analysis_loop."""
     torch.manual_seed(11)
     model = TinyLM()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
-                                      config=ds_config(1, "fp32", LA_GAS))
+    engine, _ = build_deepspeed(model, 1, "fp32", LA_GAS)
     inst = distgrad.instrument(engine, prometheus=False, loss={"sources": LA_SOURCES})
 
     def backward(loss, micro):
@@ -215,8 +174,7 @@ def special_cases(rank: int, world: int, tmp: str) -> dict:
     # 1. a local failure on rank 1 at step 1: both ranks go on, the error is counted on rank 0
     torch.manual_seed(0)
     model = TinyModel()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=ds_config(2, "fp32", 1))
+    engine, _ = build_deepspeed(model, 2, "fp32", 1)
     inst = distgrad.instrument(engine, prometheus=False)
     orig = inst.source.local_pieces
     state = {"step": 0}
@@ -240,8 +198,7 @@ def special_cases(rank: int, world: int, tmp: str) -> dict:
     # 2. collectives and host syncs per step, interval 2, including a non-finite step
     torch.manual_seed(0)
     model = TinyModel()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=ds_config(3, "fp32", 1))
+    engine, _ = build_deepspeed(model, 3, "fp32", 1)
     inst = distgrad.instrument(engine, prometheus=False, interval=2)
     counts = {"all_reduce": 0, "all_gather": 0, "other": 0}
     active = {"on": False}
@@ -260,7 +217,7 @@ def special_cases(rank: int, world: int, tmp: str) -> dict:
             return originals[__fn](*a, **kw)
         setattr(tdist, fn, wrapper)
     per_step = []
-    sync = SyncCounter()
+    sync = HostSyncs()
     for name in ("collect", "finish", "skip", "watch"):
         meth = getattr(inst, name)
 
@@ -295,8 +252,7 @@ def special_cases(rank: int, world: int, tmp: str) -> dict:
     # gradient and loss.
     torch.manual_seed(0)
     model = TinyModel()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=ds_config(2, "fp32", 1))
+    engine, _ = build_deepspeed(model, 2, "fp32", 1)
     inst = distgrad.instrument(engine, prometheus=False, interval=2)
     for step in range(3):
         x, y = batch_for(step, 0, rank)
@@ -377,8 +333,7 @@ def special_cases(rank: int, world: int, tmp: str) -> dict:
     model = TinyModel()
     cfg = ds_config(1, "fp32", 1)
     cfg["distgrad"] = {"sampling": {"interval": 3}, "exporter": {"enabled": False}, "spikes": {"window": 16}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=cfg)
+    engine, _ = build_deepspeed(model, config=cfg)
     inst = distgrad.instrument(engine)
     out["ds_section"] = {"interval": inst.config.sampling.interval, "spike_window": inst.config.spikes.window,
                          "prometheus": inst.config.exporter.enabled}

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import traceback
@@ -39,6 +38,7 @@ from deepspeed.utils import groups, safe_get_full_grad
 import distgrad
 from distgrad import stats
 
+from tests.dist.engines import build_deepspeed
 from tests.dist.common import full_stats
 from tests.dist.layout_cases import _count
 
@@ -65,19 +65,13 @@ def batch(step: int, rank: int):
     return torch.randn(6, 7, generator=g) * 2.0, torch.randint(0, 13, (6,), generator=g)
 
 
-def ds_config(stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": 6, "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
-
-
 def make_engine(stage: int):
     torch.manual_seed(1234)
     model = MoEModel()
     params = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
                                                                    "name": "params"})
     opt = torch.optim.AdamW(params, lr=1e-2)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage))
-    return engine
+    return build_deepspeed(model, stage, micro_batch=6, optimizer=opt)[0]
 
 
 def global_name(engine, name: str) -> str:
@@ -155,9 +149,7 @@ def pipe_engine(stage: int, tied: bool = False):
         layers = [LayerSpec(nn.Linear, 7, 5), LayerSpec(nn.GELU), LayerSpec(nn.Linear, 5, 9), LayerSpec(nn.GELU),
                   LayerSpec(nn.Linear, 9, 13)]
     module = PipelineModule(layers=layers, num_stages=2, loss_fn=nn.CrossEntropyLoss(), partition_method="uniform")
-    cfg = dict(ds_config(stage), train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=2,
-               optimizer={"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}})
-    return deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()], config=cfg)[0]
+    return build_deepspeed(module, stage, gas=2, lr=1e-2)[0]
 
 
 def run_pipe(key: str, rank: int) -> dict:

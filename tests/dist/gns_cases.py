@@ -22,18 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 import distgrad
 from distgrad import stats
 
+from tests.dist.engines import build_deepspeed
 from tests.dist.common import BoundaryCounter
 from tests.closed_forms import LSQ, Dot, known_covariance, lsq_curvature, lsq_data
 
@@ -101,16 +100,8 @@ def run_noise(key: str, rank: int, world: int) -> dict:
             opt.step()
             opt.zero_grad()
     else:
-        import deepspeed
-
-        fp16 = key.endswith("-fp16")
-        ds = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": GAS,
-              "zero_optimization": {"stage": int(key[1])},
-              "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}},
-              "steps_per_print": 10**9, "wall_clock_breakdown": False}
-        if fp16:  # loss scale 2**8: the hooked gradients carry it (and the ZeRO 1-3 pieces too)
-            ds["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000, "min_loss_scale": 1}
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
+        fp16 = key.endswith("-fp16")  # loss scale 2**8: the hooked gradients carry it (and the ZeRO 1-3 pieces too)
+        engine, _ = build_deepspeed(model, int(key[1]), "fp16" if fp16 else "fp32", GAS, micro_batch=B, lr=0.0)
         inst = distgrad.instrument(engine, cfg)
 
         def train(step):
@@ -162,11 +153,7 @@ def run_curvature(key: str, rank: int, world: int) -> dict:
         import deepspeed
 
         stage = int(key[-1])
-        ds = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage},
-              "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "torch_adam": True}},
-              "steps_per_print": 10**9, "wall_clock_breakdown": False}
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
+        engine, _ = build_deepspeed(model, stage, micro_batch=8, lr=0.05)
         inst = distgrad.instrument(engine, cfg)
 
         def train():

@@ -32,7 +32,6 @@ import copy
 import json
 import logging
 import os
-import sys
 import traceback
 
 import torch

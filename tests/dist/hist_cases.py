@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import traceback
 
 import torch
 import torch.distributed as dist
 
-import deepspeed
-import deepspeed.comm
 from deepspeed.utils import safe_get_full_grad
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import distgrad
 
+from tests.dist.engines import build_deepspeed
 from tests.dist.common import BoundaryCounter, TinyModel, batch_for
 
 STEPS = 3
@@ -50,14 +47,7 @@ def _full(named) -> dict[str, list[float]]:
 def ds_case(stage: int, dtype: str, hist_dtype: str, rank: int) -> dict:
     torch.manual_seed(1234)
     model = TinyModel()
-    cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1,
-           "zero_optimization": {"stage": stage},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-           "steps_per_print": 10**9, "wall_clock_breakdown": False}
-    if dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=cfg)
+    engine, _ = build_deepspeed(model, stage, dtype)
     inst = distgrad.instrument(engine, prometheus=False, histogram={"enabled": True, "dtype": hist_dtype})
     count = BoundaryCounter(inst)
     refs: list[dict] = []

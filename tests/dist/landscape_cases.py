@@ -12,10 +12,7 @@ pass before and after, and the ``all_reduce`` calls made during the slices. Rank
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import os
-import sys
 import traceback
 
 import torch
@@ -25,6 +22,7 @@ import deepspeed
 
 from distgrad import landscape as ls
 
+from tests.dist.engines import build_deepspeed
 from tests.dist.common import TinyModel, batch_for
 
 STEPS1, STEPS2, SPAN, SEED, NB = 5, 3, 0.5, 3, 2
@@ -78,11 +76,7 @@ def build(kind: str, rank: int):
     zero = {"stage": 3}
     if kind == "zero3-gathered":
         zero["stage3_param_persistence_threshold"] = 0
-    cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1, "zero_optimization": zero,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-           "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=cfg)
+    engine, _ = build_deepspeed(model, 3, lr=1e-2, zero_optimization=zero)
     x, y = batch_for(0, 0, rank)
     engine.backward(engine(x, y))
     engine.step()

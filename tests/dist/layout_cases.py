@@ -34,7 +34,6 @@ import copy
 import functools
 import json
 import logging
-import os
 import sys
 import time
 import traceback

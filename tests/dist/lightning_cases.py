@@ -27,14 +27,13 @@ import copy
 import json
 import logging
 import os
-import sys
 import traceback
 
 import torch
 import torch.distributed as dist
 
 from tests.dist.common import full_stats
-from tests.dist.hf_cases import SEQ, dataset, gns_reference, tiny_llama
+from tests.dist.hf_cases import dataset, gns_reference, tiny_llama
 
 BATCH = 2
 

@@ -35,7 +35,6 @@ import copy
 import functools
 import json
 import os
-import sys
 import time
 import traceback
 
