@@ -15,8 +15,8 @@ Sets (:data:`RUNS`):
   tune:    the runs the detection policy may be tuned on (their JSONL: /work/corpus/tune/ while
            the work is under way; ``python tests/dist/corpus_cases.py --list`` describes them).
   heldout: other shapes, batch sizes, schedules and engine/optimizer pairings, never tuned on.
-  faults:  realistic failures (2 ranks, DDP), each at a known step: ``garbage`` (a quarter of
-           rank 1's targets replaced by random tokens: a corrupted shard), ``lr`` (the learning
+  faults:  realistic failures (2 ranks, DDP), each at a known step: ``garbage`` (rank 1's
+           batch replaced by random tokens: a corrupted shard), ``lr`` (the learning
            rate multiplied by 30: a scheduler bug), ``nan`` (``blocks.1.mlp`` on rank 1 returns
            NaN in its forward for one step: a numerically broken kernel / bad input).
 
@@ -108,11 +108,11 @@ RUNS: tuple[Run, ...] = (
         14, data="text"),
     Run("held-ddp-gpt-b2", "heldout", "ddp", "gpt", 1, 16, 16, 8, 2, 200, 5e-3, 0, "cosine", None, "adamw", 15),
     # ---- realistic failures (DDP, 2 ranks), each at a known step
-    Run("fault-garbage", "faults", "ddp", "gpt", 2, 32, 32, 16, 8, 160, 3e-3, 10, "constant", None, "adamw", 21,
+    Run("fault-garbage", "faults", "ddp", "gpt", 2, 32, 32, 16, 8, 165, 3e-3, 10, "constant", None, "adamw", 21,
         fault="garbage", fault_step=140),
-    Run("fault-lr", "faults", "ddp", "gpt", 2, 32, 32, 16, 8, 50, 3e-3, 10, "constant", None, "adamw", 22,
+    Run("fault-lr", "faults", "ddp", "gpt", 2, 32, 32, 16, 8, 55, 3e-3, 10, "constant", None, "adamw", 22,
         fault="lr", fault_step=30),
-    Run("fault-nan", "faults", "ddp", "gpt", 2, 32, 32, 16, 8, 40, 3e-3, 10, "constant", None, "adamw", 23,
+    Run("fault-nan", "faults", "ddp", "gpt", 2, 32, 32, 16, 8, 50, 3e-3, 10, "constant", None, "adamw", 23,
         fault="nan", fault_step=25),
 )
 SETS = ("tune", "heldout", "faults")
@@ -286,12 +286,11 @@ def batch(r: Run, world_data: torch.Tensor, step: int, rank: int) -> torch.Tenso
 
 
 def corrupt(r: Run, b: torch.Tensor, step: int) -> torch.Tensor:
-    """The ``garbage`` fault: a quarter of the batch's sequences replaced by uniform random tokens."""
+    """The ``garbage`` fault: the whole batch replaced by uniform random tokens (a corrupted
+    shard on one rank; as tests/test_causes.py's garbage batch, the step's global loss about
+    doubles)."""
     g = torch.Generator().manual_seed(7 + step)
-    b = b.clone()
-    n = max(1, b.shape[0] // 4)
-    b[:n] = torch.randint(0, r.vocab, b[:n].shape, generator=g)
-    return b
+    return torch.randint(0, r.vocab, b.shape, generator=g)
 
 
 def lr_factor(r: Run, step: int) -> float:
@@ -411,8 +410,9 @@ def run_one(r: Run, rank: int, args: argparse.Namespace) -> dict:
     t_end = time.time()
     if args.prom_url and rank == 0:  # ... and its final state before the target goes
         waits.append(wait_prometheus(args.prom_url, f'distgrad_optimizer_step{{run="{r.name}"}} == {r.steps - 1}'))
-    if args.hold > 0:
-        time.sleep(args.hold)  # let Prometheus scrape the final state before the target goes
+    hold = args.fault_hold if r.fault and args.fault_hold is not None else args.hold
+    if hold > 0:
+        time.sleep(hold)  # let Prometheus scrape the final state before the target goes
     last = inst.last_record
     port = inst.port
     inst.close()
@@ -469,6 +469,8 @@ def main() -> None:
                     help="Prometheus base URL: rank 0 waits until it has scraped the run's target before the "
                          "first step and its last step's state before closing")
     ap.add_argument("--hold", type=float, default=0.0, help="seconds to keep serving after the last step")
+    ap.add_argument("--fault-hold", type=float, default=None,
+                    help="seconds to keep serving after the last step of a fault run (default: --hold)")
     ap.add_argument("--list", action="store_true", help="describe the runs and exit")
     args = ap.parse_args()
     if args.list:
