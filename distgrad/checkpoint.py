@@ -24,6 +24,10 @@ With FSDP / DDP / plain PyTorch (``torch.save`` or ``torch.distributed.checkpoin
     torch.save({"model": ..., "optim": ..., "distgrad": dg.state_dict()}, path)   # rank 0
     ...
     dg.load_state_dict(torch.load(path)["distgrad"])                             # every rank
+
+The framework integrations (:mod:`distgrad.integrations`: the Hugging Face Trainer, Accelerate,
+Lightning) do both through the framework's own checkpoint, with no user code
+(docs/checkpointing.md, "Framework integrations").
 """
 
 from __future__ import annotations
@@ -47,16 +51,23 @@ def instrument_state(inst: "Instrument") -> dict[str, Any]:
         "consecutive_overflow_steps": int, "replica_mismatch_rank": int, "diagnostics":
         Diagnostics.state_dict() | None, "signals": {signal name: state}}`` (the packed
         signals' states, :mod:`distgrad.signals`), ``"replay"``: the culprit-module replays made
-        and whether a non-finite streak is open (:mod:`distgrad.replay`), JSON-serialisable (NaN as a float where a detector
-        has no statistics yet).
+        and whether a non-finite streak is open (:mod:`distgrad.replay`), ``"boundary"``: the
+        PyTorch optimizer boundary's counters ``{"step": int, "micro": int}`` (optimizer steps and
+        micro-batches since ``instrument()``, which decide sampling and number the records; None
+        under DeepSpeed, whose engine's ``global_steps`` is restored by its own checkpoint),
+        JSON-serialisable (NaN as a float where a detector has no statistics yet).
     """
     d = inst.diagnostics
+    b = getattr(inst, "boundary", None)
+    counters = ({"step": int(b.step), "micro": int(b.micro)}
+                if b is not None and hasattr(b, "step") and hasattr(b, "micro") else None)
     return {"format": FORMAT, "version": VERSION, "n_params": len(inst.names),
             "counters": dict(inst.counters), "consecutive_overflow_steps": inst._consecutive_overflow,
             "replica_mismatch_rank": inst._replica_mismatch_rank,
             "diagnostics": d.state_dict() if d is not None else None,
             "signals": inst.signals.state_dict(),
-            "replay": inst.replay.state_dict() if getattr(inst, "replay", None) is not None else None}
+            "replay": inst.replay.state_dict() if getattr(inst, "replay", None) is not None else None,
+            "boundary": counters}
 
 
 def load_instrument_state(inst: "Instrument", state: dict[str, Any]) -> None:
@@ -83,6 +94,9 @@ def load_instrument_state(inst: "Instrument", state: dict[str, Any]) -> None:
     inst.signals.load_state_dict(state.get("signals") or {})
     if getattr(inst, "replay", None) is not None and state.get("replay"):
         inst.replay.load_state_dict(state["replay"])
+    b, counters = getattr(inst, "boundary", None), state.get("boundary")
+    if isinstance(counters, dict) and b is not None and hasattr(b, "step") and hasattr(b, "micro"):
+        b.step, b.micro = int(counters["step"]), int(counters["micro"])
     inst.counters.update({k: int(v) for k, v in state.get("counters", {}).items() if k in inst.counters})
     inst._consecutive_overflow = int(state.get("consecutive_overflow_steps", 0))
     inst._replica_mismatch_rank = int(state.get("replica_mismatch_rank", -1))

@@ -8,9 +8,17 @@ Each reads the step's reduced gradient before the framework clips it, and report
 ``distgrad_loss`` as the mean training loss of the optimizer step over all micro-batches and
 ranks, whatever scaling the framework applies before backward (see docs/metrics.md). The core
 package never imports these frameworks; each module imports its framework when imported.
+
+Each also saves distgrad's state (:meth:`distgrad.Instrument.state_dict`: detector windows, health
+streaks, counters, signal states, the optimizer boundary's step) in the framework's own checkpoint
+and restores it on resume, with :func:`checkpoint_state` and :func:`restore_state`
+(docs/checkpointing.md, "Framework integrations").
 """
 
+import logging
 from typing import Any, Mapping
+
+log = logging.getLogger("distgrad")
 
 
 def _sets_clip(d: Any) -> bool:
@@ -70,3 +78,53 @@ def with_micro_batch_size(config: Any, overrides: dict[str, Any], batch_size: An
             "noise_scale.micro_batch_size (the noise scale is in that unit)")
     out["noise_scale.micro_batch_size"] = int(batch_size)
     return out
+
+
+def checkpoint_state(inst: Any, flush: bool) -> dict[str, Any] | None:
+    """``inst.state_dict()`` for a framework's checkpoint hook (plain Python types, see
+    :func:`distgrad.checkpoint.instrument_state`), or None when it cannot be taken: the failure
+    is counted in ``distgrad_internal_errors_total`` and logged, and the checkpoint is written
+    without it (a checkpoint must never fail for distgrad).
+
+    Args:
+        inst: the :class:`distgrad.Instrument`.
+        flush: first build the parked record of the last sampled step (asynchronous records,
+            :meth:`distgrad.Instrument.flush`), so that the state includes it. That may make a
+            collective (the provenance all-gather of a non-finite step): pass True only where
+            every rank calls this at the same point, False where only the writing rank does.
+    """
+    try:
+        if flush:
+            inst.flush()
+        return dict(inst.state_dict())
+    except Exception:  # noqa: BLE001 - never fail the framework's checkpoint
+        inst.count_error("saving distgrad's state in the checkpoint")
+        return None
+
+
+def restore_state(inst: Any, state: Any, where: str) -> bool:
+    """``inst.load_state_dict(state)`` from a framework's checkpoint (every rank, before the
+    resumed run's first step). A state the instrument cannot use (another distgrad version,
+    another model: :func:`distgrad.checkpoint.load_instrument_state`'s ValueError) or an empty
+    one is not an error of the training run: the detectors then start from scratch and rank 0
+    says so once with the reason. Never raises.
+
+    Args:
+        inst: the :class:`distgrad.Instrument`.
+        state: the dict saved by :func:`checkpoint_state` (None or ``{}``: nothing to restore,
+            said on rank 0).
+        where: names the checkpoint for the log line.
+
+    Returns:
+        True when the state was restored.
+    """
+    try:
+        if not state:
+            raise ValueError("the checkpoint holds no distgrad state")
+        inst.load_state_dict(state)
+        return True
+    except Exception as e:  # noqa: BLE001 - resume without the state rather than fail the run
+        if getattr(inst, "global_rank", 0) == 0:
+            log.warning("distgrad: not restoring its state from %s (%s): the detectors start from scratch "
+                        "(a new warm-up) and the counters from 0", where, e)
+        return False

@@ -44,6 +44,13 @@ What the Trainer does, and what the integration does about it (measured on trans
 - PEFT: frozen base weights have ``requires_grad=False`` and never appear as series.
 - Opt-in action ``stop`` (docs/action.md): at ``on_step_end`` of the stopping step the Trainer is
   told to save a checkpoint (of the state before the skipped update) and to stop.
+- Checkpoints (docs/checkpointing.md): distgrad's state (:meth:`distgrad.Instrument.state_dict`)
+  is saved in every checkpoint's ``trainer_state.json`` under ``stateful_callbacks`` ->
+  ``"DistgradState"`` (a :class:`DistgradState` callback, the Trainer's ``ExportableState``), and
+  restored at ``on_train_begin`` of ``trainer.train(resume_from_checkpoint=...)`` on every rank
+  (every rank reads that file), whatever ``restore_callback_states_from_checkpoint`` says.
+  ``accelerator.save_state`` / ``load_state`` in a plain Accelerate loop carry it as a registered
+  checkpointing object (:func:`instrument_accelerate`).
 
 Settings: ``attach(trainer, config, **overrides)`` like :func:`distgrad.instrument`; with
 ``config=None`` under DeepSpeed, the DeepSpeed config's ``"distgrad"`` section. ``clip.max_grad_norm``
@@ -58,14 +65,48 @@ from typing import Any
 import distgrad
 from distgrad.api import unwrap_optimizer
 from distgrad.engines.deepspeed import is_deepspeed_engine
-from distgrad.integrations import with_clip_threshold, with_micro_batch_size
+from distgrad.integrations import checkpoint_state, restore_state, with_clip_threshold, with_micro_batch_size
 
 try:
     from transformers import TrainerCallback
+    from transformers.trainer_callback import ExportableState
 except ImportError as e:  # pragma: no cover - the extra is missing
     raise ImportError("distgrad.integrations.hf needs transformers: pip install 'distgrad[hf]'") from e
 
 log = logging.getLogger("distgrad")
+
+#: the key of distgrad's state in trainer_state.json's ``stateful_callbacks`` (the class name)
+STATE_KEY = "DistgradState"
+
+
+class DistgradState(TrainerCallback, ExportableState):
+    """Carries distgrad's state in the Trainer's checkpoints: the Trainer saves every
+    ``ExportableState`` callback's :meth:`state` in ``trainer_state.json`` (``stateful_callbacks``,
+    keyed by the class name ``"DistgradState"``) when it writes a checkpoint, on the processes that
+    write it. :func:`attach` adds one next to the :class:`DistgradCallback`, which restores the
+    saved state when training resumes.
+
+    A separate callback with an argument-free constructor, because with
+    ``TrainingArguments.restore_callback_states_from_checkpoint=True`` the Trainer rebuilds each
+    stored callback as ``type(cb)(**state["args"])`` and replaces it: this one is rebuilt harmlessly
+    (the :class:`DistgradCallback` finds the new one at ``on_train_begin``), while the
+    DistgradCallback, which needs the Trainer, could not be.
+
+    Attributes:
+        instrument: the instrument whose state is saved (None before training starts: the state
+            is then None).
+    """
+
+    def __init__(self) -> None:
+        self.instrument: distgrad.Instrument | None = None
+
+    def state(self) -> dict:
+        """``{"args": {}, "attributes": {}, "instrument": Instrument.state_dict() | None}``
+        (JSON-serialisable; NaN is written as ``NaN``, which Python's json reads back). Called by
+        the Trainer when it writes a checkpoint (on the writing processes only: no collective)."""
+        inst = self.instrument
+        return {"args": {}, "attributes": {},
+                "instrument": checkpoint_state(inst, flush=False) if inst is not None else None}
 
 
 class DistgradCallback(TrainerCallback):
@@ -84,19 +125,56 @@ class DistgradCallback(TrainerCallback):
         self.instrument: distgrad.Instrument | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Instrument the Trainer's engine, then, when the Trainer resumed from a checkpoint
+        (``state`` is the ``TrainerState`` read from its ``trainer_state.json``), restore
+        distgrad's state saved there (every rank; see :class:`DistgradState`)."""
         if self.instrument is not None:
             return
         self.instrument = instrument_trainer(self.trainer, self.config, kwargs.get("optimizer"),
                                              **self.overrides)
+        holders = [cb for cb in self.trainer.callback_handler.callbacks if isinstance(cb, DistgradState)]
+        for holder in holders:  # also the one the Trainer rebuilt from the checkpoint
+            holder.instrument = self.instrument
+        saved = getattr(state, "stateful_callbacks", None)
+        if not isinstance(saved, dict) or not holders:
+            return
+        if STATE_KEY not in saved:
+            # a checkpoint written without distgrad: the Trainer's next save looks the key up
+            # (KeyError otherwise); and the detectors start from scratch
+            saved[STATE_KEY] = holders[0].state()
+            if state.global_step > 0:
+                restore_state(self.instrument, None, f"the Trainer's checkpoint at step {state.global_step}")
+            return
+        mine = saved[STATE_KEY]
+        if isinstance(mine, list):  # the Trainer's layout for several callbacks of one class
+            mine = mine[-1] if mine else {}
+        payload = mine.get("instrument") if isinstance(mine, dict) else None
+        if payload is not None or state.global_step > 0:
+            restore_state(self.instrument, payload, f"the Trainer's checkpoint at step {state.global_step}")
+
+    def _flush_before_save(self, control: Any) -> None:
+        """A checkpoint follows this event (``control.should_save``, the same on every rank):
+        build the parked record of the last sampled step now (asynchronous records), so that the
+        state the Trainer saves includes it; every rank is here, so the flush may make its
+        collective."""
+        if self.instrument is not None and control.should_save:
+            try:
+                self.instrument.flush()
+            except Exception:  # noqa: BLE001 - never break training
+                self.instrument.count_error("flushing the last record before a checkpoint")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """The opt-in action's stop (config ``action.on_*: stop``, docs/action.md): the offending
         update was skipped and the ``on_stop`` callbacks ran; the Trainer saves a checkpoint of
         that state (``control.should_save``) and stops (``control.should_training_stop``), on
-        every rank."""
+        every rank. Before a checkpoint: :meth:`_flush_before_save`."""
         if self.instrument is not None and self.instrument.should_stop:
             control.should_save = True
             control.should_training_stop = True
+        self._flush_before_save(control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._flush_before_save(control)  # save_strategy="epoch"
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.instrument is not None:
@@ -105,7 +183,8 @@ class DistgradCallback(TrainerCallback):
 
 def attach(trainer: Any, config: Any = None, **overrides: Any) -> DistgradCallback:
     """Add a :class:`DistgradCallback` to ``trainer`` (a ``transformers.Trainer`` or subclass,
-    e.g. TRL's ``SFTTrainer``); call on every rank before ``trainer.train()``.
+    e.g. TRL's ``SFTTrainer``), and a :class:`DistgradState` that saves distgrad's state in the
+    Trainer's checkpoints; call on every rank before ``trainer.train()``.
 
     Args:
         trainer: the Trainer.
@@ -123,6 +202,7 @@ def attach(trainer: Any, config: Any = None, **overrides: Any) -> DistgradCallba
         raise TypeError(f"attach(trainer) needs a transformers.Trainer, got {type(trainer).__name__}")
     cb = DistgradCallback(trainer, config, **overrides)
     trainer.add_callback(cb)
+    trainer.add_callback(DistgradState())
     return cb
 
 
@@ -147,8 +227,9 @@ def instrument_trainer(trainer: Any, config: Any = None, optimizer: Any = None,
     # Trainer fills train_micro_batch_size_per_gpu from the same value, which distgrad reads)
     batch = getattr(trainer, "_train_batch_size", None) or getattr(trainer.args, "train_batch_size", None)
     overrides = with_micro_batch_size(config, overrides, batch, "the Trainer's train batch size")
+    # the Trainer writes its own checkpoints (not accelerator.save_state): DistgradState carries the state
     inst = instrument_accelerate(accelerator, engine, optimizer if optimizer is not None else trainer.optimizer,
-                                 config, **overrides)
+                                 config, checkpointing=False, **overrides)
     _warn_token_weighting(trainer, inst)
     return inst
 
@@ -171,8 +252,36 @@ def _warn_token_weighting(trainer: Any, inst: Any) -> None:
         "'Under the framework integrations')")
 
 
+class AccelerateCheckpoint:
+    """distgrad's state as an Accelerate checkpointing object: :func:`instrument_accelerate`
+    passes one to ``accelerator.register_for_checkpointing``, so ``accelerator.save_state(dir)``
+    writes ``custom_checkpoint_<i>.pkl`` (:meth:`state_dict`, ``torch.save`` on the main process)
+    and ``accelerator.load_state(dir)`` reads it back into the instrument on every process
+    (:meth:`load_state_dict`). ``<i>`` is the registration order: Accelerate requires the same
+    registered objects, in the same order, at save and at load.
+
+    Attributes:
+        instrument: the :class:`distgrad.Instrument`.
+    """
+
+    def __init__(self, instrument: "distgrad.Instrument") -> None:
+        self.instrument = instrument
+
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`distgrad.Instrument.state_dict` (plain Python types), after building the parked
+        record of the last sampled step (asynchronous records: Accelerate calls this on every
+        process in ``save_state``); ``{}`` when it cannot be taken (counted, logged). Never raises."""
+        return checkpoint_state(self.instrument, flush=True) or {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state`` into the instrument (every process, in ``load_state``); a state it
+        cannot use leaves the detectors to start from scratch, said once on rank 0
+        (:func:`distgrad.integrations.restore_state`). Never raises."""
+        restore_state(self.instrument, state, "the Accelerate checkpoint")
+
+
 def instrument_accelerate(accelerator: Any, model: Any, optimizer: Any = None, config: Any = None,
-                          **overrides: Any) -> "distgrad.Instrument":
+                          checkpointing: bool = True, **overrides: Any) -> "distgrad.Instrument":
     """Instrument a model and optimizer returned by ``accelerator.prepare`` (any distributed type).
 
     DeepSpeed: ``model`` is the ``DeepSpeedEngine``; it is instrumented directly (``optimizer``
@@ -186,6 +295,14 @@ def instrument_accelerate(accelerator: Any, model: Any, optimizer: Any = None, c
     ``accelerator.gradient_accumulation_steps`` itself when you use ``accelerator.accumulate``,
     which is accounted for).
 
+    Checkpoints (``checkpointing=True``, the default): an :class:`AccelerateCheckpoint` is
+    registered with ``accelerator.register_for_checkpointing``, so ``accelerator.save_state`` saves
+    distgrad's state and ``accelerator.load_state`` restores it. Call ``instrument_accelerate``
+    before ``load_state``, and at the same point relative to your own
+    ``register_for_checkpointing`` calls in the saving and the resuming script (Accelerate matches
+    ``custom_checkpoint_<i>.pkl`` files to objects by their order and refuses a different number of
+    them: pass ``checkpointing=False`` to resume from checkpoints written without distgrad).
+
     Raises:
         TypeError: the optimizer wrapper cannot be unwrapped (see
             :func:`distgrad.api.unwrap_optimizer`), or from :func:`distgrad.instrument`.
@@ -193,9 +310,14 @@ def instrument_accelerate(accelerator: Any, model: Any, optimizer: Any = None, c
     if is_deepspeed_engine(model):
         # the loop hands the micro-batch loss to accelerator.backward -> engine.backward, which
         # divides by the accumulation steps itself: the default per-micro-batch mean is right
-        return distgrad.instrument(model, config, **overrides)
+        inst = distgrad.instrument(model, config, **overrides)
+        if checkpointing:
+            accelerator.register_for_checkpointing(AccelerateCheckpoint(inst))
+        return inst
     scaler = getattr(accelerator, "scaler", None)
     inst = distgrad.instrument(model, config, optimizer=unwrap_optimizer(optimizer), scaler=scaler, **overrides)
+    if checkpointing:  # also when disabled: the saved objects' count must not depend on distgrad's config
+        accelerator.register_for_checkpointing(AccelerateCheckpoint(inst))
     if getattr(inst, "boundary", None) is None:  # enabled: false
         return inst
     inst.loss_reduction = "sum"
@@ -224,4 +346,5 @@ def instrument_accelerate(accelerator: Any, model: Any, optimizer: Any = None, c
     return inst
 
 
-__all__ = ["DistgradCallback", "attach", "instrument_trainer", "instrument_accelerate"]
+__all__ = ["AccelerateCheckpoint", "DistgradCallback", "DistgradState", "attach", "instrument_trainer",
+           "instrument_accelerate"]

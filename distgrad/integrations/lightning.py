@@ -40,6 +40,13 @@ One optimizer per LightningModule is supported (several raise at ``on_train_star
 
 Opt-in action ``stop`` (docs/action.md): ``trainer.should_stop`` is set at the end of the stopping
 batch (the offending update was skipped, the ``on_stop`` callbacks ran).
+
+Checkpoints (docs/checkpointing.md): the callback's ``state_dict()`` is distgrad's state
+(:meth:`distgrad.Instrument.state_dict`), which Lightning stores in every checkpoint under
+``checkpoint["callbacks"]["DistgradCallback"]`` (the default ``state_key``, the class name: one
+DistgradCallback per Trainer); ``trainer.fit(..., ckpt_path=...)`` hands it to
+``load_state_dict()`` on every rank before training starts, and it is restored into the new
+instrument at ``on_train_start``.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from typing import Any
 
 import distgrad
 from distgrad.engines.deepspeed import is_deepspeed_engine
-from distgrad.integrations import with_clip_threshold, with_micro_batch_size
+from distgrad.integrations import checkpoint_state, restore_state, with_clip_threshold, with_micro_batch_size
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -100,10 +107,38 @@ class DistgradCallback(Callback):
         self.overrides = overrides
         self.instrument: distgrad.Instrument | None = None
         self._deepspeed = False
+        self._restored: dict[str, Any] | None = None  # from a checkpoint, until on_train_start
+
+    def state_dict(self) -> dict[str, Any]:
+        """Lightning's checkpoint hook: distgrad's state (:meth:`distgrad.Instrument.state_dict`,
+        plain Python types) after building the parked record of the last sampled step
+        (asynchronous records; Lightning builds a checkpoint on every rank, so the flush may make
+        its collective). Before training starts: the state read from a checkpoint and not yet
+        restored, else ``{}`` (Lightning then stores nothing). Never raises."""
+        if self.instrument is None:
+            return dict(self._restored or {})
+        return checkpoint_state(self.instrument, flush=True) or {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning's restore hook (``fit(ckpt_path=...)``, every rank, before ``on_train_start``):
+        keep ``state_dict`` until the instrument exists, then restore it (a state it cannot use:
+        the detectors start from scratch, said once on rank 0)."""
+        if self.instrument is not None:
+            restore_state(self.instrument, state_dict, "the Lightning checkpoint")
+        else:
+            self._restored = dict(state_dict)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Instrument the strategy's engine or wrapped model, then restore the state read from
+        the checkpoint, if any (:meth:`load_state_dict`)."""
         if self.instrument is not None:
             return
+        self._instrument(trainer, pl_module)
+        restored, self._restored = self._restored, None
+        if self.instrument is not None and restored is not None:
+            restore_state(self.instrument, restored, "the Lightning checkpoint")
+
+    def _instrument(self, trainer: Any, pl_module: Any) -> None:
         model = trainer.model
         base = with_micro_batch_size(self.config, self.overrides, _loader_batch_size(trainer),
                                      "the train dataloader's batch_size")
