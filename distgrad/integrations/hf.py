@@ -264,7 +264,7 @@ class AccelerateCheckpoint:
         instrument: the :class:`distgrad.Instrument`.
     """
 
-    def __init__(self, instrument: "distgrad.Instrument") -> None:
+    def __init__(self, instrument: distgrad.Instrument) -> None:
         self.instrument = instrument
 
     def state_dict(self) -> dict[str, Any]:
@@ -346,5 +346,5 @@ def instrument_accelerate(accelerator: Any, model: Any, optimizer: Any = None, c
     return inst
 
 
-__all__ = ["AccelerateCheckpoint", "DistgradCallback", "DistgradState", "attach", "instrument_trainer",
-           "instrument_accelerate"]
+__all__ = ["AccelerateCheckpoint", "DistgradCallback", "DistgradState", "attach", "instrument_accelerate",
+           "instrument_trainer"]

@@ -18,14 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import traceback
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-from hf_cases import dataset, make_state, reset_accelerate, tiny_llama  # noqa: E402
+from tests.dist.hf_cases import dataset, make_state, reset_accelerate, tiny_llama
 
 STEPS, CUT, BATCH = 8, 4, 2
 #: short warm-ups and windows: the detectors are testing (finite z-scores) by the checkpoint
