@@ -18,7 +18,6 @@ import sys
 import tomllib
 from pathlib import Path
 
-import pytest
 import yaml
 
 from tests.docs_blocks import ROOT, blocks
@@ -117,7 +116,7 @@ def test_shell_blocks_name_existing_scripts_flags_and_extras():
             elif name == "bash":
                 script = ROOT / toks[1]
                 assert script.is_file(), where
-                text = "\n".join(l for l in script.read_text().splitlines() if not l.lstrip().startswith("#"))
+                text = "\n".join(ln for ln in script.read_text().splitlines() if not ln.lstrip().startswith("#"))
                 known = set(re.findall(r"--[\w-]+", text))
                 for py in set(re.findall(r"launch/\w+\.py", text)):  # extra arguments passed on
                     known |= _options(ROOT / py)

@@ -130,7 +130,6 @@ def ctx_torch_loop(tmp: Path):
     FSDP = functools.partial(FullyShardedDataParallel, device_id=torch.device("cpu"))
 
     pre_clip: list[float] = []
-    losses: list[float] = []
 
     def clip_grad_norm_(params, max_norm):  # records the float64 norm the clip sees, then clips
         params = [p for p in params if p.grad is not None]
