@@ -7,7 +7,7 @@ import os
 from typing import Any, Mapping
 
 from distgrad.config import ConfigError, DistgradConfig
-from distgrad.instrument import Instrument
+from distgrad.core.instrument import Instrument
 
 log = logging.getLogger("distgrad")
 
@@ -57,7 +57,7 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
 
     from distgrad.engines.deepspeed import DeepSpeedSource, attach_deepspeed, is_deepspeed_engine
     from distgrad.engines.torch_native import attach_torch
-    from distgrad.replay import attach_replay
+    from distgrad.diagnostics.replay import attach_replay
 
     optimizer = unwrap_optimizer(optimizer)
     if isinstance(config, torch.optim.Optimizer):
@@ -73,7 +73,7 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
         if isinstance(raw, Mapping) and "distgrad" in raw:
             config = raw["distgrad"]
     cfg = DistgradConfig.load(config).with_overrides(overrides)
-    from distgrad.action import check_config
+    from distgrad.diagnostics.action import check_config
 
     check_config(cfg)
 

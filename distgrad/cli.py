@@ -69,7 +69,7 @@ def _landscape(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from distgrad import landscape as ls
+    from distgrad.report import landscape as ls
 
     mod_name, _, fn_name = args.factory.partition(":")
     if not mod_name or not fn_name:

@@ -109,7 +109,7 @@ def _culprit_texts() -> tuple[str, str]:
         "rank",
         "none seen (no rank had a non-finite loss or gradient of its own before the reduction)",
     )
-    # the forward replay of the event's first step (distgrad.replay): the module, else why none
+    # the forward replay of the event's first step (distgrad.diagnostics.replay): the module, else why none
     module = tlist(
         "distgrad_nonfinite_culprit_module{job=%q,instance=%q}",
         "{{ $s.Labels.module }} (rank {{ $s.Labels.rank }})",

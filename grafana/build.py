@@ -21,7 +21,7 @@ a rule file with that base instead of the committed one (the committed file keep
     python grafana/build.py --runbook-url https://wiki.example/distgrad-runbook --rules-out /etc/prometheus/distgrad.rules.yml
 
 Metric facts (names, units, help, when a metric exists) come from distgrad's metric catalogue,
-``distgrad/metrics.py``.
+``distgrad/export/metrics.py``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 if __name__ == "__main__" and str(HERE.parent) not in sys.path:  # run as a script: grafana/ is a package
     sys.path.insert(0, str(HERE.parent))
 
-from distgrad import metrics as catalogue  # noqa: E402
+from distgrad.export import metrics as catalogue  # noqa: E402
 from grafana import alerts, dashboards, routing  # noqa: E402
 from grafana.dashboards.common import to_json  # noqa: E402
 
@@ -47,7 +47,7 @@ DASHBOARDS = {m.FILE: m for m in dashboards.MODULES}
 
 
 def catalogue_metrics() -> set[str]:
-    """Names of the metrics declared in distgrad's metric catalogue (:mod:`distgrad.metrics`)."""
+    """Names of the metrics declared in distgrad's metric catalogue (:mod:`distgrad.export.metrics`)."""
     return set(catalogue.names())
 
 

@@ -33,7 +33,7 @@ ALERTS: dict[str, dict[str, Any]] = {
     # DistgradRepeatedOverflow and DistgradLossScaleCollapsed instead).
     "DistgradNonFiniteGradients": {"severity": "critical", "for": "0s", "window": "5m"},
     "DistgradNaNLoss": {"severity": "critical", "for": "0s"},
-    # detectors that page: the robust jump test (distgrad.robust_spike: from the first tens of
+    # detectors that page: the robust jump test (distgrad.diagnostics.robust_spike: from the first tens of
     # steps, a one-rank garbage batch doubling the loss, an lr blow-up; no alarm on healthy
     # 300-step runs, tests/test_causes.py) and OLMo's windowed 6-sigma score. ZClip's EMA z-score at its default
     # z = 2.5 flags ~1-2% of samples of a noisy but healthy series (tests/test_detectors.py),

@@ -16,7 +16,7 @@ without the label); ``$__rate_interval`` / ``$__interval`` become ``rate_interva
 
 Queries whose metrics only exist under some condition (an fp16 loss scaler, clipping, a
 non-finite step, a firing alert, ...) carry those conditions in ``PanelQuery.conditional``:
-the metric's ``when`` in distgrad's metric catalogue (:mod:`distgrad.metrics`), unless it is
+the metric's ``when`` in distgrad's metric catalogue (:mod:`distgrad.export.metrics`), unless it is
 one of :data:`UNCONDITIONAL`, and :data:`ALERT` for Prometheus' own ``ALERTS`` series;
 :func:`condition_text` says what each means.
 
@@ -39,7 +39,7 @@ from typing import Any, Iterable, Iterator
 if __name__ == "__main__":  # run as a script: the repository root holds distgrad and grafana
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from distgrad import metrics as catalogue  # noqa: E402
+from distgrad.export import metrics as catalogue  # noqa: E402
 
 DASHBOARDS_DIR = Path(__file__).resolve().parent / "dashboards"
 

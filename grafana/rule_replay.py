@@ -116,7 +116,7 @@ def _escape(v: str) -> str:
 
 def read_records(path: str | os.PathLike) -> list[Any]:
     """The StepRecords of a JSONL run log (rotated backups first), in file order."""
-    from distgrad.sinks.jsonl import read_jsonl
+    from distgrad.export.jsonl import read_jsonl
 
     return list(read_jsonl(path))
 
@@ -127,13 +127,13 @@ def run_series(records: Sequence[Any], run: str, names: set[str], t0: float, dt:
     position), labelled ``job="distgrad"``, ``instance="replay/<run>"``, ``run="<run>"``.
     ``distgrad_last_step_timestamp_seconds`` is the synthetic time of the step (the replay's
     clock), so rules comparing it with ``time()`` read the replay's time axis."""
-    from distgrad import metrics
-    from distgrad.sinks.prometheus import DistgradCollector
+    from distgrad.export import metrics
+    from distgrad.export.prometheus import DistgradCollector
 
     world = records[0].world_size if records else 1
     col = DistgradCollector({"engine": "replay", "zero_stage": "", "dtype": "", "version": ""}, world,
                             has_loss_scaler=any(r.loss_scale is not None for r in records), has_samples=True)
-    for reason in metrics.LABELS["reason"].values or ():  # as distgrad.startup does at instrument()
+    for reason in metrics.LABELS["reason"].values or ():  # as distgrad.core.startup does at instrument()
         col.inc_labeled("distgrad_refused_steps", {"reason": reason}, 0)
     extra = f'job="{JOB}",instance="replay/{_escape(run)}",run="{_escape(run)}"'
     out: dict[str, list[str]] = {}

@@ -1,4 +1,4 @@
-"""The opt-in action (config ``action``, distgrad/action.py): on a non-finite step or a paging
+"""The opt-in action (config ``action``, distgrad/diagnostics/action.py): on a non-finite step or a paging
 spike the optimizer update is skipped on every rank (parameters and optimizer state bit for bit
 unchanged), or skipped and the run stopped after the ``on_stop`` callbacks; counted, exported,
 and the step's sample indices written per rank. Multi-rank cases: tests/dist/action_cases.py

@@ -128,7 +128,7 @@ def test_build_writes_rules_with_another_runbook_base(tmp_path):
 
 def test_rules_use_catalogue_metrics_only():
     unknown = build.referenced_metrics(RULES.read_text()) - build.catalogue_metrics()
-    assert unknown == set(), f"not in distgrad/metrics.py: {sorted(unknown)}"
+    assert unknown == set(), f"not in distgrad/export/metrics.py: {sorted(unknown)}"
 
 
 def test_nonfinite_alert_fires_on_first_step_and_critical():

@@ -10,10 +10,10 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from distgrad import flight_recorder as fr_mod
+from distgrad.diagnostics import flight_recorder as fr_mod
 from distgrad.config import DistgradConfig
 from distgrad.engines.base import GradSource
-from distgrad.instrument import Instrument
+from distgrad.core.instrument import Instrument
 
 
 class Two(GradSource):
@@ -77,7 +77,7 @@ def test_full_flight_recorder_directory_leaves_no_file_and_counts_a_sink_error(t
 
 
 def test_failing_sink_logs_its_traceback_once():
-    from distgrad.sinks.base import Sink
+    from distgrad.export.base import Sink
 
     class Broken(Sink):
         name = "broken"

@@ -170,7 +170,7 @@ def test_local_grad_check_hooks_each_leaf_once_and_flags_a_backward_only_nan():
     """``sqrt(sum(0 * w))`` is 0 in the forward pass, 0/0 = NaN in the backward pass: the
     check flags it (finite gradients do not), a leaf added twice is hooked once, and an engine
     without a known hook point is refused by name."""
-    from distgrad.culprit import LocalGradCheck, pre_reduction_leaves
+    from distgrad.diagnostics.culprit import LocalGradCheck, pre_reduction_leaves
 
     lin = torch.nn.Linear(3, 2)
     check = LocalGradCheck([lin.weight])

@@ -52,7 +52,7 @@ def test_file_sd_target_written_by_rank0_and_removed_at_close(tmp_path):
     import json
 
     from distgrad.engines.base import GradSource
-    from distgrad.instrument import Instrument
+    from distgrad.core.instrument import Instrument
 
     class NoGrads(GradSource):
         names, numels = [], []

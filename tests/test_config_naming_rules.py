@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from distgrad.config import DistgradConfig
 from distgrad.diagnostics import Diagnostics
 from distgrad.record import ParamStats, StepRecord
-from distgrad.sinks.prometheus import PrometheusSink
+from distgrad.export.prometheus import PrometheusSink
 
 NAMES = ["encoder.stages.0.conv.weight", "encoder.stages.0.conv.bias", "encoder.stages.1.conv.weight",
          "encoder.stages.1.proj.weight", "classifier.weight"]
@@ -77,7 +77,7 @@ def test_yaml_naming_rule_labels_the_layer_and_kind_series(tmp_path):
 def test_naming_rules_reach_the_tensorboard_layers(tmp_path):
     from tensorboard.backend.event_processing import event_accumulator as ea
 
-    from distgrad.sinks.tensorboard import TensorBoardSink
+    from distgrad.export.tensorboard import TensorBoardSink
 
     cfg = DistgradConfig.load({"naming": {"rules": [[r"^encoder\.stages\.(\d+)\.", r"\1", "stage"]]}})
     sink = TensorBoardSink(tmp_path / "tb", naming_rules=cfg.naming.tuples, histograms=False)

@@ -156,14 +156,14 @@ def test_off_by_default_features_sit_in_collapsed_rows_that_say_how_to_enable_th
 def test_dashboards_use_catalogue_metrics_only():
     catalogue = build.catalogue_metrics()
     queried = {m for q in queries.dashboard_queries("distgrad") for m in q.metrics} - {"ALERTS"}
-    assert queried and queried <= catalogue, f"not in distgrad/metrics.py: {sorted(queried - catalogue)}"
+    assert queried and queried <= catalogue, f"not in distgrad/export/metrics.py: {sorted(queried - catalogue)}"
     for p in DASHBOARDS:  # descriptions too
         unknown = build.referenced_metrics(p.read_text()) - catalogue
-        assert unknown == set(), f"{p.name}: not in distgrad/metrics.py: {sorted(unknown)}"
+        assert unknown == set(), f"{p.name}: not in distgrad/export/metrics.py: {sorted(unknown)}"
 
 
 def test_panel_descriptions_and_units_come_from_the_catalogue():
-    from distgrad import metrics as catalogue
+    from distgrad.export import metrics as catalogue
 
     from grafana.dashboards import common
     n = 0
@@ -200,7 +200,7 @@ def test_queries_lists_every_target_with_variables_substituted():
     assert 'distgrad_loss{job=~"my-job-.*", run=~".*", instance=~".*"}' in panel_exprs
     assert 'rate(distgrad_samples_total{job=~"my-job-.*", run=~".*", instance=~".*"}[30s])' in panel_exprs
     (loss_scale,) = [q for q in qs if q.expr.startswith("distgrad_loss_scale{")]
-    assert loss_scale.conditional == ("loss_scaler",)  # distgrad/metrics.py: fp16 with a dynamic loss scaler only
+    assert loss_scale.conditional == ("loss_scaler",)  # distgrad/export/metrics.py: fp16 with a dynamic loss scaler only
     assert "fp16" in queries.condition_text("loss_scaler")
     with pytest.raises(ValueError, match="unknown_var"):
         queries.substitute("x{a=~\"$unknown_var\"}", {})

@@ -5,13 +5,13 @@ import statistics
 import numpy as np
 import pytest
 
-from distgrad.detectors import (
+from distgrad.diagnostics.detectors import (
     DETECTOR_LABELS,
     DetectorResult,
     EmaZScoreDetector,
     WindowSpikeDetector,
 )
-from distgrad.spike_monitor import SpikeMonitor
+from distgrad.diagnostics.spike_monitor import SpikeMonitor
 
 
 def healthy_series(seed: int, n: int = 400) -> np.ndarray:

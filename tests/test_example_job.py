@@ -101,7 +101,7 @@ def test_example_injected_nan_is_counted_named_recorded_and_reported(tmp_path):
     assert len([ln for ln in text.splitlines() if "distgrad: step 3: nonfinite_loss on rank 1" in ln]) == 1
 
     from distgrad.record import Culprit
-    from distgrad.sinks.jsonl import read_jsonl
+    from distgrad.export.jsonl import read_jsonl
 
     recs = list(read_jsonl(jsonl))
     assert [r.step for r in recs] == list(range(8))
@@ -153,7 +153,7 @@ def test_example_lora_shows_a_and_b_per_layer(tmp_path):
                          "--heads", "2", "--block", "32", "--hold", "60", "--set", f"jsonl_path={jsonl}", log=log)
     try:
         m = wait_for(step_at_least(port, 5), proc, 240, "step 5", log)
-        from distgrad.sinks.jsonl import read_jsonl
+        from distgrad.export.jsonl import read_jsonl
 
         first = next(iter(read_jsonl(jsonl)))
         assert first.step == 0

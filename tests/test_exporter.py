@@ -1,4 +1,4 @@
-"""The exporter (distgrad/sinks/exporter.py + its HTTP helper process, http_server.py) over real
+"""The exporter (distgrad/export/exporter.py + its HTTP helper process, http_server.py) over real
 loopback sockets: families collected once per change (not per scrape) and served from the
 helper's copy with prometheus_client's exposition (responses equal its own WSGI app's), the name[] filter, OpenMetrics and gzip negotiation, keep-alive, and connections that
 never finish a request dropped without a thread each."""
@@ -19,7 +19,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 
 from distgrad.record import ParamStats, StepRecord
-from distgrad.sinks.prometheus import PrometheusSink
+from distgrad.export.prometheus import PrometheusSink
 
 STATIC = {"engine": "ddp", "zero_stage": "", "dtype": "fp32", "version": "0"}
 

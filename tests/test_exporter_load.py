@@ -31,7 +31,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import DIST, ROOT, free_port
-from distgrad.sinks.exporter import ExporterProcess, PageCache
+from distgrad.export.exporter import ExporterProcess, PageCache
 
 SCRAPERS = 32
 IDLE = 1000

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from distgrad.flight_recorder import FlightRecorder, load_dump, provenance_from
+from distgrad.diagnostics.flight_recorder import FlightRecorder, load_dump, provenance_from
 from distgrad.record import STAT_FIELDS, ParamStats, Spikes, StepRecord
 
 NAMES = ["embed.weight", "layers.0.attn.q.weight", "layers.1.mlp.up.weight", "head.weight"]

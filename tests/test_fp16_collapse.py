@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import distgrad
 from distgrad.diagnostics.loss_scale import LossScaleCollapse
 from distgrad.record import StepRecord
-from distgrad.sinks.prometheus import PrometheusSink
+from distgrad.export.prometheus import PrometheusSink
 
 
 class BlowUp(nn.Module):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from distgrad.grouping import group_keys
+from distgrad.naming.grouping import group_keys
 from distgrad.record import StepRecord
 from tests.helpers import launch
 from tests.reference import check_histogram

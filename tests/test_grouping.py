@@ -1,4 +1,4 @@
-"""distgrad.grouping: exact re-aggregation against statistics computed directly (torch float64) on
+"""distgrad.naming.grouping: exact re-aggregation against statistics computed directly (torch float64) on
 the concatenated gradients of each group, the series budget, parameter selection.
 """
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from distgrad.grouping import (
+from distgrad.naming.grouping import (
     DEFAULT_SERIES_BUDGET,
     DEFAULT_TOP_K,
     GLOBAL_SERIES,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from distgrad.health import (
+from distgrad.diagnostics.health import (
     HealthReport,
     LayerHealth,
     UpdateRatioTracker,

@@ -109,8 +109,8 @@ def test_failing_sink_is_counted_and_others_still_get_the_record():
 
     from distgrad.config import DistgradConfig
     from distgrad.engines.base import GradSource
-    from distgrad.instrument import Instrument
-    from distgrad.sinks.base import Sink
+    from distgrad.core.instrument import Instrument
+    from distgrad.export.base import Sink
 
     class Two(GradSource):
         names, numels = ["a", "b"], [3, 2]

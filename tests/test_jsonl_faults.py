@@ -15,9 +15,9 @@ import shutil
 import numpy as np
 import pytest
 
-from distgrad.sinks import jsonl as jsonl_mod
-from distgrad.sinks.base import SinkError
-from distgrad.sinks.jsonl import JsonlSink, read_jsonl
+from distgrad.export import jsonl as jsonl_mod
+from distgrad.export.base import SinkError
+from distgrad.export.jsonl import JsonlSink, read_jsonl
 from tests.synthetic import assert_same, make_record, param_names
 
 
@@ -220,7 +220,7 @@ def test_instrument_counts_each_lost_record_as_a_sink_error_without_tracebacks(t
 
     from distgrad.config import DistgradConfig
     from distgrad.engines.base import GradSource
-    from distgrad.instrument import Instrument
+    from distgrad.core.instrument import Instrument
 
     class Two(GradSource):
         names, numels = ["a", "b"], [3, 2]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from distgrad.record import STAT_FIELDS, Health, StepRecord
-from distgrad.sinks.jsonl import SCHEMA_VERSION, JsonlSink, read_jsonl, rotated_files
+from distgrad.export.jsonl import SCHEMA_VERSION, JsonlSink, read_jsonl, rotated_files
 from tests.synthetic import NAN_STEP, assert_same, make_record, param_names
 
 NAN_PARAM = "model.layers.1.mlp.up_proj.weight"
@@ -199,7 +199,7 @@ def test_schema1_line_reads_into_the_typed_parts(tmp_path):
     in its typed place, and re-encodes (schema 2) to a record equal field by field."""
     from distgrad.record import (Aggregates, Clip, NonfiniteEvent, ParamProvenance, Provenance, RankCount,
                                  ScalerState, Spikes)
-    from distgrad.sinks.jsonl import decode_record, encode_record
+    from distgrad.export.jsonl import decode_record, encode_record
 
     r = decode_record(_SCHEMA1_LINE)
     assert r.step == 7 and r.nonfinite and r.nonfinite_ranks == [1]

@@ -1,4 +1,4 @@
-"""distgrad.landscape on one process: slices of a quadratic against the closed form, filter
+"""distgrad.report.landscape on one process: slices of a quadratic against the closed form, filter
 normalisation against a direct per-row computation, bit-identical restore (also after an error),
 and the CLI. The multi-rank cases (DDP, FSDP2, ZeRO-3 against the one-process slice) are in
 tests/test_landscape_multirank.py."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from distgrad import landscape as ls
+from distgrad.report import landscape as ls
 from distgrad.cli import main as cli_main
 
 

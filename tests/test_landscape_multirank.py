@@ -1,4 +1,4 @@
-"""distgrad.landscape on 2 gloo ranks (tests/dist/landscape_cases.py, one launch): under DDP,
+"""distgrad.report.landscape on 2 gloo ranks (tests/dist/landscape_cases.py, one launch): under DDP,
 FSDP2 and DeepSpeed ZeRO-3 (persistent and gathered parameters) the 1-D and 2-D slices equal the
 one-process slice of the gathered full weights over every rank's batches (same seed), the local
 weight shards are bit-identical afterwards, and the slices make one all-reduce per grid point

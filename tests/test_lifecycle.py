@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from distgrad.sinks.prometheus import PrometheusSink
+from distgrad.export.prometheus import PrometheusSink
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,9 +14,9 @@ import math
 import numpy as np
 import pytest
 
-from distgrad.loss_trend import TrendTracker, ols_slope
+from distgrad.loss.trend import TrendTracker, ols_slope
 from distgrad.record import StepRecord
-from distgrad.token_loss import EDGES
+from distgrad.loss.token import EDGES
 
 from tests.dist.common import LA_SOURCES, LA_STEPS, LA_ZW
 
@@ -187,7 +187,7 @@ def test_report_shows_components_token_distribution_and_trend(tmp_path):
     import distgrad
     from tests.dist.common import TinyLM, lm_batch, lm_losses
     from distgrad.report import analyze, write_report
-    from distgrad.sinks.jsonl import read_jsonl
+    from distgrad.export.jsonl import read_jsonl
 
     pytest.importorskip("matplotlib")
     torch.manual_seed(0)
@@ -229,7 +229,7 @@ def test_token_loss_keeps_no_token_memory_and_counts_nan_and_masked_tokens():
 
     import torch
 
-    from distgrad.token_loss import TOKEN_COLS, TokenLoss
+    from distgrad.loss.token import TOKEN_COLS, TokenLoss
 
     tl = TokenLoss(["a"], threshold=1.0)
     vals = [[0.005, 0.3, float("nan"), 25.0], [2.0, 1.5, 0.5, float("nan")]]

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distgrad.loss import rank_stats  # noqa: F401  (the unit under test, for the single-process checks)
+from distgrad.loss.tracker import rank_stats  # noqa: F401  (the unit under test, for the single-process checks)
 from distgrad.record import StepRecord
 
 from tests.dist.common import ATTR_GAS, ATTR_SLEEP, ATTR_SLOW_STEPS, ATTR_SPIKE, ATTR_STEPS, sample_ids
@@ -112,7 +112,7 @@ def test_attribution_adds_no_collective_and_no_host_sync(attribution):
 
 
 def test_rank_stats_culprit_of_a_nonfinite_loss_and_no_loss():
-    from distgrad.loss import RANK_LOSS_COLS
+    from distgrad.loss.tracker import RANK_LOSS_COLS
 
     rows = np.zeros((3, len(RANK_LOSS_COLS)))
     rows[:, 1] = 2.0

@@ -1,4 +1,4 @@
-"""The metric catalogue (distgrad/metrics.py) and the exposition agree: with the features that
+"""The metric catalogue (distgrad/export/metrics.py) and the exposition agree: with the features that
 enable a metric it is served, without them it is not, every served metric is declared with the
 type and labels it is served with; docs/metrics.md is the catalogue's rendering; the series
 budget's constants equal the series a scrape actually holds per parameter / layer / kind."""
@@ -12,19 +12,20 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from distgrad import grouping, metrics
+from distgrad.export import metrics
+from distgrad.naming import grouping
 from distgrad.config import DistgradConfig
-from distgrad.detectors import DETECTOR_LABELS
+from distgrad.diagnostics.detectors import DETECTOR_LABELS
 from distgrad.diagnostics import Diagnostics
-from distgrad.loss import rank_stats
-from distgrad.record_gns import Curvature, NoiseScale
-from distgrad.record_action import ActionPart
+from distgrad.loss.tracker import rank_stats
+from distgrad.record.gns import Curvature, NoiseScale
+from distgrad.record.action import ActionPart
 from distgrad.record import Culprit, LossComponents, ParamStats, RankCount, ScalerState, StepRecord, TokenLossStats
-from distgrad.record_histogram import GradHistogram
-from distgrad.record_culprit import CulpritModule
-from distgrad.record_optimizer import OptimizerSignals
-from distgrad.token_loss import EDGES
-from distgrad.sinks.prometheus import PrometheusSink
+from distgrad.record.histogram import GradHistogram
+from distgrad.record.culprit import CulpritModule
+from distgrad.record.optimizer import OptimizerSignals
+from distgrad.loss.token import EDGES
+from distgrad.export.prometheus import PrometheusSink
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 NAMES = ["blocks.0.attn.qkv.weight", "blocks.1.mlp.fc.weight"]
@@ -39,9 +40,9 @@ def _sink(features: set[str]) -> PrometheusSink:
                           has_loss_scaler="loss_scaler" in f, has_samples="samples" in f)
     for s in ("prometheus", "jsonl"):
         sink.collector.inc_labeled("distgrad_sink_errors", {"sink": s}, 0)
-    for reason in metrics.LABELS["reason"].values or ():  # as distgrad.startup does
+    for reason in metrics.LABELS["reason"].values or ():  # as distgrad.core.startup does
         sink.collector.inc_labeled("distgrad_refused_steps", {"reason": reason}, 0)
-    if "action" in f:  # an opt-in action configured: its counter from the start, as distgrad.startup does
+    if "action" in f:  # an opt-in action configured: its counter from the start, as distgrad.core.startup does
         for cause in metrics.LABELS["cause"].values or ():
             sink.collector.inc_labeled("distgrad_action_skipped_steps", {"cause": cause}, 0)
     if "step" in f:
@@ -116,7 +117,7 @@ def _families(sink: PrometheusSink) -> dict[str, list]:
 
 def test_docs_metrics_md_is_generated_from_the_catalogue():
     assert DOC.read_text() == metrics.markdown(), \
-        "docs/metrics.md is stale: python -m distgrad.metrics --markdown > docs/metrics.md"
+        "docs/metrics.md is stale: python -m distgrad.export.metrics --markdown > docs/metrics.md"
 
 
 @pytest.mark.parametrize("features", [

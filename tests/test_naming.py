@@ -1,4 +1,4 @@
-"""distgrad.naming: classification of real parameter-name lists, wrapper invariance, user rules,
+"""distgrad.naming.classify: classification of real parameter-name lists, wrapper invariance, user rules,
 forward order.
 
 Fixtures: tests/fixtures/param_names/<arch>.txt holds the parameter names of an architecture
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from distgrad.naming import (
+from distgrad.naming.classify import (
     MODULE_KINDS,
     ParamGroup,
     canonical_name,

@@ -223,7 +223,7 @@ def test_a_grad_scaler_loss_scale_is_divided_out():
 
 
 def test_the_moving_averages_survive_a_checkpoint():
-    """state_dict / load_state_dict (distgrad.checkpoint): a resumed run continues the EMAs, so its
+    """state_dict / load_state_dict (distgrad.core.checkpoint): a resumed run continues the EMAs, so its
     records equal those of the uninterrupted run."""
     import json
 

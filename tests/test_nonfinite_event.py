@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from distgrad.config import DistgradConfig
 from distgrad.diagnostics import Diagnostics
 from distgrad.record import ParamStats, RankCount, StepRecord
-from distgrad.sinks.prometheus import PrometheusSink
+from distgrad.export.prometheus import PrometheusSink
 
 NAMES = ["embed.weight", "layers.0.w", "layers.1.w", "head.weight"]
 

@@ -16,8 +16,8 @@ import torch.nn as nn
 
 import distgrad
 from distgrad.config import ConfigError
-from distgrad.grouping import group_keys
-from distgrad.sinks.prometheus import _PART_GAUGES
+from distgrad.naming.grouping import group_keys
+from distgrad.export.prometheus import _PART_GAUGES
 
 
 def reference(grads: dict, state: dict, group: dict, theta: float, keys: dict, clip: float | None = None) -> dict:

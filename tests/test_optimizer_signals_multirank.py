@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import launch
-from distgrad.grouping import group_keys
+from distgrad.naming.grouping import group_keys
 from distgrad.record import StepRecord
 
 pytestmark = pytest.mark.multirank

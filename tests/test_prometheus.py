@@ -14,7 +14,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from distgrad.record import ParamStats, StepRecord
-from distgrad.sinks.prometheus import PrometheusSink
+from distgrad.export.prometheus import PrometheusSink
 
 STATIC = {"engine": "deepspeed", "zero_stage": "2", "dtype": "bf16", "version": "0.1.0"}
 

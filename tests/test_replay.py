@@ -1,4 +1,4 @@
-"""The culprit-module replay (distgrad/replay.py) on one process: the module it names, and the
+"""The culprit-module replay (distgrad/diagnostics/replay.py) on one process: the module it names, and the
 outcome it records instead when it cannot vouch for a module (multi-rank DDP / FSDP2 cases:
 tests/test_causes.py)."""
 
@@ -14,7 +14,7 @@ from prometheus_client import generate_latest
 
 import distgrad
 from distgrad.record import StepRecord
-from distgrad.replay import KEEP, decide, nonfinite_verdict
+from distgrad.diagnostics.replay import KEEP, decide, nonfinite_verdict
 from distgrad.stats.layout import CULPRIT_GRAD, CULPRIT_LOSS, RANK_COLS, SUM_COLS
 
 

@@ -18,7 +18,7 @@ from distgrad.cli import main
 from distgrad.record import ParamStats, Provenance, Spikes, StepRecord, UnsampledNonfinite
 from distgrad.report import (Downsampler, RollingMadSpikes, analyze, layer_of,
                              layer_sort_key)
-from distgrad.sinks.jsonl import JsonlSink, encode_record
+from distgrad.export.jsonl import JsonlSink, encode_record
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_mpl = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
@@ -375,7 +375,7 @@ def test_summary_skips_a_corrupt_middle_line_and_flags_appended_runs(tmp_path):
     """A damaged line in the middle is skipped and reported (not fatal); a second run appended to
     the same file (steps going back) is pointed out."""
     from distgrad.report import analyze, format_summary
-    from distgrad.sinks.jsonl import JsonlSink
+    from distgrad.export.jsonl import JsonlSink
 
     names = ["layers.0.w", "layers.1.w"]
     rng = np.random.default_rng(0)
@@ -398,8 +398,8 @@ def test_verdict_names_records_lost_by_the_sink_and_torn_lines(tmp_path, monkeyp
     then freed: the summary is not HEALTHY and names the gap and the torn line."""
     import errno
 
-    from distgrad.sinks import jsonl as jsonl_mod
-    from distgrad.sinks.base import SinkError
+    from distgrad.export import jsonl as jsonl_mod
+    from distgrad.export.base import SinkError
 
     names = ["layers.0.w", "layers.1.w"]
     rng = np.random.default_rng(0)

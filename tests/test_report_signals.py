@@ -19,7 +19,7 @@ import torch.nn as nn
 import distgrad
 from distgrad.cli import main
 from distgrad.record import StepRecord
-from distgrad.record_histogram import GradHistogram
+from distgrad.record.histogram import GradHistogram
 from distgrad.report import analyze
 from distgrad.report import signals as sig
 
@@ -221,7 +221,7 @@ def test_noise_scale_finding_from_real_runs(tmp_path, noise, micro, case):
 
 
 def gns_record(step: int, b: float | None, batch: float, ema_steps: int) -> SimpleNamespace:
-    from distgrad.record_gns import NoiseScale
+    from distgrad.record.gns import NoiseScale
 
     return SimpleNamespace(step=step, noise_scale=NoiseScale(micro_batches=4, small_batch=batch / 4, big_batch=batch,
                                                              noise_scale=b, ema_steps=ema_steps))
@@ -305,7 +305,7 @@ def test_curvature_rise_from_a_real_run(tmp_path):
 
 @pytest.mark.parametrize("after,fires", [(3.0, True), (2.99, False)])
 def test_rise_rule_threshold(after, fires):
-    from distgrad.record_gns import Curvature
+    from distgrad.record.gns import Curvature
 
     acc = sig.SignalsAccumulator(max_points=8)
     W = sig.WINDOW
@@ -386,7 +386,7 @@ def test_adam_findings_from_real_runs(tmp_path):
 
 
 def adam_record(step: int, rms: float, frac: float):
-    from distgrad.record_optimizer import OptimizerSignals
+    from distgrad.record.optimizer import OptimizerSignals
 
     return SimpleNamespace(step=step, optimizer_signals=OptimizerSignals(
         update_rms=rms, spike_fraction=frac, layer_update_rms={"a": rms, "b": 1.0}, layer_spike_fraction={"a": frac},

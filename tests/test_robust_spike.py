@@ -1,4 +1,4 @@
-"""The robust jump detector (distgrad/robust_spike.py) against its definition, recomputed here
+"""The robust jump detector (distgrad/diagnostics/robust_spike.py) against its definition, recomputed here
 with the standard library (pairwise slopes, statistics.median)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import statistics
 import numpy as np
 import pytest
 
-from distgrad.robust_spike import RobustJumpDetector, theil_sen
+from distgrad.diagnostics.robust_spike import RobustJumpDetector, theil_sen
 
 
 def _reference(history: list[float], x: float, k: float, ratio: float, floor: float) -> tuple[float, bool]:

@@ -15,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from distgrad.config import DistgradConfig
 from distgrad.diagnostics import Diagnostics
-from distgrad.naming import classify
+from distgrad.naming.classify import classify
 from distgrad.record import ParamStats, StepRecord
-from distgrad.sinks.prometheus import PrometheusSink
+from distgrad.export.prometheus import PrometheusSink
 from tests.synthetic import llama70b_layout
 
 

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing import event_accumulator as ea  # noqa
 
 from distgrad.record import ParamStats, StepRecord  # noqa: E402
 from distgrad.report import layer_of  # noqa: E402
-from distgrad.sinks.tensorboard import TensorBoardSink  # noqa: E402
+from distgrad.export.tensorboard import TensorBoardSink  # noqa: E402
 
 NAN_STEP = 5
 NAMES = ["model.embed_tokens.weight"] + [

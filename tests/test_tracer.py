@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from distgrad.tracer import OverflowTracer, render_report
+from distgrad.diagnostics.tracer import OverflowTracer, render_report
 
 
 class Tiny(nn.Module):

@@ -12,7 +12,7 @@ from prometheus_client import generate_latest
 
 from distgrad.config import DistgradConfig
 from distgrad.engines.base import GradSource
-from distgrad.instrument import Instrument
+from distgrad.core.instrument import Instrument
 
 
 class Mixed(GradSource):

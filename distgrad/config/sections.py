@@ -158,7 +158,7 @@ class SpikesConfig(Section):
         "Rolling-window detector: a sample more than this many standard deviations from the "
         "window's mean is a spike."))
     robust_window: int = Field(24, ge=3, description=(
-        "Robust jump detector (the paging one; distgrad.robust_spike): previous samples whose "
+        "Robust jump detector (the paging one; distgrad.diagnostics.robust_spike): previous samples whose "
         "Theil-Sen trend and median absolute deviation, on the log of the series, form the reference."))
     robust_warmup: int = Field(8, ge=3, description=(
         "Robust jump detector: samples before the first test (at most robust_window)."))
@@ -403,7 +403,7 @@ def _rule(v: Any) -> Any:
 
 class NamingRule(Section):
     """One user rule: the first rule whose ``pattern`` is found in a parameter's canonical name
-    gives its layer and module kind (before the built-in tables of :mod:`distgrad.naming`)."""
+    gives its layer and module kind (before the built-in tables of :mod:`distgrad.naming.classify`)."""
 
     section_key: ClassVar[str] = "naming.rules[]"
     pattern: str = Field(min_length=1, description=(
@@ -433,7 +433,7 @@ class NamingRule(Section):
         return self
 
     def as_tuple(self) -> tuple[str, str, str]:
-        """``(pattern, layer, module_kind)``, the form :func:`distgrad.naming.classify` takes."""
+        """``(pattern, layer, module_kind)``, the form :func:`distgrad.naming.classify.classify` takes."""
         return (self.pattern, self.layer, self.module_kind)
 
 
@@ -448,7 +448,7 @@ class NamingConfig(Section):
 
     @property
     def tuples(self) -> tuple[tuple[str, str, str], ...]:
-        """The rules as ``(pattern, layer, module_kind)`` tuples (for :func:`distgrad.naming.classify`)."""
+        """The rules as ``(pattern, layer, module_kind)`` tuples (for :func:`distgrad.naming.classify.classify`)."""
         return tuple(r.as_tuple() for r in self.rules)
 
 

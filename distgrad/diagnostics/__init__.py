@@ -28,14 +28,14 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from distgrad.config import DistgradConfig
-from distgrad.spike_monitor import SpikeMonitor
+from distgrad.diagnostics.spike_monitor import SpikeMonitor
 from distgrad.diagnostics.base import REGISTRY, Diagnostic, DiagnosticContext, register
 from distgrad.diagnostics.builtin import (AggregatesDiagnostic, ClipDiagnostic, HealthDiagnostic,
                                           ProvenanceDiagnostic, SpikeDiagnostic, TracerDiagnostic)
 from distgrad.diagnostics.loss import ComponentSpikeDiagnostic, LossTrendDiagnostic  # noqa: F401  (registers them)
 from distgrad.diagnostics.loss_scale import LossScaleDiagnostic
 from distgrad.record import StepRecord
-from distgrad.sinks.base import SinkError
+from distgrad.export.base import SinkError
 
 __all__ = ["Diagnostics", "Diagnostic", "DiagnosticContext", "REGISTRY", "register", "STATE_VERSION",
            "SpikeDiagnostic", "HealthDiagnostic", "ClipDiagnostic", "AggregatesDiagnostic",
@@ -65,7 +65,7 @@ class Diagnostics:
             instrument counts it as an internal error); default: logged. Either way the other
             plug-ins run.
         on_sink_error: ``fn(sink)`` called when a plug-in raises
-            :class:`~distgrad.sinks.base.SinkError` (a file it writes could not be written: disk
+            :class:`~distgrad.export.base.SinkError` (a file it writes could not be written: disk
             full, unwritable directory); the instrument counts it in
             ``distgrad_sink_errors_total{sink}``. Default: handled like any other failure.
 
@@ -155,7 +155,7 @@ class Diagnostics:
 
     @property
     def tracer(self) -> Any:
-        """The :class:`~distgrad.tracer.OverflowTracer`, or None when tracing is off."""
+        """The :class:`~distgrad.diagnostics.tracer.OverflowTracer`, or None when tracing is off."""
         p = self.get("tracer")
         return p.tracer if isinstance(p, TracerDiagnostic) else None
 

@@ -52,7 +52,7 @@ class Diagnostic:
 
     name: ClassVar[str] = ""
     #: the ``sink`` label under which a file this plug-in fails to write is counted
-    #: (``distgrad_sink_errors_total``) when it raises :class:`~distgrad.sinks.base.SinkError`
+    #: (``distgrad_sink_errors_total``) when it raises :class:`~distgrad.export.base.SinkError`
     sink_name: ClassVar[str] = "flight_recorder"  # the reports directory (a bounded `sink` label value)
 
     def __init__(self, ctx: DiagnosticContext) -> None:

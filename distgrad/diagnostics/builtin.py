@@ -10,15 +10,15 @@ from typing import Any
 
 import numpy as np
 
-from distgrad.detectors import EmaZScoreDetector, WindowSpikeDetector
-from distgrad.spike_monitor import SpikeMonitor
-from distgrad.robust_spike import RobustJumpDetector
+from distgrad.diagnostics.detectors import EmaZScoreDetector, WindowSpikeDetector
+from distgrad.diagnostics.spike_monitor import SpikeMonitor
+from distgrad.diagnostics.robust_spike import RobustJumpDetector
 from distgrad.diagnostics.base import Diagnostic, DiagnosticContext, register
-from distgrad.flight_recorder import FlightRecorder, provenance_from
-from distgrad.grouping import aggregate, group_keys, select_series, series_count
-from distgrad.health import LayerHealth, clip_ratio, post_clip_norm
-from distgrad.naming import classify, forward_order_key
-from distgrad.sinks.base import SinkError
+from distgrad.diagnostics.flight_recorder import FlightRecorder, provenance_from
+from distgrad.naming.grouping import aggregate, group_keys, select_series, series_count
+from distgrad.diagnostics.health import LayerHealth, clip_ratio, post_clip_norm
+from distgrad.naming.classify import classify, forward_order_key
+from distgrad.export.base import SinkError
 from distgrad.record import Aggregates, Clip, Health, NonfiniteEvent, Provenance, Spikes, StepRecord
 
 log = logging.getLogger("distgrad")
@@ -44,7 +44,7 @@ def _highest_loss_rank(rec: StepRecord) -> str:
 @register
 class SpikeDiagnostic(Diagnostic):
     """Spike detectors (:class:`SpikeMonitor`: ZClip's EMA z-score, OLMo's window test and the
-    robust jump test of :mod:`distgrad.robust_spike`, the one that pages) on
+    robust jump test of :mod:`distgrad.diagnostics.robust_spike`, the one that pages) on
     the global grad norm and the loss; writes ``rec.spikes``. A skipped (fp16 overflow) step
     carries no usable value: it is never fed, so never re-reported."""
 
@@ -144,7 +144,7 @@ class ClipDiagnostic(Diagnostic):
 @register
 class AggregatesDiagnostic(Diagnostic):
     """Per-layer and per-module-kind aggregates, and the per-parameter series budget
-    (:func:`distgrad.grouping.select_series`); writes ``rec.aggregates``. Stateless."""
+    (:func:`distgrad.naming.grouping.select_series`); writes ``rec.aggregates``. Stateless."""
 
     name = "aggregates"
 
@@ -297,7 +297,7 @@ def _event_line(rec: StepRecord, prov: Provenance) -> str:
 
 @register
 class TracerDiagnostic(Diagnostic):
-    """Forward overflow tracer (:class:`distgrad.tracer.OverflowTracer`): armed on the first
+    """Forward overflow tracer (:class:`distgrad.diagnostics.tracer.OverflowTracer`): armed on the first
     non-finite step for ``trace_micro_batches`` micro-batches; each rank that saw the event
     writes ``tracer-rank{r}.txt`` to ``flight_recorder_dir`` once it has disarmed.
     Checkpointed: whether the one trace already ran."""
@@ -310,7 +310,7 @@ class TracerDiagnostic(Diagnostic):
 
     def __init__(self, ctx: DiagnosticContext) -> None:
         super().__init__(ctx)
-        from distgrad.tracer import OverflowTracer
+        from distgrad.diagnostics.tracer import OverflowTracer
 
         self.tracer = OverflowTracer(ctx.model, max_micro_batches=ctx.config.tracer.micro_batches)
         self.traced = False

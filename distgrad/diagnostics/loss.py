@@ -1,15 +1,15 @@
 """Loss diagnostics (plug-ins, see :mod:`distgrad.diagnostics`): the trend of the training loss
-(:mod:`distgrad.loss_trend`) and the loss's spike detectors on each loss component
-(:mod:`distgrad.loss_components`)."""
+(:mod:`distgrad.loss.trend`) and the loss's spike detectors on each loss component
+(:mod:`distgrad.loss.components`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from distgrad.detectors import EmaZScoreDetector, WindowSpikeDetector
-from distgrad.spike_monitor import SpikeMonitor
+from distgrad.diagnostics.detectors import EmaZScoreDetector, WindowSpikeDetector
+from distgrad.diagnostics.spike_monitor import SpikeMonitor
 from distgrad.diagnostics.base import Diagnostic, DiagnosticContext, register
-from distgrad.loss_trend import TrendTracker
+from distgrad.loss.trend import TrendTracker
 from distgrad.record import StepRecord
 
 

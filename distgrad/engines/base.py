@@ -24,7 +24,7 @@ class GradSource(abc.ABC):
             :meth:`ownership` instead.
         grad_dtype: dtype the gradients are held in (for headroom to its largest finite value).
         group: the process group the gradients are reduced over, whose ranks the
-            :class:`~distgrad.instrument.Instrument` combines statistics over (None: the
+            :class:`~distgrad.core.instrument.Instrument` combines statistics over (None: the
             default group, or one process).
     """
 

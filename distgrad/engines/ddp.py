@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from distgrad.canonical import clean_name
+from distgrad.naming.canonical import clean_name
 from distgrad.engines.torch_base import (TorchSource, _comm_device, _first_float_dtype, _unwrap_compiled)
 
 
@@ -21,7 +21,7 @@ class DDPSource(TorchSource):
 
     Raises:
         TypeError: ``model`` is not a DistributedDataParallel.
-        ValueError: from ``distgrad.job`` when the process group is part of the job (pipeline
+        ValueError: from ``distgrad.core.job`` when the process group is part of the job (pipeline
             stages) and names collide across groups.
     """
 

@@ -25,9 +25,9 @@ from typing import Any, Sequence
 
 import torch
 
-from distgrad.canonical import clean_name
+from distgrad.naming.canonical import clean_name
 from distgrad.engines.base import GradSource
-from distgrad.step import StepOutcome
+from distgrad.core.step import StepOutcome
 
 
 def is_deepspeed_engine(obj: object) -> bool:
@@ -101,7 +101,7 @@ class DeepSpeedSource(GradSource):
         (``PipelineModule._build``: ``add_module(str(layer_idx), ...)``), whose gradients are
         reduced over the stage's data-parallel group (``engine.mpu.get_data_parallel_group()``,
         the group ZeRO-1 partitions over), so the stage joins the job-wide list of
-        :mod:`distgrad.job`; ``engine._take_model_step`` is called once per ``train_batch()`` on
+        :mod:`distgrad.core.job`; ``engine._take_model_step`` is called once per ``train_batch()`` on
         every stage. Tied layers (``TiedLayerSpec``) live on several stages, as copies whose
         gradients are all-reduced across them: refused.
 
@@ -320,7 +320,7 @@ def inner_optimizer(engine: Any) -> Any:
 
 def take_without_update(engine: Any, take: Any, args: tuple, kwargs: dict) -> Any:
     """``engine._take_model_step`` with the update left out (the opt-in action,
-    :mod:`distgrad.action`): the engine runs its whole step -- clipping, its overflow check, the
+    :mod:`distgrad.diagnostics.action`): the engine runs its whole step -- clipping, its overflow check, the
     copy of the fp32 master weights back into the training weights, releasing and zeroing the
     reduced gradients (ZeRO's buffers included) -- except that the inner optimizer's ``step``
     does nothing, so neither the master weights nor the optimizer's moments change and the

@@ -1,5 +1,5 @@
 """DeepSpeed mixture of experts (``deepspeed.moe.layer.MoE`` with ``ep_size`` > 1): names and
-holders of the expert parameters, so that the job-wide list of :mod:`distgrad.job` counts every
+holders of the expert parameters, so that the job-wide list of :mod:`distgrad.core.job` counts every
 expert once under its global index.
 
 Facts relied on (read in ``deepspeed/moe/experts.py``, ``moe/layer.py``, ``utils/groups.py`` of

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from distgrad.canonical import clean_name
+from distgrad.naming.canonical import clean_name
 from distgrad.engines.base import Ownership
 from distgrad.engines.torch_base import (TorchSource, _comm_device, _first_float_dtype, _unwrap_compiled)
 

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from distgrad.canonical import clean_name
+from distgrad.naming.canonical import clean_name
 from distgrad.engines.base import Ownership
 from distgrad.engines.torch_base import (TorchSource, _comm_device, _first_float_dtype, _fsdp2_module_type,
     _unwrap_compiled, is_fsdp2)
@@ -23,7 +23,7 @@ class FSDP2Source(TorchSource):
 
     Statistics are combined over the parameters' mesh: its process group for a 1-D mesh, the
     default group (the whole job) for more dimensions; a mesh smaller than the job (pipeline
-    stages) joins the job-wide parameter list of :mod:`distgrad.job`.
+    stages) joins the job-wide parameter list of :mod:`distgrad.core.job`.
 
     Raises:
         TypeError: no ``fully_shard`` module in ``model``.
@@ -66,7 +66,7 @@ class FSDP2Source(TorchSource):
         if mesh is None or mesh.ndim == 1:
             self.group = mesh.get_group() if mesh is not None else None
         else:
-            self.group = None  # the whole job (a mesh smaller than the job: see distgrad.job)
+            self.group = None  # the whole job (a mesh smaller than the job: see distgrad.core.job)
         self._own = mesh_ownership(self._placements, mesh, self.group) if mesh is not None else None
         self.grad_dtype = _first_float_dtype(self._params)
         self.compute_dtype = self._param_dtype(root) or self.grad_dtype

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distgrad.canonical import clean_name
+from distgrad.naming.canonical import clean_name
 from distgrad.engines.torch_base import TorchSource, _first_float_dtype, _unwrap_compiled
 
 

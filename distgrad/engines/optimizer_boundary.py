@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from distgrad.engines.torch_base import TorchSource, _unwrap_compiled
-from distgrad.step import StepOutcome, StepToken
+from distgrad.core.step import StepOutcome, StepToken
 
 log = logging.getLogger("distgrad")
 
@@ -47,7 +47,7 @@ class OptimizerBoundary:
     Not seen: steps a GradScaler skips when ``scaler=`` was not passed (``optimizer.step`` is
     never called, so neither hook fires and the step is not counted).
 
-    Opt-in action (:mod:`distgrad.action`): when the decision made at the read says skip, every
+    Opt-in action (:mod:`distgrad.diagnostics.action`): when the decision made at the read says skip, every
     gradient the optimizer would consume is set to None from the step pre-hook (or from the read,
     when that happens inside ``optimizer.step``) until the step ends, then put back:
     ``optimizer.step()`` runs and changes nothing (see :meth:`_hold_back`); the step is recorded
@@ -75,7 +75,7 @@ class OptimizerBoundary:
         self._in_scaler = False
         self._fired = False
         self._in_step = False  # the step pre-hook of the current optimizer step has run
-        self._skip = False  # the opt-in action skips this step's update (distgrad.action)
+        self._skip = False  # the opt-in action skips this step's update (distgrad.diagnostics.action)
         self._stashed: list[tuple[Any, Any]] | None = None  # gradients held back from the optimizer
         self._handles = [optimizer.register_step_pre_hook(self._pre),
                          optimizer.register_step_post_hook(self._post),
@@ -182,7 +182,7 @@ class OptimizerBoundary:
                 self._hold_back()
 
     def _hold_back(self) -> None:
-        """Skip this step's update (the opt-in action, :mod:`distgrad.action`): set every
+        """Skip this step's update (the opt-in action, :mod:`distgrad.diagnostics.action`): set every
         gradient the optimizer would consume to None until the step ends. ``torch.optim``
         optimizers leave a parameter whose ``.grad`` is None untouched, state included (its moments
         and step count), so neither the parameters nor the optimizer state change; the gradients

@@ -91,7 +91,7 @@ class TorchSource(GradSource):
 
     Attributes (besides :class:`GradSource`'s):
         group: the process group the gradients are reduced over (None on one process); the
-            :class:`~distgrad.instrument.Instrument` combines statistics over this group.
+            :class:`~distgrad.core.instrument.Instrument` combines statistics over this group.
         scaler: the ``torch.amp.GradScaler`` given to ``instrument()``, or None.
     """
 

@@ -82,7 +82,7 @@ def with_micro_batch_size(config: Any, overrides: dict[str, Any], batch_size: An
 
 def checkpoint_state(inst: Any, flush: bool) -> dict[str, Any] | None:
     """``inst.state_dict()`` for a framework's checkpoint hook (plain Python types, see
-    :func:`distgrad.checkpoint.instrument_state`), or None when it cannot be taken: the failure
+    :func:`distgrad.core.checkpoint.instrument_state`), or None when it cannot be taken: the failure
     is counted in ``distgrad_internal_errors_total`` and logged, and the checkpoint is written
     without it (a checkpoint must never fail for distgrad).
 
@@ -105,7 +105,7 @@ def checkpoint_state(inst: Any, flush: bool) -> dict[str, Any] | None:
 def restore_state(inst: Any, state: Any, where: str) -> bool:
     """``inst.load_state_dict(state)`` from a framework's checkpoint (every rank, before the
     resumed run's first step). A state the instrument cannot use (another distgrad version,
-    another model: :func:`distgrad.checkpoint.load_instrument_state`'s ValueError) or an empty
+    another model: :func:`distgrad.core.checkpoint.load_instrument_state`'s ValueError) or an empty
     one is not an error of the training run: the detectors then start from scratch and rank 0
     says so once with the reason. Never raises.
 

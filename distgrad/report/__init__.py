@@ -1,7 +1,7 @@
 """Offline report of a distgrad JSONL run log: plots, an HTML page, a text summary and a verdict.
 
 One streaming pass (:func:`analyze`) reads the log (rotated files included, see
-:func:`distgrad.sinks.jsonl.read_jsonl`) one record at a time and keeps only bounded state:
+:func:`distgrad.export.jsonl.read_jsonl`) one record at a time and keeps only bounded state:
 
 * run-level scalars (loss, global grad norm, loss scale) and per-layer gradient norms are
   **downsampled** by :class:`Downsampler`: consecutive records are grouped into at most

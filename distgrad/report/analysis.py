@@ -18,7 +18,7 @@ from distgrad.report.loss import LossAccumulator
 from distgrad.report.signals import SignalsAccumulator
 from distgrad.report.spikes import RollingMadSpikes, _to_float
 from distgrad.report.verdict import VerdictChecks
-from distgrad.watch import step_ranges
+from distgrad.core.watch import step_ranges
 
 class RunAnalyzer:
     """Incremental form of :func:`analyze`: :meth:`add` every record in order, then :meth:`finish`.
@@ -268,7 +268,7 @@ class RunAnalyzer:
            ``ranks`` (the culprit ranks, else the replay's rank) say the same; ``param`` is None.
         2. Else, culprit ranks known (``record.culprits``): the line leads with them (``ranks``);
            ``param`` is the non-finite parameter that comes *last* in forward order (the rule of
-           :mod:`distgrad.flight_recorder`: where the backward pass met the NaN first, which for a
+           :mod:`distgrad.diagnostics.flight_recorder`: where the backward pass met the NaN first, which for a
            NaN made in the backward pass is where it was made), and the replay's reason for naming
            no module follows.
         3. Else (records without culprit data): ``param`` as in 2., ``ranks`` the ranks whose shard of
@@ -325,7 +325,7 @@ class RunAnalyzer:
         if who:
             detail = f"non-finite gradient from {who}; " + detail[len("non-finite gradient, "):] \
                 if name is not None else f"{detail}; {who}"
-        if cm is not None:  # the forward replay of the step (distgrad.replay) named no module: why
+        if cm is not None:  # the forward replay of the step (distgrad.diagnostics.replay) named no module: why
             detail += f"; forward replay: {cm.describe()}"
         return Problem("nonfinite_grad", int(r.step), name, layer, culprit_ranks or shard_ranks, detail)
 
@@ -398,7 +398,7 @@ def analyze(path: str | os.PathLike[str], *, max_points: int = 1024, include_rot
     """Stream a JSONL run log once and return its bounded :class:`RunAnalysis`.
 
     Args:
-        path: the run log written by :class:`distgrad.sinks.jsonl.JsonlSink` (``run.jsonl``).
+        path: the run log written by :class:`distgrad.export.jsonl.JsonlSink` (``run.jsonl``).
         max_points: downsampling buckets for plots (even, >= 2; default 1024).
         include_rotated: also read the rotated ``path.N`` files, oldest first (default True).
         overflow_streak_limit: see :class:`RunAnalyzer`.
@@ -413,7 +413,7 @@ def analyze(path: str | os.PathLike[str], *, max_points: int = 1024, include_rot
         FileNotFoundError: no log at ``path``.
         ValueError: ``max_points`` invalid.
     """
-    from distgrad.sinks.jsonl import read_jsonl
+    from distgrad.export.jsonl import read_jsonl
 
     an = RunAnalyzer(os.fspath(path), max_points=max_points, overflow_streak_limit=overflow_streak_limit)
     bad: list[str] = []

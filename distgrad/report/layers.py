@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from distgrad.grouping import group_sums
+from distgrad.naming.grouping import group_sums
 from distgrad.record import ParamStats
 
 _INT_RE = re.compile(r"[./]")
@@ -16,7 +16,7 @@ _INT_RE = re.compile(r"[./]")
 
 def _load_classify() -> Callable[[str], Any] | None:
     try:
-        from distgrad.naming import classify  # type: ignore[attr-defined]
+        from distgrad.naming.classify import classify  # type: ignore[attr-defined]
     except Exception:  # not written yet, or broken: fall back
         return None
     return classify
@@ -25,7 +25,7 @@ def _load_classify() -> Callable[[str], Any] | None:
 def layer_of(name: str, classify: Callable[[str], Any] | None = None) -> str:
     """Layer label of parameter ``name``.
 
-    Uses ``distgrad.naming.classify(name).layer`` when that module is importable (pass
+    Uses ``distgrad.naming.classify.classify(name).layer`` when that module is importable (pass
     ``classify`` to avoid the import look-up); otherwise -- or when it fails or returns no
     layer -- the first all-digit component of the dotted/slashed path
     (``"model.layers.12.mlp.w"`` -> ``"12"``), else ``"other"``. Always a ``str``.
@@ -100,7 +100,7 @@ class LayerIndex:
         """Per-layer gradient L2 norm (``sqrt`` of the members' summed ``sumsq``, as
         ``grouping.aggregate(...).norm``) and NaN + Inf element count, float64 arrays ``[L]`` over
         every layer seen so far; 0 for layers none of ``stats``' parameters belong to (see
-        :meth:`present`). Sums by :func:`distgrad.grouping.group_sums`."""
+        :meth:`present`). Sums by :func:`distgrad.naming.grouping.group_sums`."""
         idx, L = self.map(stats.names), len(self.layers)
         with np.errstate(invalid="ignore"):
             return np.sqrt(group_sums(idx, stats.sumsq, L)), group_sums(idx, stats.nonfinite, L)

@@ -14,7 +14,7 @@ import numpy as np
 
 from distgrad.record import StepRecord
 from distgrad.report.downsample import Downsampled, Downsampler
-from distgrad.token_loss import EDGES
+from distgrad.loss.token import EDGES
 
 
 @dataclass

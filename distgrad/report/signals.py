@@ -4,13 +4,13 @@ like the other curves, and FINDINGS, each with what to do and its runbook sectio
 
 Signals read from the records (a signal absent from every record is simply not reported):
 
-* ``grad_histogram`` (:class:`~distgrad.record_histogram.GradHistogram`): underflow ratio and
+* ``grad_histogram`` (:class:`~distgrad.record.histogram.GradHistogram`): underflow ratio and
   zero ratio, global and per layer.
-* ``noise_scale`` (:class:`~distgrad.record_gns.NoiseScale`): ``B_simple`` with the step's batch,
+* ``noise_scale`` (:class:`~distgrad.record.gns.NoiseScale`): ``B_simple`` with the step's batch,
   and the two moving averages it is the ratio of.
-* ``curvature`` (:class:`~distgrad.record_gns.Curvature`): curvature along the last update,
+* ``curvature`` (:class:`~distgrad.record.gns.Curvature`): curvature along the last update,
   global and per layer.
-* ``optimizer_signals`` (:class:`~distgrad.record_optimizer.OptimizerSignals`): Adam's update
+* ``optimizer_signals`` (:class:`~distgrad.record.optimizer.OptimizerSignals`): Adam's update
   RMS, spike fraction, gradient-momentum cosine, moment norms and diagonal Fisher trace, global
   and per layer.
 

@@ -245,7 +245,7 @@ class AdamSignal(PackedSignal):
         return torch.cat([torch.full((1,), float(g.numel()), dtype=f64, device=g.device), body])
 
     def finish(self, inst: Any, rec: Any, sum_part: np.ndarray, max_part: np.ndarray, grad_scale: float) -> None:
-        from distgrad.record_optimizer import OptimizerSignals
+        from distgrad.record.optimizer import OptimizerSignals
 
         L = len(self.layers)
         cols = sum_part[: L * len(COLS)].reshape(L, len(COLS))
@@ -281,7 +281,7 @@ class AdamSignal(PackedSignal):
         """``min(1, max_norm / (grad_norm + 1e-6))`` for the clip threshold the diagnostics know
         (the engine's, or ``clip.max_grad_norm``), as torch / DeepSpeed compute it; 1.0 without
         one or with a non-finite norm."""
-        from distgrad.health import clip_ratio
+        from distgrad.diagnostics.health import clip_ratio
 
         diag = getattr(inst, "diagnostics", None)
         m = getattr(diag, "max_norm", None) if diag is not None else None
@@ -309,7 +309,7 @@ def _factory(inst: Any) -> AdamSignal | None:
     """On for Adam-family optimizers whose state the adapter locates (``enabled: auto``); a
     ConfigError naming ``optimizer_signals.enabled`` when ``on`` and it cannot be served."""
     from distgrad.config import ConfigError
-    from distgrad.grouping import group_keys
+    from distgrad.naming.grouping import group_keys
 
     mode = inst.config.optimizer_signals.enabled
     if mode == "off":

@@ -10,7 +10,7 @@ mean the loss curves down along the step (a saddle direction or a too-large step
 
 Exact under sharding: the dot products and squared norms are sums over elements, so each rank
 computes them over the elements it owns (the gradient pieces and the weight pieces of
-:func:`distgrad.step_collectives.weight_pieces`, aligned and counted once) and the step's SUM
+:func:`distgrad.core.step_collectives.weight_pieces`, aligned and counted once) and the step's SUM
 collective adds them; per layer the sums of the layer's parameters are divided on the host.
 
 State kept between steps on each rank (:class:`Curvature`), float32 on the gradients' device:
@@ -43,8 +43,8 @@ import torch
 
 from distgrad.config import ConfigError
 from distgrad.engines.base import GradSource
-from distgrad.grouping import group_keys
-from distgrad.record_gns import Curvature as CurvaturePart
+from distgrad.naming.grouping import group_keys
+from distgrad.record.gns import Curvature as CurvaturePart
 from distgrad.signals import PackedSignal, register
 from distgrad.stats.eager import sum_of_squares
 
@@ -71,7 +71,7 @@ class Curvature(PackedSignal):
     SUM part (float64 ``[1 + 2P]``): ``[1 if this rank held the copies of the previous step,
     then per parameter (g_t - g_{t-1}) . dtheta and |dtheta|^2]`` over this rank's owned
     elements, the gradients still carrying the loss scale. Record part:
-    :class:`~distgrad.record_gns.Curvature` (``StepRecord.curvature``).
+    :class:`~distgrad.record.gns.Curvature` (``StepRecord.curvature``).
     """
 
     name = "curvature"
@@ -93,7 +93,7 @@ class Curvature(PackedSignal):
 
     def local(self, inst: Any, pieces: Sequence[torch.Tensor | None],
               device: torch.device) -> tuple[torch.Tensor, None]:
-        from distgrad.step_collectives import weight_pieces
+        from distgrad.core.step_collectives import weight_pieces
 
         grad, update, moved = self._grad, self._update, self._moved
         self._grad = self._update = None
@@ -117,7 +117,7 @@ class Curvature(PackedSignal):
         return out, None
 
     def after_step(self, inst: Any, step_applied: bool) -> None:
-        from distgrad.step_collectives import weight_pieces
+        from distgrad.core.step_collectives import weight_pieces
 
         if not self._fresh or self._update is None:  # this step was not read: no copies to pair
             self._grad = self._update = None

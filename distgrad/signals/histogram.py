@@ -35,8 +35,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from distgrad.grouping import group_keys
-from distgrad.record_histogram import GradHistogram
+from distgrad.naming.grouping import group_keys
+from distgrad.record.histogram import GradHistogram
 from distgrad.signals import PackedSignal, histogram_native, register
 
 #: training dtype name -> (torch dtype, exponent of its smallest positive normal value)
@@ -62,7 +62,7 @@ class GradHistogramSignal(PackedSignal):
 
     Args:
         names: the P parameter names (``inst.names``), grouped into layers by
-            :func:`distgrad.grouping.group_keys` (``"layer"``, with ``rules``).
+            :func:`distgrad.naming.grouping.group_keys` (``"layer"``, with ``rules``).
         min_exponent, max_exponent: exponent bins ``lo <= e < hi`` of the held gradient
             (``-126 <= lo < hi <= 128``).
         dtype: training dtype name (``"fp16"``, ``"bf16"``, ``"fp32"``, ``"fp64"``) whose smallest

@@ -19,7 +19,7 @@ The two batch sizes, per optimizer step (:class:`GradientNoiseScale`):
 * small: each micro-batch's gradient on its rank *before* the reduction (b = samples per
   micro-batch): :class:`MicroBatchNorms` hooks each trainable leaf (``Tensor.register_hook``:
   it runs with the micro-batch's incoming gradient before it is accumulated into ``.grad``
-  and before the engine's reduction starts, see :func:`distgrad.culprit`) and adds its squared
+  and before the engine's reduction starts, see :func:`distgrad.diagnostics.culprit`) and adds its squared
   norm on the device; ``|G_small|^2`` is the mean over the step's N micro-batches of all ranks.
   The engines reduce a *sum* over micro-batches and a *mean* over the W ranks
   (``reduced = (1/W) sum_{r,m} h_{r,m}``, whatever the loop or the engine divides the loss by),
@@ -54,8 +54,8 @@ import numpy as np
 import torch
 
 from distgrad.config import ConfigError
-from distgrad.culprit import LeafHooks, pre_reduction_leaves
-from distgrad.record_gns import NoiseScale
+from distgrad.diagnostics.culprit import LeafHooks, pre_reduction_leaves
+from distgrad.record.gns import NoiseScale
 from distgrad.signals import PackedSignal, register
 from distgrad.stats.eager import sum_of_squares
 
@@ -69,7 +69,7 @@ SUPPORTED = ("torch", "ddp", "deepspeed", "fsdp1", "fsdp2")
 class MicroBatchNorms(LeafHooks):
     """Squared norms of this rank's micro-batch gradients before the reduction.
 
-    A tensor hook on each leaf (:class:`~distgrad.culprit.LeafHooks`) adds ``|grad|^2``
+    A tensor hook on each leaf (:class:`~distgrad.diagnostics.culprit.LeafHooks`) adds ``|grad|^2``
     (float64, on the gradient's device) into one accumulator and counts its calls per leaf.
     :meth:`take` returns the accumulator and the number of micro-batches (the largest per-leaf
     count) and starts over.
@@ -139,7 +139,7 @@ class GradientNoiseScale(PackedSignal):
 
     SUM part (float64 [3]): ``[sum over this rank's hook calls of |h|^2 (loss-scaled), this
     rank's micro-batches, 1]``; MAX part (float64 [1]): ``-micro-batches``.
-    Record part: :class:`~distgrad.record_gns.NoiseScale` (``StepRecord.noise_scale``).
+    Record part: :class:`~distgrad.record.gns.NoiseScale` (``StepRecord.noise_scale``).
     """
 
     name = "noise_scale"

@@ -8,7 +8,7 @@ all distgrad panels share, so that ``overview.py`` and ``layers.py`` read as lis
 All queries select ``job=~"$job", run=~"$run", instance=~"$instance"`` (:data:`S`) on the
 ``${datasource}`` Prometheus data source (:data:`DS`).
 
-Metric facts come from distgrad's metric catalogue (:mod:`distgrad.metrics`): every
+Metric facts come from distgrad's metric catalogue (:mod:`distgrad.export.metrics`): every
 ``distgrad_*`` metric a panel queries must be declared there (else building fails with
 ``KeyError``), each panel's description lists its metrics with their catalogue unit, help text
 and existence condition, and its Grafana unit follows from their catalogue unit
@@ -37,7 +37,7 @@ from grafana_foundation_sdk.models import dashboard as d
 from grafana_foundation_sdk.models import heatmap as heatmap_m
 from grafana_foundation_sdk.models import prometheus as prometheus_m
 
-from distgrad import metrics as catalogue
+from distgrad.export import metrics as catalogue
 from grafana import config
 from grafana.queries import UNCONDITIONAL
 
@@ -62,7 +62,7 @@ GRAFANA_UNITS = {"seconds": "s", "ratio": "percentunit"}
 
 
 def metrics_in(*exprs: str) -> list[Any]:
-    """The catalogue entries (:class:`distgrad.metrics.Metric`) of the distgrad metrics in
+    """The catalogue entries (:class:`distgrad.export.metrics.Metric`) of the distgrad metrics in
     ``exprs``, in order of first use. Raises ``KeyError`` naming a metric that is not declared."""
     names = dict.fromkeys(n for e in exprs for n in _METRIC_RE.findall(e))
     return [catalogue.by_name(n) for n in names]
@@ -248,7 +248,7 @@ def row(title: str) -> dashboard_b.Row:
     return dashboard_b.Row(title).collapsed(False)
 
 
-#: The catalogue conditions (:data:`distgrad.metrics.CONDITIONS`) of features a default run does
+#: The catalogue conditions (:data:`distgrad.export.metrics.CONDITIONS`) of features a default run does
 #: not have, and how to turn each on: the panels that read only such metrics go in a collapsed
 #: row (:func:`opt_in_row`) whose title says it, never among the panels a default run fills.
 OPT_IN: dict[str, str] = {

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import distgrad
-from distgrad.canonical import clean_name
+from distgrad.naming.canonical import clean_name
 
 from tests.dist.engines import build_deepspeed
 from tests.dist.common import BoundaryCounter, TinyModel, batch_for

@@ -152,7 +152,7 @@ def fp16_case(rank: int) -> dict:
 
 
 def bf16_case(rank: int) -> dict:
-    from distgrad.sinks.prometheus import PrometheusSink
+    from distgrad.export.prometheus import PrometheusSink
     from prometheus_client import generate_latest
 
     engine = _engine(2, "bf16")

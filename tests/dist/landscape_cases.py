@@ -1,5 +1,5 @@
 """Multi-rank driver for tests/test_landscape_multirank.py (``torchrun --nproc_per_node 2``, gloo,
-CPU, one launch): distgrad.landscape under DDP, FSDP2 and DeepSpeed ZeRO-3 (default persistence
+CPU, one launch): distgrad.report.landscape under DDP, FSDP2 and DeepSpeed ZeRO-3 (default persistence
 threshold: every TinyModel parameter persistent, and threshold 0: gathered per module).
 
 Each case trains TinyModel one optimizer step, then on every rank takes a 1-D and a 2-D slice over
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import deepspeed
 
-from distgrad import landscape as ls
+from distgrad.report import landscape as ls
 
 from tests.dist.engines import build_deepspeed
 from tests.dist.common import TinyModel, batch_for

@@ -1,4 +1,4 @@
-"""A stand-in for distgrad's rank-0 exporter: metrics of distgrad's catalogue (distgrad/metrics.py:
+"""A stand-in for distgrad's rank-0 exporter: metrics of distgrad's catalogue (distgrad/export/metrics.py:
 name, type, help and label names from there) on a custom prometheus_client registry, served on
 127.0.0.1, with a background "training loop" that
 advances the step, timestamp, samples and loss a few times per second.
@@ -19,7 +19,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from distgrad import metrics as catalogue
+from distgrad.export import metrics as catalogue
 
 PARAMS = {  # parameter -> layer
     "embed.weight": "embed",

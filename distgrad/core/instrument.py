@@ -1,0 +1,523 @@
+"""The instrument: decides when to sample, runs the statistics core and the cross-rank
+reduction on the optimizer-step boundary, builds the :class:`StepRecord`, and hands it to the
+diagnostics and, on global rank 0, to the sinks.
+
+Collective discipline: every rank makes the same collectives in the same order. Whether a step
+is sampled is decided from the engine's optimizer-step counter (identical on all ranks); a rank
+whose local computation fails still joins the collectives with identity values and an error
+flag; the only data-dependent collective (per-rank provenance on a non-finite step) is decided
+from the *reduced* non-finite count, which every rank holds identically.
+
+Asynchronous records (config ``async_records``, on by default for CUDA gradients): at a sampled
+step :meth:`Instrument.collect` enqueues the statistics, the two all-reduces and a non-blocking
+copy to pinned host memory with a CUDA event, and :meth:`Instrument.finish` only does the
+bookkeeping that needs no device value (overflow/skip counters) and enqueues the update-ratio
+all-reduce; nothing on the training thread waits for the device. The step is *parked*, and
+at the next boundary (``collect`` or ``skip`` of the next optimizer step, on every rank alike,
+before that step's own collectives) or at ``close()`` / :meth:`Instrument.flush` its record is
+built, the provenance all-gather made if its reduced statistics are non-finite, and the record
+handed to the diagnostics, hooks and sinks: one optimizer step late, never more. Waiting for
+the event there normally costs nothing (a whole step of device work was queued after it).
+``last_record`` and the published metrics therefore lag one step behind in that mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from distgrad.export import metrics
+from distgrad.diagnostics.action import Action, Decision
+from distgrad.config import DistgradConfig
+from distgrad.engines.base import GradSource
+from distgrad.core.instrument_surface import InstrumentSurface
+from distgrad.loss.tracker import LossTracker, StepLoss, split as split_loss
+from distgrad.signals import SignalPack, build as build_signals
+from distgrad.record import ScalerState, StepRecord, UnsampledNonfinite
+from distgrad.export.base import Sink
+from distgrad.core.step import StepOutcome, StepToken
+from distgrad.core.step_collectives import provenance, update_ratio_sums, update_ratio_values, weight_pieces
+from distgrad.diagnostics.culprit import LocalGradCheck, culprit_flags, decode
+from distgrad.stats import (RANK_COLS, SUM_COLS, HostCopy, Layout, error_blocks, global_norm, pack_local,
+                            reduce_blocks, reduce_blocks_async, replica_checksum, replica_outliers, unpack)
+from distgrad.core.watch import UnsampledWatch, step_ranges
+
+log = logging.getLogger("distgrad")
+
+#: value of a rank's error slot in the SUM block when it refuses a step (see Instrument.collect):
+#: 2 + the index of the reason in the ``reason`` label's values, so that every rank learns why
+_REFUSED = 2.0
+REFUSAL_REASONS: tuple[str, ...] = metrics.LABELS["reason"].values or ()
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def _dist_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class _Refused(Exception):
+    """Internal: this rank refuses the step (see :meth:`Instrument.collect`)."""
+
+
+class Instrument(InstrumentSurface):
+    """Watches one training run. Built by :func:`distgrad.instrument`; not constructed directly.
+
+    Set-up, the user-facing calls and publishing are in
+    :class:`~distgrad.core.instrument_surface.InstrumentSurface`; this class holds the state and the
+    optimizer-step boundary (sampling, statistics, collectives, the record).
+
+    Engine boundaries and integrations (Hugging Face Trainer, Lightning callbacks) drive it only
+    through its public boundary API: :meth:`start`, :meth:`begin_step` / :meth:`end_step`,
+    :meth:`observe_loss`, :meth:`forward_started`, :meth:`after_micro_batch`, :meth:`on_close` and
+    :meth:`count_error`
+    (table and rules in ``docs/engines.md``, "Writing a boundary").
+
+    Attributes:
+        config: the validated :class:`DistgradConfig`.
+        rank, world_size: this process's rank and the number of ranks combined.
+        port: the Prometheus port actually bound on rank 0 (useful with ``port=0``), else None.
+        last_record: the :class:`StepRecord` of the last sampled step (every rank has it).
+        counters: totals since ``instrument()`` (see ``StepRecord.counters``).
+    """
+
+    def __init__(self, source: GradSource, config: DistgradConfig, group: Any = None) -> None:
+        from distgrad.core.job import job_view
+
+        self.source = source
+        self.config = config
+        #: the job-wide parameter list when this rank holds part of the model (pipeline stages,
+        #: experts on other ranks; see distgrad.core.job), else None: statistics combine the whole job
+        self.job = job_view(source)
+        self.group = None if self.job is not None else group
+        self.rank = dist.get_rank(self.group) if _dist_ready() else 0
+        self.world_size = dist.get_world_size(self.group) if _dist_ready() else 1
+        self.global_rank = dist.get_rank() if _dist_ready() else 0
+        #: the exported parameter names (the job's, or the source's own)
+        self.names: list[str] = self.job.names if self.job is not None else list(source.names)
+        self.layout = Layout(len(self.names), self.world_size)
+        #: which share of each local piece this rank counts (exactly-once ownership, decided once)
+        self.own = self.job.own if self.job is not None else source.ownership(self.rank, self.world_size)
+        self.counters: dict[str, int] = {k: 0 for k in (
+            "nonfinite_steps", "sampled_steps", "internal_errors", "replica_mismatch",
+            "overflow_steps", "skipped_steps", "samples", "nonfinite_unsampled_steps", "nonfinite_loss_steps",
+            "action_skipped_nonfinite", "action_skipped_spike")}
+        self.last_record: StepRecord | None = None
+        self.sinks: list[Sink] = []
+        self.prometheus = None
+        self.port: int | None = None
+        #: this rank's losses, sample indices and times of the current step (distgrad.loss.tracker)
+        self.loss = LossTracker(self.world_size, config.loss.sources, config.loss.token_threshold)
+        self._loss_step: StepLoss | None = None  # the sampled step's, from collect to its record
+        #: how observed losses combine into ``distgrad_loss``: "mean" (each observation is one
+        #: micro-batch's loss; averaged over micro-batches and ranks) or "sum" (each observation is
+        #: the loss exactly as handed to backward by a framework that pre-scales it for gradient
+        #: accumulation / number of items / world size; summed over the step's micro-batches, then
+        #: averaged over ranks: the loss whose gradient the reduced gradient is). Set by the
+        #: framework integrations (distgrad.integrations), never by users.
+        self.loss_reduction = "mean"
+        self._auto_loss = True  # automatic loss capture on, until the first explicit observe_loss
+        self._auto_seen = False  # an automatically captured loss is in self.loss
+        self._consecutive_overflow = 0
+        self._replica_mismatch_rank = -1
+        self._restore: list[Callable[[], None]] = []
+        self._hooks: list[Callable[[StepRecord], None]] = []
+        self._closed = False
+        self._logged_errors: set[tuple[str, str]] = set()
+        self._logged_bad_input: set[str] = set()
+        #: records each sink failed to publish, by sink name (``distgrad_sink_errors_total{sink}``)
+        self.sink_errors: dict[str, int] = {}
+        #: sampled steps not exported because a rank could not vouch for its gradients, by the
+        #: reason of the lowest such rank (``distgrad_refused_steps_total{reason}``; same on every rank)
+        self.refused_steps: dict[str, int] = {}
+        self._watcher = UnsampledWatch(config.sampling.interval)  # non-finite flags of unsampled steps
+        self._unsampled: dict[str, list[int]] | None = None
+        self._unsampled_logged = False
+        self.diagnostics = None
+        mode = config.statistics.async_records
+        #: the opt-in action (distgrad.diagnostics.action): needs synchronous records, so "auto" is off with it
+        self.action = Action(self)
+        self.async_records = mode == "on" or (mode == "auto" and self._device_type() == "cuda"
+                                              and not self.action.active)
+        self._parked: dict[str, Any] | None = None  # the sampled step waiting for its host copy
+        self.local_grad_check: LocalGradCheck | None = None  # culprit rank: local grads before reduction
+        #: the packed signals (distgrad.signals) riding in the step's two collectives; decided
+        #: here from the configuration (same on every rank); raises a configuration error
+        self.signals = build_signals(self)
+        self.replay: Any = None  # culprit module: distgrad.diagnostics.replay.ForwardReplay, set by attach_replay
+
+    def _device_type(self) -> str:
+        try:
+            return torch.device(self.source.device()).type
+        except Exception:  # noqa: BLE001 - a source without a device yet: CPU behaviour
+            return "cpu"
+
+    # ----------------------------------------------------------------------------------
+    # the boundary: every engine boundary and integration uses begin_step / end_step,
+    # observe_loss, after_micro_batch, on_close and count_error, nothing else
+    def is_sampled(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (0-based, engine counter) is sampled."""
+        return self.config.enabled and step % self.config.sampling.interval == 0
+
+    def begin_step(self, step: int, refuse: str | None = None) -> StepToken:
+        """Open optimizer step ``step`` at the boundary: after the gradient reduction (and
+        accumulation) has completed, before the optimizer consumes the gradients.
+
+        Decides sampling from ``step`` alone (so all ranks agree); on a sampled step reads this
+        rank's gradient pieces, computes their statistics, makes the two collectives (SUM, MAX)
+        and one host copy (:meth:`collect`; with asynchronous records a non-blocking copy, and
+        first the previous sampled step's record is published). Must be called on every rank, for every optimizer
+        step, skipped ones included, with the same ``step``. Never raises (failures are
+        counted). Pair it with exactly one :meth:`end_step`.
+
+        Args:
+            step: the optimizer step, 0-based, counting every step the loop attempts.
+            refuse: why this rank's gradients cannot be the step's reduced gradient, or None
+                (see :meth:`collect`).
+
+        Returns:
+            The :class:`~distgrad.core.step.StepToken` to hand to :meth:`end_step`.
+        """
+        sampled = self.is_sampled(step)
+        if not sampled:
+            self.watch(step)  # device-side non-finite flag, folded into the next sampled step
+        host = self.collect(step, refuse) if sampled else None
+        if self.replay is not None:  # the culprit module of a non-finite step (distgrad.diagnostics.replay)
+            self.replay.boundary(step, host, sampled)
+        return StepToken(int(step), sampled, host)
+
+    def decide_action(self, token: StepToken, grad_scale: float = 1.0) -> Decision | None:
+        """Boundary API, right after :meth:`begin_step` on every rank, before the optimizer
+        runs: the opt-in action's decision for this step (:mod:`distgrad.diagnostics.action`), None to apply
+        the update. A decision means: skip this step's update on every rank (the boundary does
+        it, and reports ``StepOutcome(step_applied=False)``). ``grad_scale``: the factor the
+        gradients still carry (fp16). No collective, no host sync. Never raises."""
+        return self.action.decide(token, grad_scale, bool(self.source.has_loss_scaler()))
+
+    def end_step(self, token: StepToken, outcome: StepOutcome) -> StepRecord | None:
+        """Close the step opened by :meth:`begin_step`, after the optimizer ran (or was
+        skipped): account overflow / skipped steps / samples, and on a sampled step build the
+        :class:`StepRecord`, run the diagnostics and hooks and publish it to the sinks
+        (:meth:`finish`); the losses observed for the step are then dropped. Never raises.
+
+        Returns:
+            The record of a sampled step, else None (also when the step's statistics could not
+            be computed on some rank: counted in ``internal_errors``; and with asynchronous
+            records, where the record is built at the next boundary: see :meth:`flush`).
+        """
+        try:
+            if token.sampled:
+                return self.finish(token.step, outcome.micro_step, token.host, outcome.grad_scale,
+                                   outcome.loss_scale, outcome.overflow, outcome.step_applied, outcome.samples)
+            self.skip(outcome.overflow, outcome.step_applied, outcome.samples)
+            return None
+        finally:
+            self.loss.exit()
+            if self.action.active:
+                self.action.after_step(token.step)
+
+    def collect(self, step: int, refuse: str | None = None) -> "np.ndarray | HostCopy | None":
+        """Local statistics + the two collectives + one host copy, for a sampled step.
+
+        Must be called on every rank at the same boundary. Returns the reduced host array (or,
+        with asynchronous records, the :class:`HostCopy` on its way there), or None when the
+        reduction itself failed (counted). Asynchronous records: first publishes the parked
+        previous sampled step.
+
+        ``refuse``: a reason why this rank's gradients cannot be this step's reduced gradient
+        (read before the step's backward, already clipped, no backward since the last step; see
+        :mod:`distgrad.engines.guards`). The rank still joins both collectives, with a "refused"
+        flag, so every rank drops the step: nothing is exported for it. The caller warns once.
+        """
+        self._drain(collectives=True)
+        device = self.source.device()
+        self._loss_step = step_loss = self.loss.arrive()
+        grad_flag = None
+        try:
+            if self.local_grad_check is not None:  # taken (and reset) on every sampled step
+                grad_flag = self.local_grad_check.take(device)
+            if refuse is not None:
+                raise _Refused(refuse)
+            pieces = self.pieces(self.source.local_pieces())
+            fingerprint = None
+            if self.own.groups and self.config.statistics.replica_check and self.world_size > 1:
+                fingerprint = replica_checksum([p for p, c in zip(pieces, self.own.check) if c], device)
+            pieces = self.own.take(pieces)
+            count = step_loss.count if self.loss_reduction == "mean" else min(step_loss.count, 1)
+            sum_block, max_block = pack_local(pieces, self.layout, self.rank, device, fingerprint,
+                                              step_loss.sum, count, culprit_flags(step_loss.sum, grad_flag, device))
+            loss_sum, loss_max = self.loss.block(step_loss, self.rank, device, self.loss_reduction)
+            sig_sum, sig_max = self.signals.block(self, pieces, device)
+            sum_block = torch.cat([sum_block, loss_sum, sig_sum])
+            max_block = torch.cat([max_block, loss_max, sig_max])
+        except _Refused:  # join the collectives with the "refused" flag: every rank drops the step
+            sum_block, max_block = self._error_blocks(device)
+            code = REFUSAL_REASONS.index(refuse) if refuse in REFUSAL_REASONS else 0
+            sum_block[self.layout.rank_offset + self.rank * len(RANK_COLS) + 2] = _REFUSED + code
+        except Exception:  # noqa: BLE001 - join the collectives anyway, with the error flag set
+            self._internal_error("local statistics")
+            sum_block, max_block = self._error_blocks(device)
+        self._local_nonfinite = sum_block[: self.layout.rank_offset].view(-1, len(SUM_COLS))[:, 3:5].clone()
+        self._weights_before = None
+        if self.config.statistics.update_ratio and refuse is None:
+            try:
+                self._weights_before = [w.clone() if w is not None else None for w in weight_pieces(self)]
+            except Exception:  # noqa: BLE001
+                self._internal_error("copying the weights for the update ratio")
+        flags = self._watcher.take(device)  # the unsampled steps' flags ride in the MAX collective
+        if flags is not None:
+            max_block = torch.cat([max_block, flags])
+        try:
+            if self.async_records:
+                return reduce_blocks_async(sum_block, max_block, self.group)
+            return reduce_blocks(sum_block, max_block, self.group)
+        except Exception:  # noqa: BLE001
+            self._internal_error("cross-rank reduction")
+            return None
+
+    def _error_blocks(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`error_blocks` plus the identities of the per-rank loss block and the signals."""
+        sum_block, max_block = error_blocks(self.layout, self.rank, device)
+        loss_sum, loss_max = self.loss.block(None, self.rank, device, self.loss_reduction)
+        sig_sum, sig_max = self.signals.block(self, None, device)
+        return torch.cat([sum_block, loss_sum, sig_sum]), torch.cat([max_block, loss_max, sig_max])
+
+    def pieces(self, local: Any) -> list[torch.Tensor | None]:
+        """The source's per-parameter pieces at the positions of :attr:`names` (the job view
+        places them in the job-wide list, None for parameters held elsewhere)."""
+        return self.job.expand(local) if self.job is not None else list(local)
+
+    def watch(self, step: int) -> None:
+        """Non-finite check of an optimizer step that is not sampled (``interval`` > 1): see
+        :mod:`distgrad.core.watch`. Called on every rank at the boundary of unsampled step ``step``,
+        before the optimizer consumes the gradients; device work only (no collective, no host
+        sync); the next sampled step's record counts the flagged steps
+        (``nonfinite_unsampled_steps``, ``nonfinite_loss_steps``) and names them
+        (``StepRecord.unsampled_nonfinite``). Never raises (a failure is counted)."""
+        if self.local_grad_check is not None:
+            self.local_grad_check.reset()  # the culprit flags are carried by sampled steps only
+        if self.signals:
+            self.signals.skip(self, step)
+        if not self.config.enabled or self.config.sampling.interval < 2 or step % self.config.sampling.interval == 0:
+            return
+        try:
+            pieces = self.own.take(self.pieces(self.source.local_pieces()))
+            self._watcher.observe(step, pieces, self.loss.cur.sum, self.source.device())
+        except Exception:  # noqa: BLE001
+            self._internal_error("non-finite check of an unsampled step")
+
+    def _fold_watch(self, step: int, host: np.ndarray) -> np.ndarray:
+        """Split the unsampled steps' flags off the reduced array, count them, return the rest."""
+        host, self._unsampled = self._watcher.fold(step, host)
+        grad = self._unsampled["grad"] if self._unsampled else []
+        self.counters["nonfinite_unsampled_steps"] += len(grad)
+        self.counters["nonfinite_loss_steps"] += len(self._unsampled["loss"]) if self._unsampled else 0
+        if grad and not self._unsampled_logged and self.global_rank == 0:
+            log.warning("distgrad: non-finite gradients on unsampled optimizer step(s) %s (interval %d): "
+                        "counted in distgrad_nonfinite_unsampled_steps_total; set sampling.interval: 1 for per-parameter "
+                        "detail on every step", step_ranges(grad), self.config.sampling.interval)
+        self._unsampled_logged = bool(grad)
+        return host
+
+    def finish(self, step: int, micro_step: int, host: "np.ndarray | HostCopy | None", grad_scale: float,
+               loss_scale: float | None, overflow: bool | None, step_applied: bool,
+               samples: int | None) -> StepRecord | None:
+        """Turn the reduced array into a record after the optimizer step, update counters and
+        diagnostics, publish. Asynchronous records (``host`` a :class:`HostCopy`): only the
+        counters and the update-ratio all-reduce now; the step is parked and its record built
+        at the next boundary (returns None). Never raises."""
+        try:
+            self.account(overflow, step_applied, samples)
+            if self.signals:
+                self.signals.after_step(self, step_applied)
+            if host is None:
+                self._publish_counters()
+                return None
+            if isinstance(host, HostCopy):
+                ratio = None
+                if self.config.statistics.update_ratio:
+                    ratio = HostCopy(update_ratio_sums(self, self.layout.n_params))
+                self._parked = {"args": (step, micro_step, grad_scale, loss_scale, overflow, step_applied),
+                                "host": host, "ratio": ratio, "local_nonfinite": self._local_nonfinite,
+                                "loss": self._loss_step}
+                self._publish_counters()
+                return None
+            return self._complete(host, (step, micro_step, grad_scale, loss_scale, overflow, step_applied),
+                                  self._local_nonfinite, ratio=None, collectives=True, step_loss=self._loss_step)
+        except Exception:  # noqa: BLE001
+            self._internal_error("finishing the step")
+            return None
+        finally:
+            self._loss_step = None
+            self.loss.drop()
+
+    def _drain(self, collectives: bool) -> StepRecord | None:
+        """Build and publish the parked sampled step (asynchronous records), if any. Waits for
+        its host copy (normally complete by now). ``collectives``: allowed to make the provenance
+        all-gather (every rank is at the same boundary). Never raises."""
+        parked, self._parked = self._parked, None
+        if parked is None:
+            return None
+        try:
+            host = parked["host"].wait()
+            return self._complete(host, parked["args"], parked["local_nonfinite"], parked["ratio"], collectives,
+                                  parked["loss"])
+        except Exception:  # noqa: BLE001
+            self._internal_error("finishing the parked step")
+            return None
+
+    def _complete(self, host: np.ndarray, args: tuple, local_nonfinite: torch.Tensor,
+                  ratio: "HostCopy | None", collectives: bool, step_loss: StepLoss | None = None) -> StepRecord | None:
+        """The record of a sampled step from its reduced host array: diagnostics, hooks, sinks.
+        ``ratio``: the update-ratio sums on their way to the host (asynchronous records), or
+        None to make that all-reduce now (synchronous)."""
+        step, micro_step, grad_scale, loss_scale, overflow, step_applied = args
+        host = self._fold_watch(step, host)  # sets self._unsampled for _build
+        host, sig_sum, sig_max = SignalPack.split(host, self.layout.sum_size + self.loss.sum_size,
+                                                  self.signals.sum_size, self.signals.max_size)
+        host, loss_sum, loss_max = split_loss(host, self.layout.sum_size, self.loss.sum_size, self.loss.max_size)
+        red = unpack(host, self.layout, self.names, grad_scale)
+        if red.rank_error.sum():
+            # this rank counted its own failure already; learn of the others' from the flags.
+            # A flag of _REFUSED is a rank that could not vouch for its gradients (not an error
+            # of distgrad's; that rank warned): the step is dropped, nothing is exported.
+            failed = (red.rank_error > 0) & (red.rank_error < _REFUSED)
+            self.counters["internal_errors"] += int(failed.sum() - failed[self.rank])
+            refused = np.flatnonzero(red.rank_error >= _REFUSED)
+            if refused.size:
+                code = int(round(float(red.rank_error[refused[0]]) - _REFUSED))
+                self._count_refused(REFUSAL_REASONS[min(max(code, 0), len(REFUSAL_REASONS) - 1)])
+            self._publish_counters()
+            return None
+        rec = self._build(step, micro_step, red, grad_scale, loss_scale, overflow, step_applied,
+                          local_nonfinite if collectives else None)
+        if self.replay is not None:
+            self.replay.attach(rec)
+        rec.ranks, rec.loss_components, rec.token_loss = self.loss.unpack(loss_sum, loss_max)
+        if self.signals:
+            self.signals.finish(self, rec, sig_sum, sig_max, grad_scale)
+        rec.action = self.action.part(step)
+        if self.config.statistics.update_ratio:
+            host_sums = (update_ratio_sums(self, len(rec.params.names)).cpu().numpy() if ratio is None
+                         else ratio.wait())
+            ratios = update_ratio_values(host_sums, rec.params.names, step_applied)
+            if ratios is not None:
+                rec.update_ratio = ratios
+        self.last_record = rec
+        if self.diagnostics is not None:  # each plug-in's failure is counted, the others run
+            self.diagnostics.on_record(rec)
+        try:
+            path = self.loss.report_spike(rec, step_loss, self.rank, self.config.flight_recorder.dir)
+            if path is not None:
+                rec.loss_spike_report = str(path)
+        except OSError as e:
+            log.warning("distgrad: loss-spike report of step %d not written to flight_recorder.dir=%r: %s",
+                        step, self.config.flight_recorder.dir, e)
+            self._sink_error("flight_recorder")
+        except Exception:  # noqa: BLE001
+            self._internal_error("loss-spike report")
+        for hook in self._hooks:
+            try:
+                hook(rec)
+            except Exception:  # noqa: BLE001
+                self._internal_error("hook")
+        rec.counters = dict(self.counters)
+        self._publish(rec)
+        return rec
+
+    def account(self, overflow: bool | None, step_applied: bool, samples: int | None) -> None:
+        """Per-boundary bookkeeping that needs no collective (every optimizer step, sampled or
+        not): overflow and skipped-step counters, the overflow streak, the sample count."""
+        if overflow:
+            self.counters["overflow_steps"] += 1
+            self._consecutive_overflow += 1
+        elif overflow is not None:
+            self._consecutive_overflow = 0
+        if not step_applied and self.action.pending is None:  # distgrad's own skips: action_skipped_*
+            self.counters["skipped_steps"] += 1
+        if samples is not None:
+            self.counters["samples"] = samples
+        if self.prometheus is not None:
+            self.prometheus.collector.step_time = time.time()
+
+    def after_micro_batch(self) -> None:
+        """Called after each forward/backward: writes the tracer report once it has finished."""
+        if self.diagnostics is not None:
+            self.diagnostics.on_micro_batch()
+
+    def skip(self, overflow: bool | None, step_applied: bool, samples: int | None) -> None:
+        """Boundary of a step that is not sampled: account it, drop the observed losses."""
+        self._drain(collectives=True)
+        try:
+            self._watcher.overflow(overflow)  # fp16 overflow steps are expected: not "non-finite"
+            self.account(overflow, step_applied, samples)
+            self._publish_counters()
+        except Exception:  # noqa: BLE001
+            self._internal_error("accounting an unsampled step")
+        finally:
+            self.loss.drop()  # the step's losses, components, token losses and time are dropped
+
+    def _build(self, step, micro_step, red, grad_scale, loss_scale, overflow, step_applied,
+               local_nonfinite: torch.Tensor | None) -> StepRecord:
+        """The record; on a non-finite step the provenance all-gather of ``local_nonfinite``
+        (None: not allowed here, at ``close()``: the provenance stays empty, logged)."""
+        stats = red.params
+        gnorm = global_norm(stats)
+        self.counters["sampled_steps"] += 1
+        dtype_max = float(torch.finfo(self.source.grad_dtype).max)
+        with np.errstate(invalid="ignore"):
+            headroom = (stats.abs_max * grad_scale / dtype_max).tolist()
+        mismatch_rank: int | None = None
+        mismatched: list[int] = []
+        if self.own.groups and self.config.statistics.replica_check and self.world_size > 1:
+            for members in self.own.groups:  # ranks that must hold identical replicated pieces
+                sub = replica_outliers(red.fingerprints[members], 0.0)  # exact checksums: no tolerance
+                mismatched += [members[j] for j in sub]
+            mismatched.sort()
+            if mismatched:
+                self.counters["replica_mismatch"] += 1
+                self._replica_mismatch_rank = mismatched[0]
+                log.warning("distgrad: step %d: replicated gradients differ across ranks; %s disagree "
+                            "(fingerprints %s)", step, ", ".join(self.own.name(r) for r in mismatched),
+                            red.fingerprints.tolist())
+            mismatch_rank = self._replica_mismatch_rank
+        # a rank's shard held NaN/Inf, or (replicated) its full copy did: its fingerprint, which
+        # stays 0 where none is computed, is then non-finite
+        bad = (red.rank_nonfinite > 0) | ~np.isfinite(red.fingerprints)
+        nonfinite_ranks = [int(r) for r in np.nonzero(bad)[0]]
+        scaler = None
+        culprits = decode(red.rank_culprit)
+        if loss_scale is not None:
+            mn = self.source.min_loss_scale()
+            scaler = ScalerState(self._consecutive_overflow, bool(mn is not None and loss_scale <= mn))
+        loss = red.loss_sum / red.loss_count if red.loss_count else None
+        if loss is not None and not np.isfinite(loss):
+            self.counters["nonfinite_loss_steps"] += 1
+        if loss is None and self.counters["sampled_steps"] == 10 and self.global_rank == 0:
+            log.warning("distgrad: no training loss observed in 10 sampled steps, so distgrad_loss, the "
+                        "NaN-loss alert and loss-spike detection are off: call dg.observe_loss(loss) after "
+                        "each forward (DeepSpeed's engine.backward(loss) and models returning the loss "
+                        "are picked up automatically)")
+        rec = StepRecord(
+            step=int(step), micro_step=int(micro_step), timestamp=time.time(), world_size=self.world_size,
+            params=stats, grad_norm=gnorm, loss=loss, loss_scale=loss_scale, overflow=overflow,
+            step_applied=bool(step_applied), replica_mismatch_ranks=mismatched,
+            nonfinite_ranks=nonfinite_ranks, culprits=culprits,
+            grad_dtype=_DTYPE_NAMES.get(self.source.grad_dtype, str(self.source.grad_dtype)),
+            grad_scale=grad_scale, headroom=headroom, replica_mismatch_rank=mismatch_rank, scaler=scaler,
+            unsampled_nonfinite=(None if self._unsampled is None else UnsampledNonfinite(
+                list(self._unsampled["grad"]), list(self._unsampled["loss"]))))
+        if rec.nonfinite and not overflow:  # an fp16 overflow the scaler skipped: overflow_steps
+            self.counters["nonfinite_steps"] += 1
+            if local_nonfinite is not None:
+                rec.nonfinite_params = provenance(self, stats.names, local_nonfinite)
+            else:
+                rec.nonfinite_params = []
+                log.warning("distgrad: step %d was non-finite; its per-rank provenance was not gathered "
+                            "because the record was completed at close()", step)
+        return rec

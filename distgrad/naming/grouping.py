@@ -1,0 +1,322 @@
+"""Exact re-aggregation of per-parameter gradient statistics, and the Prometheus series budget.
+
+Pure numpy on :class:`~distgrad.record.ParamStats`; no torch, no distributed calls.
+
+Re-aggregation
+--------------
+The per-parameter statistics are sufficient statistics, so a group of parameters is summarised
+exactly from them (as if its gradients were concatenated into one tensor): ``numel``, ``sum``,
+``sumsq``, ``nan``, ``inf``, ``zeros`` add; ``min`` is the min of the mins and ``max`` the max of
+the maxes. A group norm is therefore ``sqrt(sum sumsq)`` (root-sum-square of the member norms),
+its mean ``sum / numel``, its zero ratio ``zeros / numel``. NaN propagates as in ``torch``: a
+group with a NaN element has NaN ``min``/``max`` (``torch.amin``/``amax``) and NaN ``sum``; a
+group with both ``+Inf`` and ``-Inf`` elements has NaN ``sum``, as the concatenated tensor would.
+
+Grouping keys (:func:`group_keys`), from :func:`distgrad.naming.classify.classify`:
+
+* ``"param"``: the parameter name itself (identity grouping);
+* ``"module"``: the canonical module path (``model.layers.3.self_attn.q_proj``; weight, bias
+  and PEFT ``base_layer`` merge);
+* ``"layer"``: the layer label (``"3"``, ``"enc.3"``, ``embed``, ``head``, ``norm``, ``other``);
+* ``"module_kind"``: the kind (``attn_q``, ``mlp_up``, ...).
+
+LoRA / DoRA parameters get groups of their own, side by side with the frozen or trained base
+weights: the key is the base key followed by ``"/lora_<role>"``, e.g. at layer granularity
+``"3/lora_A"``, ``"3/lora_B"``, ``"3/lora_magnitude"``, ``"embed/lora_embedding_A"``; at module
+granularity ``"model.layers.3.self_attn.q_proj/lora_A"``. Adapter gradients are orders of
+magnitude apart from base gradients (and the base is usually frozen), so mixing them would hide
+both.
+
+Series budget
+-------------
+Prometheus cost grows with the number of time series, so per-parameter series are exported only
+for a selection of parameters (:func:`select_series`). The series of one scrape
+(:func:`series_count`) are::
+
+    series = PARAM_SERIES * k  +  LAYER_SERIES * L  +  KIND_SERIES * K  +  GLOBAL_SERIES
+
+Every term is counted from the metric catalogue (:mod:`distgrad.export.metrics`, one declaration per
+metric; ``Metric.series()`` is the series of one metric per value of its scope label):
+
+* ``k``: parameters selected for per-parameter series; ``PARAM_SERIES = 10`` per selected
+  parameter: the catalogue's ``param``-scoped metrics, i.e. ``distgrad_param_grad_{norm, mean,
+  std, min, max, abs_max, zero_ratio, headroom_ratio}`` (8) plus
+  ``distgrad_param_grad_nonfinite{kind=nan|inf}`` (2); ``+UPDATE_RATIO_SERIES`` (1,
+  ``distgrad_param_update_ratio``) when the update-ratio option is on;
+* ``L``: layer groups (layer-granularity keys, LoRA groups included);
+  ``LAYER_SERIES = 8``: ``distgrad_layer_grad_{norm, nonfinite, zero_ratio, headroom_ratio,
+  underflow_ratio}``, ``distgrad_layer_curvature`` and ``distgrad_layer_{update_rms,
+  adam_spike_fraction}`` (the underflow ratio, the curvature and the last two with
+  ``histogram.enabled`` / ``curvature.enabled`` / an Adam-family optimizer only; counted
+  always; the optimizer signals' other per-layer values are in the JSONL record only);
+* ``K``: module-kind groups (kind-granularity keys); ``KIND_SERIES = 1``
+  (``distgrad_module_kind_grad_norm``);
+* ``GLOBAL_SERIES`` (about 180; the exact value is counted from the catalogue at import): the
+  catalogue's metrics of a fixed or capped series count (
+  unlabelled ones, the three-valued ``detector`` families, ``distgrad_sink_errors_total{sink}``
+  for its 4 sinks, ``distgrad_refused_steps_total{reason}`` for its 3 reasons,
+  ``distgrad_nonfinite_params`` capped at 20, ``distgrad_nonfinite_culprit`` capped at 8, the loss components (3 x 8, and 8 x 2 spike
+  counters), the token-loss bins (15), data sources (2 x 9), the gradient noise scale (5), the curvature (1), the opt-in action's
+  counter (2 causes) and stop gauge, and the optimizer signals (4 + 2 moment norms)) plus :data:`GLOBAL_RESERVE`
+  (5) for exporter-side extras and metrics still to come. (prometheus_client's ``*_created``
+  samples and process collectors are not served by distgrad's exporter.)
+
+The default budget is :data:`DEFAULT_SERIES_BUDGET` ``= 2000`` and the default ``top_k`` is
+:data:`DEFAULT_TOP_K` ``= 100``. Example, LLaMA-70B (723 tensors, 80 blocks): L = 83 (80 blocks +
+embed, norm, head), K = 10, fixed part LAYER_SERIES*83 + 10 + GLOBAL_SERIES (856 with
+LAYER_SERIES = 8 and GLOBAL_SERIES = 182), so at most floor((2000 - 856) / 10) = 114 parameters
+can have per-parameter series; with the default top-k, 10*100 + 856 = 1856 series (1956 with the
+update ratio), and a step with many non-finite parameters is capped below the budget
+(:func:`select_series`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from distgrad.export import metrics as _metrics
+from distgrad.naming import classify as naming
+from distgrad.record import STAT_FIELDS, ParamStats
+
+__all__ = [
+    "GRANULARITIES",
+    "DEFAULT_SERIES_BUDGET",
+    "DEFAULT_TOP_K",
+    "PARAM_SERIES",
+    "LAYER_SERIES",
+    "KIND_SERIES",
+    "GLOBAL_SERIES",
+    "GLOBAL_RESERVE",
+    "UPDATE_RATIO_SERIES",
+    "aggregate",
+    "group_keys",
+    "series_count",
+    "series_capacity",
+    "select_series",
+]
+
+GRANULARITIES = ("param", "module", "layer", "module_kind")
+
+#: Default maximum number of Prometheus series exported by distgrad.
+DEFAULT_SERIES_BUDGET = 2000
+#: Default number of largest-norm parameters that get per-parameter series.
+DEFAULT_TOP_K = 100
+#: Series per selected parameter (see module docstring), from the catalogue.
+PARAM_SERIES = _metrics.series_per("param", exclude=["update_ratio"])
+#: Extra series per selected parameter with the update-ratio option.
+UPDATE_RATIO_SERIES = _metrics.series_per("param", when=["update_ratio"])
+#: Series per layer group.
+LAYER_SERIES = _metrics.series_per("layer")
+#: Series per module-kind group.
+KIND_SERIES = _metrics.series_per("module_kind")
+#: Series kept free in the global part for exporter extras and future metrics.
+GLOBAL_RESERVE = 5
+#: Series not proportional to parameters, layers or kinds (including GLOBAL_RESERVE).
+GLOBAL_SERIES = _metrics.series_per(None) + GLOBAL_RESERVE
+
+_SUMMED = ("numel", "sum", "sumsq", "nan", "inf", "zeros")
+
+
+def aggregate(stats: ParamStats, keys: Sequence[str]) -> ParamStats:
+    """Re-aggregate per-parameter sufficient statistics over groups of parameters.
+
+    Args:
+        stats: per-parameter statistics, every field a float64 array of shape ``[P]``.
+        keys: group key of each parameter, ``len(keys) == P`` (e.g. from :func:`group_keys`).
+
+    Returns:
+        A :class:`ParamStats` with one entry per distinct key, ``names`` = the keys in order of
+        first appearance, float64 arrays of shape ``[G]``. ``numel``, ``sum``, ``sumsq``,
+        ``nan``, ``inf``, ``zeros`` are summed over the members; ``min`` is the minimum of the
+        members' ``min`` and ``max`` the maximum of their ``max``, NaN if any member's is NaN
+        (torch ``amin``/``amax`` semantics on the concatenated gradient). Members with
+        ``numel == 0`` do not take part in ``min``/``max``; a group without elements has NaN
+        ``min``/``max``. Counts stay exact (integers below 2**53); sums are float64 sums of the
+        members' float64 sums (the formula of the textbook pooled moments:
+        S1 = sum_i S1_i, S2 = sum_i S2_i).
+
+    Raises:
+        ValueError: ``len(keys) != P``.
+    """
+    n = len(stats.names)
+    if len(keys) != n:
+        raise ValueError(f"aggregate: {len(keys)} keys for {n} parameters")
+    index: dict[str, int] = {}
+    inv = np.empty(n, dtype=np.intp)
+    for i, k in enumerate(keys):
+        inv[i] = index.setdefault(k, len(index))
+    g = len(index)
+
+    out: dict[str, np.ndarray] = {}
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf -> NaN, as torch
+        for f in _SUMMED:
+            out[f] = group_sums(inv, getattr(stats, f), g)
+
+        present = stats.numel > 0
+        gmin = np.full(g, np.inf)
+        gmax = np.full(g, -np.inf)
+        np.minimum.at(gmin, inv[present], stats.min[present])  # np.minimum propagates NaN
+        np.maximum.at(gmax, inv[present], stats.max[present])
+        empty = out["numel"] == 0
+        gmin[empty] = np.nan
+        gmax[empty] = np.nan
+    out["min"], out["max"] = gmin, gmax
+    return ParamStats(names=list(index), **{f: out[f] for f in STAT_FIELDS})
+
+
+def group_sums(inv: np.ndarray, values: np.ndarray, n_groups: int) -> np.ndarray:
+    """Per-group sums of per-parameter values: the one summation behind every layer, module and
+    kind aggregate (:func:`aggregate`, and the report's and TensorBoard sink's per-layer norms,
+    :meth:`distgrad.report.layers.LayerIndex.norms_and_nonfinite`).
+
+    Args:
+        inv: integer array ``[P]``, the group of each parameter, each in ``[0, n_groups)``.
+        values: float64 array ``[P]``.
+        n_groups: G.
+
+    Returns:
+        float64 array ``[G]``; each group's members added one by one in parameter order (the
+        same float64 result as ``np.add.at``), NaN/Inf propagating; 0 for a group without members.
+    """
+    return np.bincount(inv, weights=values, minlength=n_groups).astype(np.float64, copy=False)
+
+
+def group_keys(
+    names: Sequence[str],
+    granularity: str,
+    rules: Sequence[tuple[str, str, str]] | None = None,
+) -> list[str]:
+    """Group key of each parameter name at a granularity.
+
+    Args:
+        names: parameter names, length P.
+        granularity: ``"param"`` (the name), ``"module"`` (canonical module path), ``"layer"``
+            (layer label) or ``"module_kind"`` (kind); see the module docstring.
+        rules: user naming rules passed to :func:`distgrad.naming.classify.classify`.
+
+    Returns:
+        list of P strings. LoRA/DoRA parameters get ``"<key>/lora_<role>"``, e.g. layer ``"3"``
+        and role ``A`` -> ``"3/lora_A"``; DoRA magnitude -> ``"3/lora_magnitude"``.
+
+    Raises:
+        ValueError: unknown granularity, or invalid rules (from ``classify``).
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if granularity == "param":
+        return list(names)
+    out = []
+    for name in names:
+        pg = naming.classify(name, rules)
+        key = pg.module if granularity == "module" else pg.layer if granularity == "layer" else pg.module_kind
+        if pg.lora is not None:
+            key = f"{key}/lora_{pg.lora}"
+        out.append(key)
+    return out
+
+
+def series_count(
+    n_params: int,
+    n_layers: int,
+    n_kinds: int,
+    selected: int | Sequence[int],
+    *,
+    update_ratio: bool = False,
+    global_series: int = GLOBAL_SERIES,
+) -> int:
+    """Number of Prometheus series distgrad exports (formula in the module docstring).
+
+    ``PARAM_SERIES(+1) * k + LAYER_SERIES * n_layers + KIND_SERIES * n_kinds + global_series``.
+
+    Args:
+        n_params: number of tracked parameter tensors P (bounds ``k``).
+        n_layers: number of layer groups (``len(set(group_keys(names, "layer")))``).
+        n_kinds: number of module-kind groups.
+        selected: k, or the selected parameter indices (from :func:`select_series`).
+        update_ratio: the ``distgrad_param_update_ratio`` option is on (+1 series per param).
+        global_series: series independent of P, layers and kinds.
+
+    Returns:
+        the series count (int).
+
+    Raises:
+        ValueError: a negative argument or ``k > n_params``.
+    """
+    k = selected if isinstance(selected, (int, np.integer)) else len(selected)
+    if min(n_params, n_layers, n_kinds, k, global_series) < 0:
+        raise ValueError("series_count: arguments must be >= 0")
+    if k > n_params:
+        raise ValueError(f"series_count: {k} selected of {n_params} parameters")
+    per_param = PARAM_SERIES + (UPDATE_RATIO_SERIES if update_ratio else 0)
+    return int(per_param * k + LAYER_SERIES * n_layers + KIND_SERIES * n_kinds + global_series)
+
+
+def series_capacity(
+    budget: int,
+    n_layers: int,
+    n_kinds: int,
+    *,
+    update_ratio: bool = False,
+    global_series: int = GLOBAL_SERIES,
+) -> int:
+    """Largest k with ``series_count(., n_layers, n_kinds, k) <= budget``; negative if even k = 0
+    exceeds the budget."""
+    per_param = PARAM_SERIES + (UPDATE_RATIO_SERIES if update_ratio else 0)
+    fixed = LAYER_SERIES * n_layers + KIND_SERIES * n_kinds + global_series
+    return (budget - fixed) // per_param
+
+
+def select_series(
+    stats: ParamStats,
+    budget: int = DEFAULT_SERIES_BUDGET,
+    top_k: int = DEFAULT_TOP_K,
+    *,
+    rules: Sequence[tuple[str, str, str]] | None = None,
+    update_ratio: bool = False,
+    global_series: int = GLOBAL_SERIES,
+) -> list[int]:
+    """Choose the parameters that get per-parameter series this step.
+
+    Rule: every parameter with a non-finite element (``nan + inf > 0``) or a non-finite norm is
+    kept, those with the most non-finite elements first (ties: parameter order); then the
+    ``top_k`` largest finite norms among the others (ties: parameter order). The total is capped
+    at the budget's capacity ``floor((budget - 8 L - K - G) / 10)`` (module docstring), with L and
+    K the layer and module-kind groups of ``stats.names``, so that
+    ``series_count(P, L, K, result) <= budget`` always holds.
+
+    Args:
+        stats: per-parameter statistics (float64 arrays of shape ``[P]``).
+        budget: maximum number of exported series (default 2000).
+        top_k: number of largest-norm parameters kept besides the non-finite ones (>= 0).
+        rules: user naming rules, as for :func:`distgrad.naming.classify.classify`.
+        update_ratio: count the optional ``distgrad_param_update_ratio`` family.
+        global_series: series independent of P, layers and kinds.
+
+    Returns:
+        sorted list of selected parameter indices (positions in ``stats.names``).
+
+    Raises:
+        ValueError: ``top_k < 0``, or ``budget`` below the series needed with no per-parameter
+            series at all (layer, kind and global series).
+    """
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    n_layers = len(set(group_keys(stats.names, "layer", rules)))
+    n_kinds = len(set(group_keys(stats.names, "module_kind", rules)))
+    cap = series_capacity(budget, n_layers, n_kinds, update_ratio=update_ratio, global_series=global_series)
+    if cap < 0:
+        fixed = series_count(len(stats.names), n_layers, n_kinds, 0, update_ratio=update_ratio,
+                             global_series=global_series)
+        raise ValueError(f"series budget {budget} < {fixed} series needed without per-parameter series")
+    norm = stats.norm
+    bad = (stats.nonfinite > 0) | ~np.isfinite(norm)
+    idx = np.arange(len(stats.names))
+    bad_idx = idx[bad]
+    # most non-finite elements first; stable sort keeps parameter order among ties
+    bad_idx = bad_idx[np.argsort(-np.nan_to_num(stats.nonfinite[bad_idx], nan=0.0), kind="stable")]
+    good_idx = idx[~bad]
+    good_idx = good_idx[np.argsort(-norm[good_idx], kind="stable")][:top_k]
+    chosen = np.concatenate([bad_idx, good_idx])[:cap]
+    return sorted(int(i) for i in chosen)

@@ -1,4 +1,0 @@
-"""Sinks: where each sampled step's :class:`~distgrad.record.StepRecord` goes (rank 0 only)."""
-from distgrad.sinks.base import Sink, SinkError
-
-__all__ = ["Sink", "SinkError"]
