@@ -30,6 +30,13 @@ STEPS, CUT, BATCH = 8, 4, 2
 KNOBS = {"prometheus": False, "spikes": {"ema_warmup": 3, "window": 3, "robust_warmup": 3, "robust_window": 3}}
 
 
+def knobs(async_records: bool) -> dict:
+    """:data:`KNOBS`, with asynchronous records (``statistics.async_records: on``; the default
+    only for CUDA gradients) when ``async_records``: a sampled step's record is then built at
+    the next boundary, so the integration must build the last one before the state is saved."""
+    return {**KNOBS, "statistics": {"async_records": "on" if async_records else "off"}}
+
+
 def slim(rec, inst) -> dict:
     """The record's detector inputs and outputs; the counters are the instrument's (a hook runs
     before the record's ``counters`` are filled in)."""
@@ -42,7 +49,7 @@ def world() -> int:
 
 
 def train_trainer(kind: str, out: str, seed: int, resume: str | None = None, steps: int = STEPS,
-                  save_steps: int = CUT, with_distgrad: bool = True, **extra) -> dict:
+                  save_steps: int = CUT, with_distgrad: bool = True, async_records: bool = False, **extra) -> dict:
     """The Trainer (``kind``: "single" or "ddp") for ``steps`` steps, saving every ``save_steps``,
     resumed from ``resume`` if given. Returns this rank's records and final distgrad state."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -60,7 +67,7 @@ def train_trainer(kind: str, out: str, seed: int, resume: str | None = None, ste
     if not with_distgrad:
         trainer.train(resume_from_checkpoint=resume)
         return {"records": records, "state": None}
-    cb = attach(trainer, **KNOBS)
+    cb = attach(trainer, **knobs(async_records))
 
     class Record(TrainerCallback):  # added after distgrad's: its instrument exists here
         def on_train_begin(self, *a, **kw):
@@ -73,7 +80,8 @@ def train_trainer(kind: str, out: str, seed: int, resume: str | None = None, ste
             "holder_linked": len(holders) == 1 and holders[0].instrument is cb.instrument}
 
 
-def train_accelerate(kind: str, seed: int, steps: range, save: str | None = None, load: str | None = None) -> dict:
+def train_accelerate(kind: str, seed: int, steps: range, save: str | None = None, load: str | None = None,
+                     async_records: bool = False) -> dict:
     """A plain Accelerate loop (``kind``: "single" or "ddp"), ``accelerator.save_state(save)``
     after step ``CUT - 1``, or ``accelerator.load_state(load)`` before the first step."""
     from accelerate import Accelerator
@@ -85,7 +93,7 @@ def train_accelerate(kind: str, seed: int, steps: range, save: str | None = None
     data, rank = dataset(), acc.process_index
     model = tiny_llama(seed)
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    dg = instrument_accelerate(acc, model, opt, **KNOBS)
+    dg = instrument_accelerate(acc, model, opt, **knobs(async_records))
     if load is not None:
         acc.load_state(load)
     records: list[dict] = []
@@ -103,7 +111,8 @@ def train_accelerate(kind: str, seed: int, steps: range, save: str | None = None
     return {"records": records, "state": state}
 
 
-def train_lightning(strategy: str, out: str, seed: int, ckpt_path: str | None = None) -> dict:
+def train_lightning(strategy: str, out: str, seed: int, ckpt_path: str | None = None,
+                    async_records: bool = False) -> dict:
     """Lightning (``strategy``: "single" or "ddp") for ``STEPS // CUT`` epochs of ``CUT`` steps,
     ``ModelCheckpoint`` at the end of each epoch (``step=<n>.ckpt``), resumed from ``ckpt_path``."""
     import lightning as L
@@ -125,7 +134,7 @@ def train_lightning(strategy: str, out: str, seed: int, ckpt_path: str | None = 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
-    cb = DistgradCallback(**KNOBS)
+    cb = DistgradCallback(**knobs(async_records))
     records: list[dict] = []
 
     class Record(L.Callback):
@@ -140,38 +149,43 @@ def train_lightning(strategy: str, out: str, seed: int, ckpt_path: str | None = 
     return {"records": records, "state": cb.instrument.state_dict()}
 
 
-def run_case(name: str, kind: str, directory: str) -> dict:
+def run_case(name: str, kind: str, directory: str, async_records: bool = False) -> dict:
     """The uninterrupted run (checkpointing at ``CUT`` and ``STEPS``) and the run resumed from its
     step-``CUT`` checkpoint, in ``directory`` (shared by the ranks). Returns this rank's
     ``straight``, ``resumed`` (records), ``straight_state``, ``resumed_state`` and, where the
-    framework's files hold it, what each run's checkpoints store (``saved``: the state in the
-    step-``CUT`` checkpoint of the first run and the step-``STEPS`` checkpoints of both)."""
+    framework's checkpoint files store, read back: ``saved_cut`` (the state in the first run's
+    step-``CUT`` checkpoint) and, but for Accelerate, ``saved`` (in the step-``STEPS`` checkpoints
+    of both runs).
+    ``async_records``: with asynchronous records (:func:`knobs`)."""
     a, b = os.path.join(directory, name, "a"), os.path.join(directory, name, "b")
     out: dict = {}
     if name.startswith("trainer"):
         from distgrad.integrations.hf import STATE_KEY
 
-        straight = train_trainer(kind, a, 1234)
-        resumed = train_trainer(kind, b, 99, resume=os.path.join(a, f"checkpoint-{CUT}"))
+        straight = train_trainer(kind, a, 1234, async_records=async_records)
+        resumed = train_trainer(kind, b, 99, resume=os.path.join(a, f"checkpoint-{CUT}"), async_records=async_records)
 
         def saved(run: str, step: int):
             with open(os.path.join(run, f"checkpoint-{step}", "trainer_state.json")) as f:
                 return json.load(f)["stateful_callbacks"][STATE_KEY]["instrument"]
         out["holder_linked"] = [straight["holder_linked"], resumed["holder_linked"]]
     elif name.startswith("accelerate"):
-        straight = train_accelerate(kind, 1234, range(STEPS), save=a)
-        resumed = train_accelerate(kind, 99, range(CUT, STEPS), load=a)
-        saved = None
+        straight = train_accelerate(kind, 1234, range(STEPS), save=a, async_records=async_records)
+        resumed = train_accelerate(kind, 99, range(CUT, STEPS), load=a, async_records=async_records)
+        saved = None  # one checkpoint, at the cut (the first object registered: distgrad's)
+        out["saved_cut"] = torch.load(os.path.join(a, "custom_checkpoint_0.pkl"), weights_only=True)
     else:
-        straight = train_lightning(kind, a, 1234)
-        resumed = train_lightning(kind, b, 99, ckpt_path=os.path.join(a, f"step={CUT}.ckpt"))
+        straight = train_lightning(kind, a, 1234, async_records=async_records)
+        resumed = train_lightning(kind, b, 99, ckpt_path=os.path.join(a, f"step={CUT}.ckpt"),
+                                  async_records=async_records)
 
         def saved(run: str, step: int):
             return torch.load(os.path.join(run, f"step={step}.ckpt"), weights_only=True)["callbacks"]["DistgradCallback"]
     out.update({"straight": straight["records"], "resumed": resumed["records"],
                 "straight_state": straight["state"], "resumed_state": resumed["state"]})
     if saved is not None:
-        out["saved"] = {"cut": saved(a, CUT), "a": saved(a, STEPS), "b": saved(b, STEPS)}
+        out["saved_cut"] = saved(a, CUT)
+        out["saved"] = {"a": saved(a, STEPS), "b": saved(b, STEPS)}
     if dist.is_initialized():
         dist.barrier()
     return out
