@@ -7,10 +7,12 @@
 #   bash launch/run_example.sh --ds-config configs/ds_zero3_bf16.json --steps 500
 #   bash launch/run_example.sh --inject nan --inject-step 20     # test your paging
 #
-# Extra arguments go to launch/train.py (see --help). NPROC overrides the number of ranks.
+# Extra arguments go to launch/train.py (see --help). NPROC overrides the number of ranks,
+# MASTER_PORT the rendezvous port (default 29500); DISTGRAD_SETUP=0 skips the set-up step (the
+# tests run it from the environment they run in).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$here/scripts/setup_env.sh"
+[ "${DISTGRAD_SETUP:-1}" = 0 ] || bash "$here/scripts/setup_env.sh"
 venv="${DISTGRAD_VENV:-$here/.venv}"
 export PATH="$venv/bin:$PATH"
 cd "$here"

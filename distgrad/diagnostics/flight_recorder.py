@@ -92,8 +92,8 @@ def provenance_from(
         ``{"params": [{"name": str, "nan": int, "inf": int, "ranks": [int, ...]}, ...],
         "first_param": str | None}`` -- rows only for parameters with a non-zero count, sorted
         in forward order; ``nan`` / ``inf`` summed over ranks; ``ranks`` ascending, the ranks
-        whose shard held any NaN/Inf of that parameter; ``first_param`` the likely origin by the
-        module's rule (the non-finite parameter *last* in forward order), None if no rows.
+        whose shard held any NaN/Inf of that parameter; ``first_param`` the non-finite parameter *last* in
+        forward order (the module docstring says what it is and is not), None if no rows.
 
     Raises:
         ValueError: if the arrays' shapes disagree with each other or with ``names``.

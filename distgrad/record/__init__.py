@@ -335,8 +335,9 @@ class Provenance(_Part):
     Attributes:
         step: the optimizer step.
         params: the non-finite parameters in forward order.
-        first_param: probable origin, the non-finite parameter last in forward order (the
-            rule of :mod:`distgrad.diagnostics.flight_recorder`); None when no parameter row.
+        first_param: the non-finite parameter last in forward order (where the backward pass met
+            the NaN first: the origin of a NaN made in the backward pass, not of one made in the
+            forward pass; :mod:`distgrad.diagnostics.flight_recorder`); None when no parameter row.
         first_layer: layer of ``first_param`` (None with it).
     """
 
