@@ -37,9 +37,11 @@ from distgrad.config import DistgradConfig
 from distgrad.engines.base import GradSource
 from distgrad.core.instrument_surface import InstrumentSurface
 from distgrad.loss.tracker import LossTracker, StepLoss, split as split_loss
-from distgrad.signals import SignalPack, build as build_signals
+from distgrad.signals import SignalPack
+from distgrad.signals.builtin import build as build_signals
 from distgrad.record import ScalerState, StepRecord, UnsampledNonfinite
 from distgrad.export.base import Sink
+from distgrad.core.dist import DTYPE_NAMES, dist_ready
 from distgrad.core.step import StepOutcome, StepToken
 from distgrad.core.step_collectives import provenance, update_ratio_sums, update_ratio_values, weight_pieces
 from distgrad.diagnostics.culprit import LocalGradCheck, culprit_flags, decode
@@ -53,13 +55,6 @@ log = logging.getLogger("distgrad")
 #: 2 + the index of the reason in the ``reason`` label's values, so that every rank learns why
 _REFUSED = 2.0
 REFUSAL_REASONS: tuple[str, ...] = metrics.LABELS["reason"].values or ()
-
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
-
-
-def _dist_ready() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
 
 class _Refused(Exception):
     """Internal: this rank refuses the step (see :meth:`Instrument.collect`)."""
@@ -95,9 +90,9 @@ class Instrument(InstrumentSurface):
         #: experts on other ranks; see distgrad.core.job), else None: statistics combine the whole job
         self.job = job_view(source)
         self.group = None if self.job is not None else group
-        self.rank = dist.get_rank(self.group) if _dist_ready() else 0
-        self.world_size = dist.get_world_size(self.group) if _dist_ready() else 1
-        self.global_rank = dist.get_rank() if _dist_ready() else 0
+        self.rank = dist.get_rank(self.group) if dist_ready() else 0
+        self.world_size = dist.get_world_size(self.group) if dist_ready() else 1
+        self.global_rank = dist.get_rank() if dist_ready() else 0
         #: the exported parameter names (the job's, or the source's own)
         self.names: list[str] = self.job.names if self.job is not None else list(source.names)
         self.layout = Layout(len(self.names), self.world_size)
@@ -508,7 +503,7 @@ class Instrument(InstrumentSurface):
             params=stats, grad_norm=gnorm, loss=loss, loss_scale=loss_scale, overflow=overflow,
             step_applied=bool(step_applied), replica_mismatch_ranks=mismatched,
             nonfinite_ranks=nonfinite_ranks, culprits=culprits,
-            grad_dtype=_DTYPE_NAMES.get(self.source.grad_dtype, str(self.source.grad_dtype)),
+            grad_dtype=DTYPE_NAMES.get(self.source.grad_dtype, str(self.source.grad_dtype)),
             grad_scale=grad_scale, headroom=headroom, replica_mismatch_rank=mismatch_rank, scaler=scaler,
             unsampled_nonfinite=(None if self._unsampled is None else UnsampledNonfinite(
                 list(self._unsampled["grad"]), list(self._unsampled["loss"]))))

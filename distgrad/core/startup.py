@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from distgrad._version import __version__
 from distgrad.export import metrics
-from distgrad.core.instrument import _DTYPE_NAMES, _dist_ready
+from distgrad.core.dist import DTYPE_NAMES, dist_ready
 
 
 def start(inst: Any) -> None:
@@ -23,7 +23,7 @@ def start(inst: Any) -> None:
 
         static = {"engine": inst.source.engine_name,
                   "zero_stage": "" if inst.source.zero_stage is None else str(inst.source.zero_stage),
-                  "dtype": _DTYPE_NAMES.get(inst.source.compute_dtype, str(inst.source.compute_dtype)),
+                  "dtype": DTYPE_NAMES.get(inst.source.compute_dtype, str(inst.source.compute_dtype)),
                   "version": __version__}
         try:
             inst.prometheus = PrometheusSink(ex.host, ex.port, static, inst.world_size,
@@ -67,7 +67,7 @@ def agree(inst: Any, err: BaseException | None = None) -> None:
 
     Raises:
         ``err`` or RuntimeError naming the disagreement (after ``inst.close()``)."""
-    if _dist_ready() and inst.world_size > 1:
+    if dist_ready() and inst.world_size > 1:
         h = float(collective_settings_hash(inst))
         flag = torch.tensor([1.0 if err else 0.0, float(inst.layout.n_params), -float(inst.layout.n_params),
                              h, -h], dtype=torch.float64, device=inst.source.device())

@@ -12,11 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from distgrad.core.dist import dist_ready
 from distgrad.record import RankCount
-
-
-def _dist_ready() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def weight_pieces(inst: Any) -> list[torch.Tensor | None]:
@@ -48,7 +45,7 @@ def update_ratio_sums(inst: Any, n_params: int) -> torch.Tensor:
             inst.count_error("update ratio")
         sums.zero_()
         sums[-1, 0] = 1.0
-    if _dist_ready() and inst.world_size > 1:
+    if dist_ready() and inst.world_size > 1:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=inst.group)
     return sums
 
@@ -69,7 +66,7 @@ def provenance(inst: Any, names: list[str], local_nonfinite: torch.Tensor) -> li
     ``[P, 2]`` NaN/Inf counts of the step (``local_nonfinite``) and one host read; one
     :class:`~distgrad.record.RankCount` per non-zero (rank, parameter)."""
     local = local_nonfinite.reshape(-1)
-    if _dist_ready() and inst.world_size > 1:
+    if dist_ready() and inst.world_size > 1:
         out = torch.empty(inst.world_size * local.numel(), dtype=local.dtype, device=local.device)
         # all_gather_single replaces the deprecated all_gather_into_tensor in torch >= 2.13
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

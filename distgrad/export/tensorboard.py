@@ -44,7 +44,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from distgrad.record import StepRecord
-from distgrad.report.layers import LayerIndex
+from distgrad.naming.layers import LayerIndex
 from distgrad.export.base import Sink
 
 

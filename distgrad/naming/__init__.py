@@ -1,2 +1,3 @@
 """Parameter names: wrapper components removed (canonical), classified into layer and module kind
-(classify), and re-aggregated per group with the series budget (grouping)."""
+(classify), re-aggregated per group with the series budget (grouping), and the layer columns of
+the TensorBoard sink and the offline report (layers)."""

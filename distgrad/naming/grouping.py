@@ -169,7 +169,7 @@ def aggregate(stats: ParamStats, keys: Sequence[str]) -> ParamStats:
 def group_sums(inv: np.ndarray, values: np.ndarray, n_groups: int) -> np.ndarray:
     """Per-group sums of per-parameter values: the one summation behind every layer, module and
     kind aggregate (:func:`aggregate`, and the report's and TensorBoard sink's per-layer norms,
-    :meth:`distgrad.report.layers.LayerIndex.norms_and_nonfinite`).
+    :meth:`distgrad.naming.layers.LayerIndex.norms_and_nonfinite`).
 
     Args:
         inv: integer array ``[P]``, the group of each parameter, each in ``[0, n_groups)``.

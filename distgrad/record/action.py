@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distgrad.record import _Part
+from distgrad.record.base import _Part
 
 
 @dataclass

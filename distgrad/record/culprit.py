@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distgrad.record import _Part
+from distgrad.record.base import _Part
 
 #: what the forward replay of a non-finite step came to (``CulpritModule.outcome``, the
 #: ``outcome`` label of ``distgrad_nonfinite_replay_outcome``): ``found`` names a module; every

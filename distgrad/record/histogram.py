@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from distgrad.record import _Part
+from distgrad.record.base import _Part
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from distgrad.record import _Part
+from distgrad.record.base import _Part
 
 
 @dataclass

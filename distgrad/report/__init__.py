@@ -43,7 +43,7 @@ Problems (the verdict names the first one, in file order):
   ``no_progress``, ``loss_scale_collapse`` (each names its step, what to do and its section of
   docs/runbook.md).
 
-Modules: :mod:`~distgrad.report.layers` (name -> layer), :mod:`~distgrad.report.downsample`,
+Modules: :mod:`~distgrad.naming.layers` (name -> layer), :mod:`~distgrad.report.downsample`,
 :mod:`~distgrad.report.spikes`, :mod:`~distgrad.report.analysis` (the streaming pass),
 :mod:`~distgrad.report.signals` (the packed signals' series and FINDINGS: advice with a
 recommendation and a runbook link each, not problems), :mod:`~distgrad.report.text` (summary),
@@ -54,7 +54,7 @@ recommendation and a runbook link each, not problems), :mod:`~distgrad.report.te
 from distgrad.report.analysis import (ANOMALY_LABELS, MAX_MARKERS, Problem, RunAnalysis,  # noqa: F401
                                       RunAnalyzer, analyze)
 from distgrad.report.downsample import Downsampled, Downsampler  # noqa: F401
-from distgrad.report.layers import LayerIndex, layer_of, layer_sort_key  # noqa: F401
+from distgrad.naming.layers import LayerIndex, layer_of, layer_sort_key  # noqa: F401
 from distgrad.report.page import ReportResult, write_report  # noqa: F401
 from distgrad.report.spikes import RollingMadSpikes  # noqa: F401
 from distgrad.report.text import format_summary, worst_layers  # noqa: F401

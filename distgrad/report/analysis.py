@@ -12,7 +12,7 @@ import numpy as np
 from distgrad.record import StepRecord
 from distgrad.report.downsample import Downsampled, Downsampler
 from distgrad.report.findings import ANOMALY_LABELS, MAX_MARKERS, Problem, RunAnalysis
-from distgrad.report.layers import LayerIndex, layer_of, layer_sort_key
+from distgrad.naming.layers import LayerIndex, layer_of, layer_sort_key
 from distgrad.report.histogram import HistogramAccumulator
 from distgrad.report.loss import LossAccumulator
 from distgrad.report.signals import SignalsAccumulator

@@ -13,7 +13,8 @@ Every rank must build the same signals with the same sizes (they are decided onc
 ``instrument()``, from the configuration and the parameter list, never from rank-local state),
 so the packed tensors have the same length on every rank.
 
-A signal registers a factory with :func:`register`; :func:`build` calls every factory at
+A signal registers a factory with :func:`register`; :func:`distgrad.signals.builtin.build` calls
+every factory at
 ``instrument()`` time. A factory returns None when the signal is switched off, and raises
 :class:`~distgrad.config.ConfigError` (or ``ValueError``) naming the key for a configuration it
 cannot serve (this is the "clear error at instrument() time" path).
@@ -36,7 +37,7 @@ import torch
 
 log = logging.getLogger("distgrad")
 
-__all__ = ["PackedSignal", "SignalPack", "register", "build", "FACTORIES"]
+__all__ = ["PackedSignal", "SignalPack", "register", "FACTORIES"]
 
 
 class PackedSignal(abc.ABC):
@@ -244,16 +245,3 @@ class SignalPack:
         for sig in self.signals:
             if sig.name in state:
                 sig.load_state_dict(state[sig.name])
-
-
-def build(inst: Any) -> SignalPack:
-    """Call every registered factory (after importing the built-in signals); raises what a
-    factory raises (a configuration error at ``instrument()`` time)."""
-    from distgrad.signals import builtin  # noqa: F401 - registers the built-in signals
-
-    signals = []
-    for _name, factory in FACTORIES:
-        sig = factory(inst)
-        if sig is not None:
-            signals.append(sig)
-    return SignalPack(signals)

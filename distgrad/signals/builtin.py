@@ -1,9 +1,25 @@
 """Imports the built-in packed signals so that their factories are registered (in this order,
-which is their order in the packed tensors)."""
+which is their order in the packed tensors), and :func:`build`, which instantiates them."""
 
 from __future__ import annotations
+
+from typing import Any
+
+from distgrad.signals import FACTORIES, SignalPack
 
 from distgrad.signals import histogram  # noqa: F401,E402
 from distgrad.signals import adam  # noqa: F401,E402 - optimizer-aware signals (Adam family)
 from distgrad.signals import noise_scale  # noqa: F401,E402 - gradient noise scale
 from distgrad.signals import curvature  # noqa: F401,E402 - curvature along the last update
+
+
+def build(inst: Any) -> SignalPack:
+    """Call every registered factory (the built-in signals are registered by this module's
+    imports); raises what a factory raises (a configuration error at ``instrument()`` time).
+    Here rather than in :mod:`distgrad.signals`, which the signals import for the registry."""
+    signals = []
+    for _name, factory in FACTORIES:
+        sig = factory(inst)
+        if sig is not None:
+            signals.append(sig)
+    return SignalPack(signals)
