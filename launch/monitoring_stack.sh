@@ -15,8 +15,11 @@
 #
 # Prometheus: http://127.0.0.1:9090 (alerts: /classic/alerts on Debian's build, or the HTTP
 # API /api/v1/alerts); Alertmanager: http://127.0.0.1:9093. Rules: grafana/alerts/
-# distgrad.rules.yml. Multi-node jobs: drop a file_sd file into the targets directory
-# (default configs/targets/, see configs/prometheus.yml). Grafana: import
+# distgrad.rules.yml. Runs register themselves: with exporter.file_sd_path set to the targets
+# directory (default configs/targets/, see configs/prometheus.yml) global rank 0 writes its
+# target there and removes it at a clean end, so multi-node jobs and many runs need no
+# configuration edit. The static --target job is kept for the default single-node run (it
+# does not page while no run is up). Grafana: import
 # grafana/dashboards/*.json or mount grafana/provisioning (see docs/runbook.md).
 #
 # configs/prometheus.yml and configs/alertmanager.yml are rendered into the data dir with the

@@ -50,7 +50,7 @@ class Scraper:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                with urllib.request.urlopen(self.url, timeout=2) as r:
+                with urllib.request.urlopen(_scrape(self.url), timeout=2) as r:
                     self.seen.append((time.monotonic(), _state(r.read().decode())))
             except OSError:
                 pass
@@ -59,6 +59,11 @@ class Scraper:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(5)
+
+
+def _scrape(url: str) -> urllib.request.Request:
+    """A GET as Prometheus sends it (with its scrape-timeout header, which marks a scrape)."""
+    return urllib.request.Request(url, headers={"X-Prometheus-Scrape-Timeout-Seconds": "2"})
 
 
 def _sink(**kw) -> PrometheusSink:
@@ -83,7 +88,7 @@ def test_clean_close_serves_finished_until_scraped_and_removes_the_target_file(t
     states = [s for _, s in scraper.seen]
     # the scraper read "finished" before the exporter stopped, and the wait was one scrape's
     assert states[-1] == 2.0 and set(states) == {1.0, 2.0} and states.index(2.0) == len(states) - 1
-    assert took < 2 * 0.2 + 0.25 + 0.5, took
+    assert took < 2 * 0.2 + 1.0, took
     assert not os.path.exists(tmp_path / "t.json")
 
 
@@ -94,16 +99,40 @@ def test_no_scraper_or_a_gone_one_never_holds_the_exit():
     assert time.monotonic() - t0 < 0.5
     sink = _sink(linger_s=30)
     url = f"http://127.0.0.1:{sink.port}/metrics"
-    for _ in range(3):  # a scraper every 0.1 s, gone for 1 s
+    for _ in range(5):  # GETs without Prometheus' header (a person, a test): not scrapes
         urllib.request.urlopen(url, timeout=2).read()
+    assert sink.server.served()[1] == 0
+    for _ in range(3):  # a scraper every 0.1 s, gone for 1.5 s (> 2 x 0.1 + 1 s)
+        urllib.request.urlopen(_scrape(url), timeout=2).read()
         time.sleep(0.1)
     version, n, last, gap = sink.server.served()
     assert n == 3 and 0.05 < gap < 1.0 and version == sink.collector.head_version
-    time.sleep(1.0)
+    time.sleep(1.5)
     t0 = time.monotonic()
     assert sink.finish() is False
     sink.close()
     assert time.monotonic() - t0 < 0.5
+
+
+def test_after_a_single_scrape_waits_for_the_next_up_to_linger_seconds():
+    sink = _sink(linger_s=10)
+    url = f"http://127.0.0.1:{sink.port}/metrics"
+    urllib.request.urlopen(_scrape(url), timeout=2).read()
+    got = []
+
+    def scrape_later():
+        time.sleep(1.0)
+        with urllib.request.urlopen(_scrape(url), timeout=2) as r:
+            got.append(_state(r.read().decode()))
+
+    t = threading.Thread(target=scrape_later)
+    t.start()
+    t0 = time.monotonic()
+    assert sink.finish() is True  # its interval unknown: waited for the second scrape
+    took = time.monotonic() - t0
+    t.join()
+    sink.close()
+    assert got == [2.0] and 0.8 < took < 3.0, (got, took)
 
 
 def test_linger_is_capped_by_linger_seconds():

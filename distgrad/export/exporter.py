@@ -154,12 +154,14 @@ class ExporterProcess:
 
     def wait_served(self, head_version: int, max_s: float) -> bool:
         """Wait until a whole page showing head version ``head_version`` or later has been
-        served to a scraper; True when it has. Waits only for a scraper that comes regularly
-        and is still coming: none when fewer than two pages were served, or when the last one
-        is older than twice the gap between the last two (+0.25 s); then until that scraper's
-        second next visit is due (last + 2 x gap + 0.25 s: a page younger than the helper's
-        refresh_s may be served once more from its copy), never longer than ``max_s`` seconds.
-        So a job nobody scrapes never waits, and one scraped every 5 s waits at most ~10 s."""
+        served to a Prometheus scrape; True when it has. Waits only for a scraper that has
+        come: none when no Prometheus scrape was served (a job nobody scrapes exits at once);
+        after one, up to ``max_s`` (its interval is unknown); after two or more, only while it
+        keeps coming -- not when the last is older than twice the gap between the last two
+        + 1 s -- and until its second next visit is due (last + 2 x gap + 1 s: a page younger
+        than the helper's refresh_s may be served once more from its copy; 1 s for jitter on
+        a busy host), never longer than ``max_s`` seconds. So a job scraped every 5 s waits at
+        most ~11 s, usually until the next scrape."""
         import time
 
         deadline = time.monotonic() + max(0.0, max_s)
@@ -168,9 +170,10 @@ class ExporterProcess:
             if version >= head_version and n:
                 return True
             now = time.monotonic()
-            if n < 2 or gap <= 0 or now > min(deadline, last + 2 * gap + 0.25):
+            due = last + 2 * gap + 1.0 if n >= 2 and gap > 0 else deadline
+            if n == 0 or now > min(deadline, due):
                 return False
-            time.sleep(min(0.05, gap / 4))
+            time.sleep(0.05 if gap <= 0 else min(0.05, gap / 4))
 
     def _serve(self) -> None:
         r, w = self._proc.stdout, self._proc.stdin

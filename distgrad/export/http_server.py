@@ -34,8 +34,9 @@ by :class:`distgrad.export.exporter.ExporterProcess`; ``LIBDIR``: the directory 
   is cached per version. distgrad adds one rule: when none of the requested names is served,
   the full page is returned (never an empty 200, which a scraper would read as "target up, no
   data");
-* after each whole page served to a GET, writes into the same map which state it showed, how
-  many pages it has served and when (:data:`SERVED`);
+* after each whole page served to a Prometheus scrape (a GET with the
+  ``X-Prometheus-Scrape-Timeout-Seconds`` header Prometheus sends), writes into the same map
+  which state it showed, how many such pages it has served and when (:data:`SERVED`);
 * exits when its stdin closes (the training process ended or closed the exporter).
 
 HTTP/1.0 and 1.1 (keep-alive), ``GET`` and ``HEAD``; any path but ``/favicon.ico`` serves the
@@ -66,6 +67,8 @@ VERSIONS = struct.Struct("<qq")  # (head, body) versions of the served state, in
 #: been scraped (:meth:`distgrad.export.exporter.ExporterProcess.wait_served`)
 SERVED = struct.Struct("<qqdd")
 SHM_SIZE = VERSIONS.size + SERVED.size
+#: request header every Prometheus scrape carries (lower case): only such pages count as SERVED
+SCRAPER_HEADER = "x-prometheus-scrape-timeout-seconds"
 _MAX_HEADER = 16 << 10
 #: the request line the helper sends for the current families
 REQUEST = b"families\n"
@@ -385,7 +388,8 @@ class HttpServer:
         extra = "".join(f"{k}: {v}\r\n" for k, v in resp if k.lower() != "content-type")
         self._respond(c, 200, "OK", body, close=close, head_only=method == "HEAD", ctype=ctype, extra=extra)
         served = getattr(self.pages, "served", None)
-        if served is not None and method == "GET" and not names:  # a whole page: what a scraper reads
+        # a whole page read by Prometheus (or a scraper speaking its protocol: it sends its timeout)
+        if served is not None and method == "GET" and not names and SCRAPER_HEADER in headers:
             served(now)
 
     def _respond(self, c: _Conn, code: int, reason: str, body: bytes, *, close: bool, head_only: bool = False,
