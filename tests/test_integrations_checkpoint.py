@@ -10,9 +10,9 @@ it on resume, without user code (docs/checkpointing.md, "Framework integrations"
 
 Each case (tests/dist/ckpt_cases.py) trains a random-init 2-layer Llama for 8 optimizer steps,
 with the spike detectors' warm-ups and windows shortened to 3 samples so that they test by the
-checkpoint after step 4, on 2 gloo ranks (DDP; one launch) and, for Accelerate and Lightning, on one
-process (in this process; the Trainer on one process: the last test).
-The reference is the same run without interruption: a new Trainer / loop with a model built from
+checkpoint after step 4, on 2 gloo ranks (DDP, and DeepSpeed ZeRO-2 under the Trainer; one
+launch) and, for Accelerate and Lightning, on one process (in this process; the Trainer on one
+process: the last test). The reference is the same run without interruption: a new Trainer / loop with a model built from
 another seed resumes from its step-4 checkpoint, and the resumed run's records of steps 4..7
 (step numbers, gradient norm, loss, spike z-scores and decisions, spike totals, health, counters)
 and its final distgrad state must equal the uninterrupted run's exactly, on every rank (compared
@@ -30,9 +30,6 @@ import pytest
 
 from tests.helpers import launch
 from tests.reference import case
-
-CASES = ["trainer", "accelerate", "lightning"]
-
 
 @pytest.fixture
 def ckpt_cases(monkeypatch):
@@ -68,12 +65,15 @@ def _check_resumed(c: dict, steps: int, cut: int) -> None:
     assert first["grad_norm"] and all(math.isfinite(z) for s in ("grad_norm", "loss") for z in first[s].values())
     assert resumed[0]["counters"]["sampled_steps"] == cut + 1
     assert _text(resumed) == _text(straight[cut:])
-    assert c["resumed_state"]["boundary"] == {"step": steps, "micro": c["straight_state"]["boundary"]["micro"]}
+    if c["straight_state"]["boundary"] is None:  # DeepSpeed: the engine's global_steps, restored by its checkpoint
+        assert c["resumed_state"]["boundary"] is None
+    else:
+        assert c["resumed_state"]["boundary"] == {"step": steps, "micro": c["straight_state"]["boundary"]["micro"]}
     assert _text(c["resumed_state"]) == _text(c["straight_state"])
     # what the framework's checkpoint files hold, read back: the state after step cut - 1 (with
     # asynchronous records too: its record was built before the state was taken)
     assert c["saved_cut"]["counters"]["sampled_steps"] == cut
-    assert c["saved_cut"]["boundary"]["step"] == cut
+    assert c["saved_cut"]["boundary"] is None or c["saved_cut"]["boundary"]["step"] == cut
     if "saved" in c:
         assert _text(c["saved"]["a"]) == _text(c["saved"]["b"]) == _text(c["straight_state"])
 
@@ -87,14 +87,14 @@ def test_one_process_resume_equals_uninterrupted_run_with_async_records(ckpt_cas
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", ["trainer_ddp", "trainer_ds", "accelerate_ddp", "lightning_ddp"])
 def test_two_ranks_resume_equals_uninterrupted_run_on_every_rank(two_ranks, name):
-    ranks = case(two_ranks, f"{name}_ddp")["ranks"]
+    ranks = case(two_ranks, name)["ranks"]
     assert len(ranks) == 2
     for c in ranks:
         assert "error" not in c, c.get("traceback")
         _check_resumed(c, 8, 4)
-        if name == "trainer":  # the DistgradState callback saved the live instrument's state
+        if name.startswith("trainer"):  # the DistgradState callback saved the live instrument's state
             assert c["holder_linked"] == [True, True]
     # every rank restored the same state (each rank read the checkpoint rank 0 wrote)
     assert _text(ranks[0]["resumed_state"]) == _text(ranks[1]["resumed_state"])

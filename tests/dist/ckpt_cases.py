@@ -8,7 +8,8 @@ steps with distgrad attached through the integration (spike detectors' warm-ups 
 samples, so that they test by the checkpoint), checkpointing after step ``CUT``; then a new
 Trainer / loop with a model built from another seed resumes from that checkpoint to ``STEPS``.
 Each rank returns its records of both runs (:func:`slim`) and the instrument's final state;
-the 2-rank launch (``trainer_ddp``, ``accelerate_ddp``, ``lightning_ddp``) gathers them on rank 0,
+the 2-rank launch (``trainer_ddp``, ``trainer_ds``: DeepSpeed ZeRO-2, ``accelerate_ddp``,
+``lightning_ddp``) gathers them on rank 0,
 which writes the JSON. The one-process cases run in the pytest process (``run_case(name,
 "single", directory)``).
 """
@@ -50,13 +51,18 @@ def world() -> int:
 
 def train_trainer(kind: str, out: str, seed: int, resume: str | None = None, steps: int = STEPS,
                   save_steps: int = CUT, with_distgrad: bool = True, async_records: bool = False, **extra) -> dict:
-    """The Trainer (``kind``: "single" or "ddp") for ``steps`` steps, saving every ``save_steps``,
-    resumed from ``resume`` if given. Returns this rank's records and final distgrad state."""
+    """The Trainer (``kind``: "single", "ddp" or "deepspeed": ZeRO-2) for ``steps`` steps, saving
+    every ``save_steps``, resumed from ``resume`` if given. Returns this rank's records and final
+    distgrad state."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from distgrad.integrations.hf import DistgradState, attach
 
     make_state(kind)
+    if kind == "deepspeed":
+        extra["deepspeed"] = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                              "zero_optimization": {"stage": 2}}
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=BATCH, gradient_accumulation_steps=1, max_steps=steps,
         save_strategy="steps", save_steps=save_steps, logging_steps=1, report_to=[], learning_rate=1e-3, seed=5,
@@ -191,7 +197,7 @@ def run_case(name: str, kind: str, directory: str, async_records: bool = False) 
     return out
 
 
-CASES = {"trainer_ddp": "ddp", "accelerate_ddp": "ddp", "lightning_ddp": "ddp"}
+CASES = {"trainer_ddp": "ddp", "trainer_ds": "deepspeed", "accelerate_ddp": "ddp", "lightning_ddp": "ddp"}
 
 
 def main() -> None:
@@ -199,7 +205,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", default="")
     a, _ = ap.parse_known_args()
-    dist.init_process_group("gloo")
+    import deepspeed
+
+    deepspeed.init_distributed("gloo")
     rank = dist.get_rank()
     directory = os.path.join(os.path.dirname(os.path.abspath(a.out)), "ckpt")
     results: dict = {}
