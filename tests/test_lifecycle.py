@@ -218,3 +218,21 @@ def test_process_end_clean_exit_crash_and_with_crash(tmp_path):
     for m in ("crash", "with_crash"):
         assert states[m] and set(states[m]) == {1.0}, (m, states[m])
         assert scrapers[m][1].exists(), m
+
+
+def test_reachable_host_of_an_exporter_bound_to_all_interfaces(monkeypatch):
+    """The file_sd target's host when the exporter binds 0.0.0.0: the FQDN if it resolves to a
+    non-loopback address, else the address routing to the rendezvous host (MASTER_ADDR)."""
+    import socket
+
+    from distgrad.core import startup
+
+    monkeypatch.setattr(socket, "getfqdn", lambda *a: "node17.cluster")
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: [
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.1.2.3" if host == "node17.cluster" else "127.0.0.1", 0))])
+    assert startup.reachable_host() == "node17.cluster"
+    monkeypatch.undo()
+    # a FQDN of "localhost" (containers, VMs): the interface towards MASTER_ADDR, here loopback
+    monkeypatch.setattr(socket, "getfqdn", lambda *a: "localhost")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert startup.reachable_host() == "127.0.0.1"

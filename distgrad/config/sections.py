@@ -93,8 +93,9 @@ class ExporterConfig(Section):
         "clean end once the final state was scraped; kept after a crash, so that the dead target "
         "pages (see configs/prometheus.yml, docs/runbook.md)."))
     advertise_host: OptName = Field(None, description=(
-        "Host name written to file_sd_path (default: this machine's FQDN, or host when the "
-        "exporter is bound to a specific address)."))
+        "Host name written to file_sd_path (default: host when the exporter is bound to a specific "
+        "address; bound to all interfaces, this machine's FQDN when it resolves to a non-loopback "
+        "address, else the address of the interface that routes to MASTER_ADDR)."))
     run_name: OptName = Field(None, description="Value of the run label in file_sd_path (default: none).")
     linger_seconds: float = Field(30.0, ge=0, le=600, description=(
         "At a clean end (close(), or interpreter exit without an uncaught exception) rank 0 serves "

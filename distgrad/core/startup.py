@@ -124,19 +124,43 @@ def file_sd_file(file_sd_path: str, run_name: str | None, host: str, port: int) 
     return path
 
 
+def reachable_host() -> str:
+    """A name or address of this machine that other hosts can reach, for the file_sd target of
+    an exporter bound to all interfaces: the FQDN when it resolves to a non-loopback address;
+    else the address of the interface that routes to the job's rendezvous host
+    (``$MASTER_ADDR``, else a public address; a UDP ``connect`` sends nothing); else the host
+    name. (On many containers and VMs the FQDN is ``localhost``.)"""
+    import os
+    import socket
+
+    fqdn = socket.getfqdn()
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(fqdn, None)}
+        if fqdn != "localhost" and any(not (a.startswith("127.") or a == "::1") for a in addrs):
+            return fqdn
+    except OSError:
+        pass
+    peer = os.environ.get("MASTER_ADDR") or "192.0.2.1"  # TEST-NET-1: routed like any public address
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in peer else socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((peer, 9))
+            return sock.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
 def write_file_sd(inst: Any) -> None:
     """Write rank 0's exporter as a Prometheus file_sd target (atomically: write + rename) at
     :func:`file_sd_file` of ``exporter.file_sd_path``: ``[{"targets": ["<host>:<port>"],
     "labels": {"run": run_name}}]`` with host ``exporter.advertise_host``, else the bound
-    address, else (bound to all interfaces) this machine's FQDN. The exporter removes the file
+    address, else (bound to all interfaces) :func:`reachable_host`. The exporter removes the file
     at a clean end, after its final state was scraped (:meth:`PrometheusSink.close`); a crashed
     run leaves it, so that Prometheus keeps finding the dead target and the alert pages."""
     import json
     import os
-    import socket
 
     ex = inst.config.exporter
-    host = ex.advertise_host or (ex.host if ex.host not in ("0.0.0.0", "::", "") else socket.getfqdn())
+    host = ex.advertise_host or (ex.host if ex.host not in ("0.0.0.0", "::", "") else reachable_host())
     entry: dict[str, Any] = {"targets": [f"{host}:{inst.port}"]}
     if ex.run_name:
         entry["labels"] = {"run": ex.run_name}
