@@ -182,6 +182,7 @@ distgrad monitoring stack running (Ctrl-C stops it)
   Prometheus    http://127.0.0.1:$prom_port   scraping $target (job distgrad) and $targets_dir/*.json (job distgrad-file-sd)
   Alertmanager  http://127.0.0.1:$am_port   critical -> $pager_url, warning -> $ticket_url
   Runbook       $runbook_url
+  Runs register themselves with the distgrad config exporter.file_sd_path: $targets_dir/
   data and logs $data_dir
 EOF
 wait -n "${pids[@]}"
