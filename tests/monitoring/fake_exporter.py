@@ -53,6 +53,7 @@ class FakeDistgradRun:
             assert m.type == "counter", m
             return Counter(m.family, m.help, m.labels, registry=r)
 
+        self._gauge = gauge  # for series that appear only with an event
         gauge("distgrad_info").labels(
             "deepspeed", "2", "fp16" if fp16 else "bf16", "0.0.0-fake").set(1)
         gauge("distgrad_world_size").set(2)
@@ -130,6 +131,8 @@ class FakeDistgradRun:
             self.param_nonfinite.labels(param, "nan").set(elements)
             self.layer_nonfinite.labels(layer).set(elements)
             self.nonfinite_params.labels(param, str(rank)).set(elements)
+            # the streak starts here (exported from the first non-finite step on, as distgrad does)
+            self._gauge("distgrad_nonfinite_origin_step").set(self.last_step)
             self.nonfinite_steps.inc()
             self.skipped.inc()
 

@@ -58,7 +58,9 @@ def test_nan_gradient_alert_reaches_webhook_and_healthy_run_stays_silent(env):
     assert alert["labels"] == {"alertname": "DistgradNonFiniteGradients", "severity": "critical",
                                "job": "distgrad", "instance": sick.address}
     assert f"{NAN_PARAM} (rank 1: 12 elements)" in alert["annotations"]["description"]
-    assert f"Last sampled step: {sick.last_step}." in alert["annotations"]["description"]
+    # the step (since f1d6ff3 the text names the streak's origin step and the last sampled step)
+    assert f"since sampled optimizer step {sick.last_step}, where the streak started" in alert["annotations"]["description"]
+    assert f"(last sampled step: {sick.last_step};" in alert["annotations"]["description"]
 
     delivered = wait_until(lambda: hook.alerts("DistgradNonFiniteGradients", status="firing"), 20,
                            what="webhook notification")
