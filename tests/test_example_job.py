@@ -99,6 +99,8 @@ def test_example_injected_nan_is_counted_named_recorded_and_reported(tmp_path):
     assert "before the reduction: 1 (loss+grad); first non-finite forward output in module " \
            f"'{module}' on rank 1, micro-batch {gas - 1}" in events[0], events[0]
     assert len([ln for ln in text.splitlines() if "distgrad: step 3: nonfinite_loss on rank 1" in ln]) == 1
+    # and nothing else about the step: one line from rank 0, one from the culprit rank, whatever the world size
+    assert len([ln for ln in text.splitlines() if ln.startswith("distgrad: step 3:")]) == 2, text[-3000:]
 
     from distgrad.record import Culprit
     from distgrad.export.jsonl import read_jsonl

@@ -278,8 +278,8 @@ class ForwardReplay:
             self.result = CulpritModule(step, outcome, rank, self.modules[idx], mb)
         else:
             self.result = CulpritModule(step, outcome, rank)
-        if inst.global_rank == 0:
-            log.warning("distgrad: step %d: forward replay of the non-finite step: %s", step, self.result.describe())
+        if inst.global_rank == 0:  # at INFO: the event's one WARNING line (rank 0) carries the result
+            log.info("distgrad: step %d: forward replay of the non-finite step: %s", step, self.result.describe())
 
     def attach(self, rec: Any) -> None:
         """Put the result of ``rec``'s step into ``rec.culprit_module`` (when that step was
