@@ -132,7 +132,7 @@ def test_after_a_single_scrape_waits_for_the_next_up_to_linger_seconds():
     took = time.monotonic() - t0
     t.join()
     sink.close()
-    assert got == [2.0] and 0.8 < took < 3.0, (got, took)
+    assert got == [2.0] and 0.8 < took < 5.0, (got, took)
 
 
 def test_linger_is_capped_by_linger_seconds():
@@ -148,7 +148,7 @@ def test_linger_is_capped_by_linger_seconds():
     finally:
         sink.close()
         scraper.stop()
-    assert 0.28 < took < 0.6, took
+    assert 0.28 < took < 0.9, took
 
 
 SCRIPT = textwrap.dedent("""
