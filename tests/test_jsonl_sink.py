@@ -229,3 +229,41 @@ def test_schema1_line_reads_into_the_typed_parts(tmp_path):
     path.write_text(_SCHEMA1_LINE)
     (back,) = list(read_jsonl(path))
     assert encode_record(back) == line
+
+
+def test_parts_read_back_by_their_annotations_and_validated(tmp_path):
+    """StepRecord.from_dict builds every part (nested ones too) from the dataclasses' own
+    annotations (pydantic): a record with the non-finite event's nested provenance, rows,
+    culprits and culprit module, a clip part and loss components reads back equal to what was
+    written, with the typed classes; a wrong type or a missing field is refused, named."""
+    import pydantic
+
+    from distgrad.record import Clip, Culprit, NonfiniteEvent, ParamProvenance, Provenance, RankCount
+    from distgrad.record.culprit import CulpritModule
+    from distgrad.record.loss import LossComponents
+
+    rec = make_record(4, param_names(), np.random.default_rng(0))
+    prov = Provenance(4, [ParamProvenance("a", 2, 1, [0, 3])], "a", "0")
+    rec.nonfinite_event = NonfiniteEvent(4, [RankCount("a", 3, 2, 1, 3)], prov, [Culprit(3, loss=True)],
+                                         CulpritModule(4, "found", rank=3, module="blocks.0", micro_batch=1))
+    rec.clip = Clip(1.0, 0.25, 1.0)
+    rec.loss_components = LossComponents(names=["lm", "z"], mean=[2.0, float("nan")], weight=[1.0, 0.01])
+    path = tmp_path / "run.jsonl"
+    with JsonlSink(path) as sink:
+        sink.write(rec)
+    (back,) = read_jsonl(path)
+    ev = back.nonfinite_event
+    assert type(ev) is NonfiniteEvent and type(ev.provenance.params[0]) is ParamProvenance
+    assert type(ev.rows[0]) is RankCount and type(ev.culprits[0]) is Culprit and type(ev.culprit_module) is CulpritModule
+    assert ev == rec.nonfinite_event and back.clip == rec.clip
+    assert back.loss_components.names == ["lm", "z"] and math.isnan(back.loss_components.mean[1])
+    line = json.loads(path.read_text().splitlines()[0])
+    line.pop("schema")
+    assert json.dumps(back.to_dict(), sort_keys=True) == json.dumps(line, sort_keys=True)  # the line, exactly
+
+    d = json.loads(json.dumps(line))
+    d["nonfinite_event"]["rows"][0]["rank"] = "three"
+    with pytest.raises(pydantic.ValidationError, match="rank"):
+        StepRecord.from_dict(d)
+    with pytest.raises(pydantic.ValidationError, match="step"):
+        Provenance.from_dict({"params": []})

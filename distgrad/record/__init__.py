@@ -14,7 +14,9 @@ or does not apply (e.g. :attr:`StepRecord.scaler` under bf16).
 
 JSON form (:meth:`StepRecord.to_dict`): columnar per-parameter arrays, floats written by
 Python's :mod:`json` (non-finite values as the ``NaN`` / ``Infinity`` literals that Python,
-pandas and JavaScript's JSON5 read; :meth:`StepRecord.from_dict` reverses it exactly). The
+pandas and JavaScript's JSON5 read; :meth:`StepRecord.from_dict` reverses it exactly, the parts
+validated and built by pydantic from the dataclasses' own annotations: a new part needs its
+dataclass and its annotated :class:`StepRecord` field, no registration). The
 previous form, which kept the diagnostics in an untyped ``"extra"`` object (JSONL schema 1), is
 still read: :meth:`StepRecord.from_dict` maps its keys onto the typed parts.
 """
@@ -22,12 +24,14 @@ still read: :meth:`StepRecord.from_dict` maps its keys onto the typed parts.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from distgrad.record.base import _Part
+from distgrad.record.base import _Part, adapter
 
 #: Sufficient statistics kept per parameter, all float64 numpy arrays of shape ``[P]``.
 STAT_FIELDS = ("numel", "sum", "sumsq", "nan", "inf", "zeros", "min", "max")
@@ -318,7 +322,6 @@ class Provenance(_Part):
         first_layer: layer of ``first_param`` (None with it).
     """
 
-    _nested = {"params": ParamProvenance}
     step: int
     params: list[ParamProvenance] = field(default_factory=list)
     first_param: str | None = None
@@ -338,7 +341,6 @@ class NonfiniteEvent(_Part):
         (:class:`~distgrad.record.culprit.CulpritModule`), None when not replayed.
     """
 
-    _nested = {"rows": RankCount, "provenance": Provenance, "culprits": Culprit}
     step: int
     rows: list[RankCount] = field(default_factory=list)
     provenance: Provenance | None = None
@@ -346,11 +348,16 @@ class NonfiniteEvent(_Part):
     culprit_module: "CulpritModule | None" = None
 
 
-#: record field -> part class of its value (a list of parts when the value is a list)
-_PARTS: dict[str, type] = {"culprits": Culprit, "spikes": Spikes, "health": Health, "clip": Clip, "aggregates": Aggregates,
-                           "scaler": ScalerState, "nonfinite_params": RankCount, "provenance": Provenance,
-                           "nonfinite_event": NonfiniteEvent,
-                           "unsampled_nonfinite": UnsampledNonfinite}
+@functools.lru_cache(maxsize=1)
+def _part_fields() -> dict[str, Any]:
+    """:class:`StepRecord` field -> its annotation, for the fields that hold parts (a part,
+    ``Part | None``, ``list[Part]``...), read from the dataclass's type hints."""
+
+    def holds_part(tp: Any) -> bool:
+        return (isinstance(tp, type) and issubclass(tp, _Part)) or any(holds_part(a) for a in typing.get_args(tp))
+
+    hints = typing.get_type_hints(StepRecord)
+    return {f.name: hints[f.name] for f in dataclasses.fields(StepRecord) if holds_part(hints[f.name])}
 
 
 @dataclass
@@ -489,7 +496,8 @@ class StepRecord:
         an untyped ``"extra"`` object (unknown keys, e.g. a sink's ``schema``, are ignored).
 
         Raises:
-            KeyError / TypeError / ValueError: on a malformed dict.
+            KeyError / TypeError / ValueError: on a malformed dict (a malformed part:
+                pydantic.ValidationError, a ValueError naming the field).
         """
         kw = dict(d)
         if isinstance(kw.get("extra"), dict):
@@ -497,32 +505,18 @@ class StepRecord:
 
             kw.update(from_extra(kw.pop("extra")))
         kw["params"] = ParamStats.from_dict(d["params"])
-        for k, part in _PARTS.items():
-            v = kw.get(k)
-            if v is not None:
-                kw[k] = [part.from_dict(x) for x in v] if isinstance(v, list) else part.from_dict(v)
+        for k, tp in _part_fields().items():  # the parts: validated and built by pydantic
+            if kw.get(k) is not None:
+                kw[k] = adapter(tp).validate_python(kw[k])
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in kw.items() if k in names})
 
 
-from distgrad.record.loss import LossComponents, LossTrend, RankStats, TokenLossStats  # noqa: E402
-
-_PARTS.update(ranks=RankStats, loss_components=LossComponents, token_loss=TokenLossStats, loss_trend=LossTrend)
-
-from distgrad.record.histogram import GradHistogram  # noqa: E402
-
-_PARTS.update(grad_histogram=GradHistogram)
-
-from distgrad.record.gns import Curvature, NoiseScale  # noqa: E402
-
-_PARTS.update(noise_scale=NoiseScale, curvature=Curvature)
-from distgrad.record.action import ActionPart  # noqa: E402
-
-_PARTS.update(action=ActionPart)
-from distgrad.record.culprit import CulpritModule  # noqa: E402
-
-_PARTS.update(culprit_module=CulpritModule)
-NonfiniteEvent._nested = {**NonfiniteEvent._nested, "culprit_module": CulpritModule}
-from distgrad.record.optimizer import OptimizerSignals  # noqa: E402
-
-_PARTS.update(optimizer_signals=OptimizerSignals)
+# the parts defined in their own modules; StepRecord's annotations name them, and
+# _part_fields() resolves those names on first use
+from distgrad.record.loss import LossComponents, LossTrend, RankStats, TokenLossStats  # noqa: E402,F401
+from distgrad.record.histogram import GradHistogram  # noqa: E402,F401
+from distgrad.record.gns import Curvature, NoiseScale  # noqa: E402,F401
+from distgrad.record.action import ActionPart  # noqa: E402,F401
+from distgrad.record.culprit import CulpritModule  # noqa: E402,F401
+from distgrad.record.optimizer import OptimizerSignals  # noqa: E402,F401

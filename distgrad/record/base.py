@@ -1,17 +1,31 @@
 """The base of the record's typed parts (:class:`_Part`), in a module of its own so that the parts
-(``distgrad/record/<part>.py``) import it without importing the record that collects them."""
+(``distgrad/record/<part>.py``) import it without importing the record that collects them.
+
+A part is a dataclass; its JSON form is :func:`dataclasses.asdict` and it is read back by
+pydantic (:func:`adapter`) from the dataclass's own annotations, nested parts included: a new
+part needs no registration."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+import functools
+import typing
+from typing import Any
+
+
+@functools.lru_cache(maxsize=None)
+def adapter(tp: Any) -> Any:
+    """pydantic's validator (``TypeAdapter``) of a type annotation: a part dataclass,
+    ``Part | None``, ``list[Part] | None``...; built once per annotation, on first use (when
+    every part module is imported, so that string annotations resolve)."""
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(tp)
 
 
 class _Part:
-    """Base of the record's typed parts: a flat JSON form, nested parts by ``_nested``."""
-
-    #: field name -> part class of its value (a list of parts when the value is a list)
-    _nested: ClassVar[dict[str, type]] = {}
+    """Base of the record's typed parts (dataclasses): JSON form by :func:`dataclasses.asdict`,
+    read back by pydantic from the dataclass's own annotations (nested parts included)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable dict (nested parts as dicts); inverse of :meth:`from_dict`."""
@@ -19,14 +33,12 @@ class _Part:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Any:
-        """Inverse of :meth:`to_dict`; unknown keys are ignored, missing ones raise TypeError."""
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        kw = {}
-        for k, v in d.items():
-            if k not in names:
-                continue
-            t = cls._nested.get(k)
-            if t is not None and v is not None:
-                v = [t.from_dict(x) for x in v] if isinstance(v, list) else t.from_dict(v)
-            kw[k] = v
-        return cls(**kw)
+        """Inverse of :meth:`to_dict`, validated against the field annotations by pydantic
+        (nested parts built from their dicts; unknown keys ignored; numbers converted where
+        lossless, e.g. ``3.0`` to an ``int`` field, numpy scalars to Python ones).
+
+        Raises:
+            pydantic.ValidationError (a ValueError): a missing field or a value of the wrong
+                type (each named).
+        """
+        return adapter(typing.cast(Any, cls)).validate_python(d)
