@@ -262,7 +262,7 @@ def worker(args: argparse.Namespace) -> None:
     def sampled_step() -> None:
         inst.async_records = False
         host = inst.collect(0)
-        inst.finish(0, 0, host, 1.0, None, None, True, None)
+        inst.finish(distgrad.StepToken(0, True, host), distgrad.StepOutcome(micro_step=0))
 
     def collect_sync() -> Any:
         inst.async_records = False
@@ -278,7 +278,7 @@ def worker(args: argparse.Namespace) -> None:
         inst._parked, parked[0] = parked[0], None
         try:
             host = inst.collect(0)
-            inst.finish(0, 0, host, 1.0, None, None, True, None)
+            inst.finish(distgrad.StepToken(0, True, host), distgrad.StepOutcome(micro_step=0))
         finally:
             parked[0], inst._parked = inst._parked, None
             inst.async_records = False
@@ -449,7 +449,7 @@ def worker(args: argparse.Namespace) -> None:
             try:
                 k = next(steps)
                 host = inst.collect(k)
-                inst.finish(k, k, host, 1.0, None, None, True, None)
+                inst.finish(distgrad.StepToken(k, True, host), distgrad.StepOutcome(micro_step=k))
             finally:
                 inst.signals = saved
         return fn

@@ -14,6 +14,7 @@ from distgrad.diagnostics import flight_recorder as fr_mod
 from distgrad.config import DistgradConfig
 from distgrad.engines.base import GradSource
 from distgrad.core.instrument import Instrument
+from distgrad.core.step import StepOutcome, StepToken
 
 
 class Two(GradSource):
@@ -31,7 +32,7 @@ class Two(GradSource):
 def _run(inst, src, steps, bad_steps=()):
     for step in steps:
         src.bad = step in bad_steps
-        inst.finish(step, step, inst.collect(step), 1.0, None, None, True, None)
+        inst.finish(StepToken(step, True, inst.collect(step)), StepOutcome(micro_step=step))
 
 
 def test_full_flight_recorder_directory_leaves_no_file_and_counts_a_sink_error(tmp_path, monkeypatch, caplog):
@@ -111,7 +112,7 @@ def test_non_scalar_loss_gives_one_clear_error_and_is_counted(caplog):
                 inst.observe_loss(torch.full((4, 3), 2.0))  # per-token losses, not reduced
                 inst.observe_loss(torch.tensor(1.5 + step))
                 inst.observe_loss("oops")
-                inst.finish(step, step, inst.collect(step), 1.0, None, None, True, None)
+                inst.finish(StepToken(step, True, inst.collect(step)), StepOutcome(micro_step=step))
     finally:
         inst.close()
     errs = [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -153,7 +154,7 @@ def test_grad_norm_of_inf_and_nan_gradients_is_what_torch_gives_and_docs_say():
         inst = Instrument(Src(), DistgradConfig(port=0))
         inst.start()
         try:
-            rec = inst.finish(0, 0, inst.collect(0), 1.0, None, None, True, None)
+            rec = inst.finish(StepToken(0, True, inst.collect(0)), StepOutcome(micro_step=0))
             scraped = {s.name: s.value for fam in text_string_to_metric_families(
                 generate_latest(inst.prometheus.registry).decode()) for s in fam.samples}
         finally:

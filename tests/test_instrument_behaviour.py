@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import distgrad
+from distgrad.core.step import StepOutcome, StepToken
 
 
 @pytest.mark.multirank
@@ -143,7 +144,7 @@ def test_failing_sink_is_counted_and_others_still_get_the_record():
     inst.sinks.append(keep)
     try:
         for step in range(2):
-            inst.finish(step, step, inst.collect(step), 1.0, None, None, True, None)
+            inst.finish(StepToken(step, True, inst.collect(step)), StepOutcome(micro_step=step))
         assert [r.step for r in keep.records] == [0, 1]
         assert keep.records[-1].grad_norm == pytest.approx(5.0)  # sqrt(1 + 4 + 4 + 16)
         assert inst.counters["internal_errors"] == 2

@@ -18,6 +18,7 @@ import pytest
 from distgrad.export import jsonl as jsonl_mod
 from distgrad.export.base import SinkError
 from distgrad.export.jsonl import JsonlSink, read_jsonl
+from distgrad.core.step import StepOutcome, StepToken
 from tests.synthetic import assert_same, make_record, param_names
 
 
@@ -246,7 +247,7 @@ def test_instrument_counts_each_lost_record_as_a_sink_error_without_tracebacks(t
         with caplog.at_level(logging.WARNING, logger="distgrad"):
             for step in range(12):
                 full["on"] = 3 <= step < 7
-                inst.finish(step, step, inst.collect(step), 1.0, None, None, True, None)
+                inst.finish(StepToken(step, True, inst.collect(step)), StepOutcome(micro_step=step))
         text = generate_latest(inst.prometheus.registry).decode()
     finally:
         inst.close()

@@ -13,6 +13,7 @@ from prometheus_client import generate_latest
 from distgrad.config import DistgradConfig
 from distgrad.engines.base import GradSource
 from distgrad.core.instrument import Instrument
+from distgrad.core.step import StepOutcome, StepToken
 
 
 class Mixed(GradSource):
@@ -44,11 +45,11 @@ def drive(inst, src, steps, nan_loss=(), overflow=()):
         src.step = step
         inst.observe_loss(float("nan") if step in nan_loss else 1.0)
         if inst.is_sampled(step):
-            rec = inst.finish(step, step, inst.collect(step), 1.0, None, None, True, None)
+            rec = inst.finish(StepToken(step, True, inst.collect(step)), StepOutcome(micro_step=step))
             records[step] = rec
         else:
             inst.watch(step)
-            inst.skip(step in overflow, step not in overflow, None)
+            inst.skip(StepOutcome(overflow=step in overflow, step_applied=step not in overflow))
     return records
 
 

@@ -24,27 +24,29 @@ the event there normally costs nothing (a whole step of device work was queued a
 from __future__ import annotations
 
 import logging
+import sys
 import time
+import traceback
 from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from distgrad._version import __version__
 from distgrad.export import metrics
 from distgrad.diagnostics.action import Action, Decision
 from distgrad.config import DistgradConfig
 from distgrad.engines.base import GradSource
-from distgrad.core.instrument_surface import InstrumentSurface
 from distgrad.loss.tracker import LossTracker, StepLoss, split as split_loss
 from distgrad.signals import SignalPack
 from distgrad.signals.builtin import build as build_signals
 from distgrad.record import ScalerState, StepRecord, UnsampledNonfinite
-from distgrad.export.base import Sink
+from distgrad.export.base import Sink, SinkError
 from distgrad.core.dist import DTYPE_NAMES, dist_ready
 from distgrad.core.step import StepOutcome, StepToken
 from distgrad.core.step_collectives import provenance, update_ratio_sums, update_ratio_values, weight_pieces
-from distgrad.diagnostics.culprit import LocalGradCheck, culprit_flags, decode
+from distgrad.diagnostics.culprit import LocalGradCheck, culprit_flags, decode, pre_reduction_leaves
 from distgrad.stats import (RANK_COLS, SUM_COLS, HostCopy, Layout, error_blocks, global_norm, pack_local,
                             reduce_blocks, reduce_blocks_async, replica_checksum, replica_outliers, unpack)
 from distgrad.core.watch import UnsampledWatch, step_ranges
@@ -60,12 +62,17 @@ class _Refused(Exception):
     """Internal: this rank refuses the step (see :meth:`Instrument.collect`)."""
 
 
-class Instrument(InstrumentSurface):
+class Instrument:
     """Watches one training run. Built by :func:`distgrad.instrument`; not constructed directly.
 
-    Set-up, the user-facing calls and publishing are in
-    :class:`~distgrad.core.instrument_surface.InstrumentSurface`; this class holds the state and the
-    optimizer-step boundary (sampling, statistics, collectives, the record).
+    One class: its state, the optimizer-step boundary (sampling, statistics, collectives, the
+    record), set-up (:meth:`start`, :meth:`agree`, the diagnostics), the calls users and
+    integrations make (losses, samples, data time, checkpoint state, hooks, ``close``) and
+    publishing to rank 0's sinks with distgrad's own failures counted
+    (``distgrad_internal_errors_total``, ``distgrad_sink_errors_total``,
+    ``distgrad_refused_steps_total``). Longer bodies live in functions of their own modules
+    (:mod:`distgrad.core.startup`, :mod:`distgrad.core.checkpoint`, :mod:`distgrad.loss.tracker`),
+    which these methods call.
 
     Engine boundaries and integrations (Hugging Face Trainer, Lightning callbacks) drive it only
     through its public boundary API: :meth:`start`, :meth:`begin_step` / :meth:`end_step`,
@@ -207,9 +214,8 @@ class Instrument(InstrumentSurface):
         """
         try:
             if token.sampled:
-                return self.finish(token.step, outcome.micro_step, token.host, outcome.grad_scale,
-                                   outcome.loss_scale, outcome.overflow, outcome.step_applied, outcome.samples)
-            self.skip(outcome.overflow, outcome.step_applied, outcome.samples)
+                return self.finish(token, outcome)
+            self.skip(outcome)
             return None
         finally:
             self.loss.exit()
@@ -319,17 +325,17 @@ class Instrument(InstrumentSurface):
         self._unsampled_logged = bool(grad)
         return host
 
-    def finish(self, step: int, micro_step: int, host: "np.ndarray | HostCopy | None", grad_scale: float,
-               loss_scale: float | None, overflow: bool | None, step_applied: bool,
-               samples: int | None) -> StepRecord | None:
-        """Turn the reduced array into a record after the optimizer step, update counters and
-        diagnostics, publish. Asynchronous records (``host`` a :class:`HostCopy`): only the
-        counters and the update-ratio all-reduce now; the step is parked and its record built
-        at the next boundary (returns None). Never raises."""
+    def finish(self, token: StepToken, outcome: StepOutcome) -> StepRecord | None:
+        """Turn the sampled step's reduced array (``token.host``) into a record after the
+        optimizer step, update counters and diagnostics, publish. Asynchronous records
+        (``token.host`` a :class:`HostCopy`): only the counters and the update-ratio all-reduce
+        now; the step is parked and its record built at the next boundary (returns None).
+        Never raises."""
+        step, host = token.step, token.host
         try:
-            self.account(overflow, step_applied, samples)
+            self.account(outcome)
             if self.signals:
-                self.signals.after_step(self, step_applied)
+                self.signals.after_step(self, outcome.step_applied)
             if host is None:
                 self._publish_counters()
                 return None
@@ -337,13 +343,12 @@ class Instrument(InstrumentSurface):
                 ratio = None
                 if self.config.statistics.update_ratio:
                     ratio = HostCopy(update_ratio_sums(self, self.layout.n_params))
-                self._parked = {"args": (step, micro_step, grad_scale, loss_scale, overflow, step_applied),
-                                "host": host, "ratio": ratio, "local_nonfinite": self._local_nonfinite,
+                self._parked = {"step": step, "outcome": outcome, "host": host, "ratio": ratio, "local_nonfinite": self._local_nonfinite,
                                 "loss": self._loss_step}
                 self._publish_counters()
                 return None
-            return self._complete(host, (step, micro_step, grad_scale, loss_scale, overflow, step_applied),
-                                  self._local_nonfinite, ratio=None, collectives=True, step_loss=self._loss_step)
+            return self._complete(host, step, outcome, self._local_nonfinite, ratio=None, collectives=True,
+                                  step_loss=self._loss_step)
         except Exception:  # noqa: BLE001
             self._internal_error("finishing the step")
             return None
@@ -360,18 +365,18 @@ class Instrument(InstrumentSurface):
             return None
         try:
             host = parked["host"].wait()
-            return self._complete(host, parked["args"], parked["local_nonfinite"], parked["ratio"], collectives,
-                                  parked["loss"])
+            return self._complete(host, parked["step"], parked["outcome"], parked["local_nonfinite"], parked["ratio"],
+                                  collectives, parked["loss"])
         except Exception:  # noqa: BLE001
             self._internal_error("finishing the parked step")
             return None
 
-    def _complete(self, host: np.ndarray, args: tuple, local_nonfinite: torch.Tensor,
+    def _complete(self, host: np.ndarray, step: int, outcome: StepOutcome, local_nonfinite: torch.Tensor,
                   ratio: "HostCopy | None", collectives: bool, step_loss: StepLoss | None = None) -> StepRecord | None:
-        """The record of a sampled step from its reduced host array: diagnostics, hooks, sinks.
-        ``ratio``: the update-ratio sums on their way to the host (asynchronous records), or
-        None to make that all-reduce now (synchronous)."""
-        step, micro_step, grad_scale, loss_scale, overflow, step_applied = args
+        """The record of sampled step ``step`` from its reduced host array: diagnostics, hooks,
+        sinks. ``ratio``: the update-ratio sums on their way to the host (asynchronous records),
+        or None to make that all-reduce now (synchronous)."""
+        grad_scale = outcome.grad_scale
         host = self._fold_watch(step, host)  # sets self._unsampled for _build
         host, sig_sum, sig_max = SignalPack.split(host, self.layout.sum_size + self.loss.sum_size,
                                                   self.signals.sum_size, self.signals.max_size)
@@ -389,8 +394,7 @@ class Instrument(InstrumentSurface):
                 self._count_refused(REFUSAL_REASONS[min(max(code, 0), len(REFUSAL_REASONS) - 1)])
             self._publish_counters()
             return None
-        rec = self._build(step, micro_step, red, grad_scale, loss_scale, overflow, step_applied,
-                          local_nonfinite if collectives else None)
+        rec = self._build(step, outcome, red, local_nonfinite if collectives else None)
         if self.replay is not None:
             self.replay.attach(rec)
         rec.ranks, rec.loss_components, rec.token_loss = self.loss.unpack(loss_sum, loss_max)
@@ -400,7 +404,7 @@ class Instrument(InstrumentSurface):
         if self.config.statistics.update_ratio:
             host_sums = (update_ratio_sums(self, len(rec.params.names)).cpu().numpy() if ratio is None
                          else ratio.wait())
-            ratios = update_ratio_values(host_sums, rec.params.names, step_applied)
+            ratios = update_ratio_values(host_sums, rec.params.names, outcome.step_applied)
             if ratios is not None:
                 rec.update_ratio = ratios
         self.last_record = rec
@@ -425,15 +429,16 @@ class Instrument(InstrumentSurface):
         self._publish(rec)
         return rec
 
-    def account(self, overflow: bool | None, step_applied: bool, samples: int | None) -> None:
+    def account(self, outcome: StepOutcome) -> None:
         """Per-boundary bookkeeping that needs no collective (every optimizer step, sampled or
         not): overflow and skipped-step counters, the overflow streak, the sample count."""
+        overflow, samples = outcome.overflow, outcome.samples
         if overflow:
             self.counters["overflow_steps"] += 1
             self._consecutive_overflow += 1
         elif overflow is not None:
             self._consecutive_overflow = 0
-        if not step_applied and self.action.pending is None:  # distgrad's own skips: action_skipped_*
+        if not outcome.step_applied and self.action.pending is None:  # distgrad's own skips: action_skipped_*
             self.counters["skipped_steps"] += 1
         if samples is not None:
             self.counters["samples"] = samples
@@ -445,22 +450,22 @@ class Instrument(InstrumentSurface):
         if self.diagnostics is not None:
             self.diagnostics.on_micro_batch()
 
-    def skip(self, overflow: bool | None, step_applied: bool, samples: int | None) -> None:
+    def skip(self, outcome: StepOutcome) -> None:
         """Boundary of a step that is not sampled: account it, drop the observed losses."""
         self._drain(collectives=True)
         try:
-            self._watcher.overflow(overflow)  # fp16 overflow steps are expected: not "non-finite"
-            self.account(overflow, step_applied, samples)
+            self._watcher.overflow(outcome.overflow)  # fp16 overflow steps are expected: not "non-finite"
+            self.account(outcome)
             self._publish_counters()
         except Exception:  # noqa: BLE001
             self._internal_error("accounting an unsampled step")
         finally:
             self.loss.drop()  # the step's losses, components, token losses and time are dropped
 
-    def _build(self, step, micro_step, red, grad_scale, loss_scale, overflow, step_applied,
-               local_nonfinite: torch.Tensor | None) -> StepRecord:
+    def _build(self, step: int, outcome: StepOutcome, red: Any, local_nonfinite: torch.Tensor | None) -> StepRecord:
         """The record; on a non-finite step the provenance all-gather of ``local_nonfinite``
         (None: not allowed here, at ``close()``: the provenance stays empty, logged)."""
+        grad_scale, loss_scale, overflow = outcome.grad_scale, outcome.loss_scale, outcome.overflow
         stats = red.params
         gnorm = global_norm(stats)
         self.counters["sampled_steps"] += 1
@@ -499,9 +504,9 @@ class Instrument(InstrumentSurface):
                         "each forward (DeepSpeed's engine.backward(loss) and models returning the loss "
                         "are picked up automatically)")
         rec = StepRecord(
-            step=int(step), micro_step=int(micro_step), timestamp=time.time(), world_size=self.world_size,
+            step=int(step), micro_step=int(outcome.micro_step), timestamp=time.time(), world_size=self.world_size,
             params=stats, grad_norm=gnorm, loss=loss, loss_scale=loss_scale, overflow=overflow,
-            step_applied=bool(step_applied), replica_mismatch_ranks=mismatched,
+            step_applied=bool(outcome.step_applied), replica_mismatch_ranks=mismatched,
             nonfinite_ranks=nonfinite_ranks, culprits=culprits,
             grad_dtype=DTYPE_NAMES.get(self.source.grad_dtype, str(self.source.grad_dtype)),
             grad_scale=grad_scale, headroom=headroom, replica_mismatch_rank=mismatch_rank, scaler=scaler,
@@ -516,3 +521,286 @@ class Instrument(InstrumentSurface):
                 log.warning("distgrad: step %d was non-finite; its per-rank provenance was not gathered "
                             "because the record was completed at close()", step)
         return rec
+
+    # ----------------------------------------------------------------------------------
+    # set-up, the user-facing calls, publishing
+    def attach_diagnostics(self, model: Any = None, max_norm: float | None = None) -> None:
+        """Create the :class:`~distgrad.diagnostics.Diagnostics` (spikes, health, provenance,
+        flight recorder, tracer) for this run; ``max_norm`` is the engine's clip threshold."""
+        from distgrad.diagnostics import Diagnostics
+
+        info = {"engine": self.source.engine_name, "zero_stage": self.source.zero_stage,
+                "world_size": self.world_size, "config": self.config.to_dict(), "version": __version__}
+        self.diagnostics = Diagnostics(self.config, self.names, self.global_rank, max_norm, model, info,
+                                       on_error=self.count_error, on_sink_error=self._sink_error)
+
+    def attach_local_grad_check(self, module: Any, engine_name: str | None = None) -> None:
+        """Install :class:`~distgrad.diagnostics.culprit.LocalGradCheck` on the leaves whose incoming
+        gradient is this rank's own before the reduction
+        (:func:`~distgrad.diagnostics.culprit.pre_reduction_leaves` of ``engine_name``, default the
+        source's; ``module``: the model the forward runs, ``DeepSpeedEngine.module`` under
+        DeepSpeed); removed at :meth:`close`. A NaN/Inf there marks this rank as a culprit of
+        the step, under every engine. An engine without a known hook point gets no check (a
+        warning; its culprit is then named by its loss only)."""
+        try:
+            leaves, lazy = pre_reduction_leaves(engine_name or self.source.engine_name, module)
+        except ValueError as e:
+            log.warning("distgrad: %s; a culprit rank is named by its loss only", e)
+            return
+        check = LocalGradCheck(leaves)
+        self.local_grad_check = check
+        self.on_close(check.remove)
+        if lazy is not None:
+            self.on_close(lazy(check))
+
+    def attach_signals(self, module: Any) -> None:
+        """:meth:`~distgrad.signals.SignalPack.attach` of the packed signals (gradient hooks
+        etc. on ``module``, the model the user's forward runs; undone at :meth:`close`).
+
+        Raises:
+            ValueError / ConfigError: a signal that cannot serve this engine or module."""
+        signals = getattr(self, "signals", None)
+        if signals:
+            signals.attach(self, module)
+
+    def start(self) -> None:
+        """Create rank 0's sinks (exporter, files), then agree across ranks that set-up succeeded
+        and that every rank has the same parameters and collective-deciding settings (one small
+        all-reduce), so that a port in use on rank 0 raises on every rank instead of leaving the
+        others to hang in the first sampled step. Call once, on every rank, before the first
+        boundary (``distgrad.instrument()`` does).
+
+        Raises:
+            OSError: rank 0 cannot bind the Prometheus port.
+            ConfigError: a file sink's path cannot be used (the key is named).
+            RuntimeError: set-up failed on another rank, or ranks disagree.
+
+        The instrument is closed before any of these is raised."""
+        from distgrad.core.startup import start
+
+        start(self)
+
+    def agree(self) -> None:
+        """Only the set-up agreement of :meth:`start` (no sinks): what an instrument with
+        ``enabled: false`` does on every rank, so that ranks disabled while others are not raise
+        on every rank instead of leaving the others to hang.
+
+        Raises:
+            RuntimeError: ranks disagree (on ``enabled`` or another collective-deciding setting,
+                or on the parameters)."""
+        from distgrad.core.startup import agree
+
+        agree(self)
+
+    def observe_loss(self, loss: "torch.Tensor | float", *, automatic: bool = False, samples: Any = None,
+                     components: "dict[str, Any] | None" = None, weights: "dict[str, float] | None" = None,
+                     token_losses: "torch.Tensor | None" = None, token_mask: "torch.Tensor | None" = None,
+                     logits: "torch.Tensor | None" = None, labels: "torch.Tensor | None" = None,
+                     ignore_index: int = -100, sources: "list[Any] | None" = None) -> None:
+        """Record one micro-batch's training loss on this rank (no host sync, no collective).
+
+        The losses observed since the last optimizer-step boundary are summed on the device and
+        averaged over micro-batches and ranks inside the sampled step's SUM collective; the
+        result is ``StepRecord.loss`` / ``distgrad_loss``. DeepSpeed engines call this
+        automatically from ``engine.backward(loss)`` (as ``automatic``: call it yourself, e.g. to
+        pass components, and the engine's capture stops).
+
+        Something that is not one loss value (a per-token loss tensor, a string) is ignored: the
+        first time, one error naming the argument and the fix is logged; every time, it is counted
+        in ``distgrad_internal_errors_total``. Never raises.
+
+        Args:
+            loss: 0-d tensor (any float dtype, any device) or a Python float.
+            automatic: for boundaries that pick the loss out of the model's output (the PyTorch
+                boundary's forward hook). The first call with ``automatic=False`` (the user's
+                own) switches automatic capture off for the rest of the run and drops the
+                automatic losses of the current step, so the two are never mixed.
+            samples: optional indices (or ids) of the micro-batch's samples: a sequence or a 1-D
+                integer tensor, kept by reference and read only when this rank's batch caused a
+                loss spike (then written to ``flight_recorder.dir``, see
+                :meth:`distgrad.loss.tracker.LossTracker.report_spike`).
+            components: ``{name: value}`` (0-d tensors or floats), the loss's components; the
+                set of names is declared by the first call (at most 8); see
+                :mod:`distgrad.loss.components`. ``weights``: ``{name: coefficient}`` with which
+                each enters the loss (default 1). Exported per component: mean, weight, share of
+                the total (``distgrad_loss_component*``, ``StepRecord.loss_components``).
+            token_losses: per-token losses in nats, ``[B, T]`` or ``[N]`` (e.g. cross-entropy
+                with ``reduction="none"``); ``token_mask`` (same shape, True = counted) leaves
+                out padding. Or ``logits`` ``[..., V]`` with ``labels`` ``[...]`` (aligned as
+                your loss uses them; ``ignore_index`` left out): the per-token cross-entropy is
+                computed in bounded chunks. ``sources``: one data-source label per sequence (B,
+                needs ``[B, T]`` token losses; labels from config ``loss.sources``, others count
+                as ``"other"``). Exported: a fixed-bin histogram, the fraction above
+                ``loss.token_threshold``, perplexity, per source (:mod:`distgrad.loss.token`).
+
+        Bad components or token inputs are ignored the same way (the loss itself still counts).
+
+        Each rank's own mean and largest loss, and which rank had the largest, are in every
+        sampled record (``StepRecord.ranks``, ``distgrad_loss_max_rank``).
+        """
+        from distgrad.loss.tracker import observe
+
+        observe(self, loss, automatic, samples, components, weights, token_losses, token_mask, logits, labels,
+                ignore_index, sources)
+
+    def state_dict(self) -> dict[str, Any]:
+        """distgrad's state for a checkpoint (counters, overflow streak, every diagnostic's
+        state: detector windows / EMA / warm-up, health streaks, event), plain Python types;
+        see :func:`distgrad.core.checkpoint.instrument_state`. No collective."""
+        from distgrad.core.checkpoint import instrument_state
+
+        return instrument_state(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output on every rank before the resumed run's first
+        step (detectors continue without a new warm-up); raises ValueError on a state it cannot
+        use. See :func:`distgrad.core.checkpoint.load_instrument_state`. No collective."""
+        from distgrad.core.checkpoint import load_instrument_state
+
+        load_instrument_state(self, state)
+
+    def observe_data_time(self, seconds: float) -> None:
+        """Report the seconds this rank's loop spent loading one micro-batch's data (summed over
+        the optimizer step; host float, no sync). Without it distgrad measures the time from the
+        previous optimizer step to the step's first forward. Names the straggler rank
+        (``distgrad_straggler_rank``, ``StepRecord.ranks``). A value that is not a finite
+        number >= 0 is ignored and counted in ``distgrad_internal_errors_total`` (logged once).
+        Never raises."""
+        from distgrad.loss.tracker import observe_data_time
+
+        observe_data_time(self, seconds)
+
+    def observe_samples(self, samples: Any) -> None:
+        """The sample indices (or ids) of the micro-batch whose loss is observed next on this rank,
+        for engines that pick the loss up themselves (DeepSpeed's ``engine.backward(loss)``); a
+        sequence or a 1-D integer tensor, kept by reference and read only when this rank's batch
+        caused a loss spike (see ``samples=`` of :meth:`observe_loss`). Never raises."""
+        self.loss.pending_samples = samples
+
+    def forward_started(self) -> None:
+        """Boundary API: a forward pass of the model starts on this rank (host clock only)."""
+        self.loss.forward_started()
+
+    def read_gradients_now(self) -> None:
+        """Read this optimizer step's reduced gradients now instead of in ``optimizer.step()``:
+        call it on every rank after the step's last backward and before anything modifies the
+        gradients (``clip_grad_norm_``). PyTorch models only (DeepSpeed reads inside
+        ``engine.step()``, before its own clipping). Later reads in the same step do nothing.
+
+        Raises:
+            TypeError: the instrument watches a DeepSpeed engine (or is disabled).
+        """
+        boundary = getattr(self, "boundary", None)
+        if boundary is None:
+            raise TypeError("read_gradients_now() is for PyTorch models instrumented with optimizer=; "
+                            "a DeepSpeed engine reads its gradients inside engine.step(), before clipping")
+        boundary.read_now()
+
+    @property
+    def should_stop(self) -> bool:
+        """True once the opt-in action (config ``action.on_nonfinite`` / ``action.on_spike``:
+        ``stop``) requested a stop; the same on every rank, from the boundary of the stopping step
+        on (whose update was skipped). A loop checks it after ``optimizer.step()`` /
+        ``engine.step()`` and leaves its training loop on every rank; the Hugging Face and
+        Lightning callbacks stop their trainer themselves. See docs/action.md."""
+        return self.action.should_stop
+
+    def on_stop(self, fn: Callable[[Any], None]) -> None:
+        """Run ``fn(decision)`` once, on every rank, when the opt-in action decides to stop
+        (``decision``: :class:`distgrad.diagnostics.action.Decision` with ``step``, ``cause``, ``detail``).
+        It runs at the end of the stopping step's boundary, inside ``optimizer.step()`` /
+        ``engine.step()``, after the (skipped) update: parameters and optimizer state are those
+        before the offending step, every rank is at the same point, so it may save a checkpoint
+        collectively. Its exceptions are counted in ``distgrad_internal_errors_total``."""
+        self.action.on_stop(fn)
+
+    def add_hook(self, fn: Callable[[StepRecord], None]) -> None:
+        """Call ``fn(record)`` on every rank after each sampled step (exceptions are counted)."""
+        self._hooks.append(fn)
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` at :meth:`close` (callbacks run in reverse order of registration;
+        their exceptions are ignored): how a boundary removes its hooks and restores the
+        methods it wrapped."""
+        self._restore.append(fn)
+
+    def flush(self) -> StepRecord | None:
+        """Asynchronous records: build and publish the parked sampled step now (waits for its
+        host copy). Makes the provenance all-gather if that step was non-finite, so call it on
+        every rank or on none. Returns the record, or None when nothing was parked."""
+        return self._drain(collectives=True)
+
+    def close(self) -> None:
+        """Publish a parked sampled step (asynchronous records; without the provenance
+        all-gather, which needs every rank), stop the exporter, close the sinks and run the
+        :meth:`on_close` callbacks (which restore the engine's wrapped methods). Idempotent."""
+        if self._closed:
+            return
+        self._drain(collectives=False)
+        self._closed = True
+        for restore in reversed(self._restore):
+            try:
+                restore()
+            except Exception:  # noqa: BLE001
+                pass
+        if self.diagnostics is not None:
+            self.diagnostics.close()
+        for s in self.sinks:
+            try:
+                s.close()
+            except Exception:  # noqa: BLE001
+                log.exception("distgrad: closing sink %s failed", s.name)
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        if (exc_type is not None and not issubclass(exc_type, KeyboardInterrupt)
+                and self.prometheus is not None):
+            # the loop raised: not a clean end (the target file stays, the exporter-down alert pages)
+            self.prometheus.close(clean=False)
+        self.close()
+
+    def _publish(self, rec: StepRecord) -> None:
+        if self.global_rank != 0:
+            return
+        for s in self.sinks:
+            try:
+                s.write(rec)
+            except SinkError:  # lost for a reason outside distgrad (disk full, ...), logged by the sink
+                self._sink_error(s.name)
+            except Exception:  # noqa: BLE001
+                self._internal_error(f"sink {s.name}")
+                self._sink_error(s.name)
+        self._publish_counters()  # errors of sinks that ran before this one's snapshot
+
+    def _publish_counters(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.set_counters(self.counters)
+
+    def count_error(self, where: str) -> None:
+        """Count and log a failure of distgrad's own work (``distgrad_internal_errors_total``)
+        with the current traceback; call from an ``except`` block of a boundary or an
+        integration, then carry on: training must not stop for distgrad. The traceback is logged
+        the first time ``where`` fails with that exception type only (one log line per failure
+        kind, not one per step)."""
+        self.counters["internal_errors"] += 1
+        kind = (where, type(sys.exc_info()[1]).__name__)
+        if kind not in self._logged_errors:
+            self._logged_errors.add(kind)
+            log.error("distgrad: internal error in %s (training continues; counted in "
+                      "distgrad_internal_errors_total, further %s errors here are not logged):\n%s",
+                      where, kind[1], traceback.format_exc())
+        self._publish_counters()
+
+    def _sink_error(self, name: str) -> None:
+        self.sink_errors[name] = self.sink_errors.get(name, 0) + 1
+        if self.prometheus is not None:
+            self.prometheus.collector.inc_labeled("distgrad_sink_errors", {"sink": name})
+
+    def _count_refused(self, reason: str) -> None:
+        self.refused_steps[reason] = self.refused_steps.get(reason, 0) + 1
+        if self.prometheus is not None:
+            self.prometheus.collector.inc_labeled("distgrad_refused_steps", {"reason": reason})
+
+    _internal_error = count_error

@@ -4,7 +4,7 @@ one all-reduce by which all ranks agree that set-up worked (see :meth:`Instrumen
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -13,8 +13,11 @@ from distgrad._version import __version__
 from distgrad.export import metrics
 from distgrad.core.dist import DTYPE_NAMES, dist_ready
 
+if TYPE_CHECKING:
+    from distgrad.core.instrument import Instrument
 
-def start(inst: Any) -> None:
+
+def start(inst: "Instrument") -> None:
     """:meth:`Instrument.start` (documented there)."""
     err: BaseException | None = None
     ex = inst.config.exporter
@@ -58,7 +61,7 @@ def start(inst: Any) -> None:
     agree(inst, err)
 
 
-def agree(inst: Any, err: BaseException | None = None) -> None:
+def agree(inst: "Instrument", err: BaseException | None = None) -> None:
     """The set-up agreement: one small MAX all-reduce at ``instrument()`` time, made by every
     rank -- a rank with ``enabled: false`` too, before it returns its inert instrument -- so that
     set-up failing on one rank (``err``), a different number of trainable parameters, or
@@ -95,7 +98,7 @@ def agree(inst: Any, err: BaseException | None = None) -> None:
         raise err
 
 
-def collective_settings_hash(inst: Any) -> int:
+def collective_settings_hash(inst: "Instrument") -> int:
     """Settings that decide which collectives a rank makes, hashed to an integer exactly
     representable in float64 (for the set-up agreement all-reduce)."""
     import hashlib
@@ -149,7 +152,7 @@ def reachable_host() -> str:
         return socket.gethostname()
 
 
-def write_file_sd(inst: Any) -> None:
+def write_file_sd(inst: "Instrument") -> None:
     """Write rank 0's exporter as a Prometheus file_sd target (atomically: write + rename) at
     :func:`file_sd_file` of ``exporter.file_sd_path``: ``[{"targets": ["<host>:<port>"],
     "labels": {"run": run_name}}]`` with host ``exporter.advertise_host``, else the bound
@@ -173,7 +176,7 @@ def write_file_sd(inst: Any) -> None:
     inst.prometheus.file_sd_path = path
 
 
-def start_file_sinks(inst: Any) -> BaseException | None:
+def start_file_sinks(inst: "Instrument") -> BaseException | None:
     """Open rank 0's file outputs now, so that an unwritable path fails at ``instrument()``
     time with the config key named."""
     from distgrad.config import ConfigError, key_label

@@ -41,7 +41,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
@@ -49,6 +49,9 @@ import torch
 from distgrad.loss.components import ComponentError, LossComponents
 from distgrad.record import LossComponents as ComponentsPart, RankStats, TokenLossStats
 from distgrad.loss.token import TokenLoss, TokenLossError, summarize
+
+if TYPE_CHECKING:
+    from distgrad.core.instrument import Instrument
 
 log = logging.getLogger("distgrad")
 
@@ -236,7 +239,7 @@ class BadLoss(ValueError):
     """observe_loss got something that is not one loss value (message: what it got)."""
 
 
-def observe(inst: Any, loss: Any, automatic: bool, samples: Any, components: Any, weights: Any, token_losses: Any,
+def observe(inst: "Instrument", loss: Any, automatic: bool, samples: Any, components: Any, weights: Any, token_losses: Any,
             token_mask: Any, logits: Any, labels: Any, ignore_index: int, sources: Any) -> None:
     """The body of :meth:`distgrad.Instrument.observe_loss` (see there). Never raises."""
     if automatic and not inst._auto_loss:
@@ -290,7 +293,7 @@ def _tokens(tl: TokenLoss, token_losses: Any, token_mask: Any, logits: Any, labe
     tl.add(token_losses, token_mask, sources)
 
 
-def _guarded(inst: Any, fn: Any) -> None:
+def _guarded(inst: "Instrument", fn: Any) -> None:
     """Run ``fn``; a ComponentError / TokenLossError is counted and logged once per kind, any
     other failure counted as distgrad's own."""
     try:
@@ -307,7 +310,7 @@ def _guarded(inst: Any, fn: Any) -> None:
         inst.count_error("observe_loss (components or token losses)")
 
 
-def observe_data_time(inst: Any, seconds: Any) -> None:
+def observe_data_time(inst: "Instrument", seconds: Any) -> None:
     """The body of :meth:`distgrad.Instrument.observe_data_time` (see there). Never raises."""
     try:
         v = float(seconds)
