@@ -81,10 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rules", type=Path, default=RULES)
     ap.add_argument("--baseline", default=BASELINE, help="git revision whose rule file is compared ('' to skip)")
     ap.add_argument("--live", action="store_true", help="also measure the live delays (Prometheus + Alertmanager)")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="work in this directory and keep it (JSONL logs, notifications.json, Prometheus logs)")
     args = ap.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     with tempfile.TemporaryDirectory(prefix="paging-eval-") as tmp:
-        tmp = Path(tmp)
+        tmp = Path(tmp) if args.keep is None else args.keep.resolve()
+        tmp.mkdir(parents=True, exist_ok=True)
         jsonl = args.jsonl_dir
         live = None
         if args.live:

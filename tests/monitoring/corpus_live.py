@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import io
+import json
 import time
 import urllib.parse
 from pathlib import Path
@@ -37,7 +38,8 @@ def run_corpus_live(tmp: Path, rules: Path = RULES, sets: str = "all") -> dict[s
 
     Returns ``{"runs": {run: the driver's facts (losses, t_fault, scraped...)}, "seen": {run:
     what Prometheus holds: max up, number of samples, last step, alerts ever firing, first
-    firing time per alert}, "notifications": [(unix time received, path, payload)], "offline":
+    firing time per alert}, "notifications": [(unix time received, path, payload)] (also written
+    to ``tmp/notifications.json``), "offline":
     {run: rule_replay.RunEval}, "tmp": tmp}``.
 
     Raises:
@@ -87,6 +89,8 @@ def run_corpus_live(tmp: Path, rules: Path = RULES, sets: str = "all") -> dict[s
                               "firing": sorted((x["metric"]["alertname"], x["metric"].get("severity", ""))
                                                for x in q["firing"]),
                               "first_firing": first}
+    (tmp / "notifications.json").write_text(json.dumps([{"received": t, "path": p, "payload": n} for t, p, n in got],
+                                                       indent=1))
     offline = rule_replay.evaluate_jsonl({name: tmp / "jsonl" / f"{name}.jsonl" for name in runs}, rules,
                                          work_dir=tmp / "replay")
     return {"runs": runs, "seen": seen, "notifications": got, "offline": offline, "tmp": tmp}
