@@ -32,9 +32,10 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import yaml
 
@@ -199,7 +200,7 @@ def evaluate(runs: dict[str, Sequence[Any]], rule_file: str | os.PathLike, dt: f
             f.write("# EOF\n")
         data = tmp / "tsdb"
         p = subprocess.run([_binary("PROMTOOL", "promtool"), "tsdb", "create-blocks-from", "openmetrics", str(om), str(data)],
-                           capture_output=True, text=True)
+                           check=False, capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(f"promtool backfill failed: {p.stdout[-2000:]} {p.stderr[-2000:]}")
         cfg = tmp / "prometheus.yml"
@@ -239,13 +240,13 @@ def evaluate(runs: dict[str, Sequence[Any]], rule_file: str | os.PathLike, dt: f
                     run = series["metric"].get("run")
                     if run not in results:
                         continue
-                    idx = {int(round((float(t) - t0) / dt)) for t, _ in series["values"]}
+                    idx = {round((float(t) - t0) / dt) for t, _ in series["values"]}
                     per_run.setdefault(run, set()).update(i for i in idx if i < len(step_of[run]))
                 for run, res in results.items():
                     ae = res.alerts[rule["alert"]] = AlertEval(rule["alert"], sev, for_s)
                     held = sorted(per_run.get(run, ()))
                     ae.condition_steps = [step_of[run][i] for i in held]
-                    need = int(math.ceil(for_s / dt - 1e-9))
+                    need = math.ceil(for_s / dt - 1e-9)
                     start = None
                     prev = None
                     firing = False

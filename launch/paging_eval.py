@@ -31,8 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from grafana import rule_replay  # noqa: E402
-from tests.dist.corpus_cases import RUNS  # noqa: E402
+from grafana import rule_replay
+from tests.dist.corpus_cases import RUNS
 
 RULES = ROOT / "grafana" / "alerts" / "distgrad.rules.yml"
 #: "today's rules" for comparison: main before the issue-23 detection-policy work
@@ -91,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         jsonl = args.jsonl_dir
         live = None
         if args.live:
-            from tests.monitoring.corpus_live import run_corpus_live
+            from tests.monitoring.corpus_live import (
+                alerts_of,
+                pages_of,
+                run_corpus_live,
+            )
 
             live = run_corpus_live(tmp / "live", rules=args.rules)
             jsonl = jsonl or tmp / "live" / "jsonl"
@@ -111,23 +115,23 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(table(rule_replay.evaluate_jsonl(paths, base), f"baseline ({args.baseline})")))
         if live is not None:
             print("\nlive (1 s scrape and evaluation, route timings 1 s): fault step -> firing -> notification")
-            print("| failure | alert | firing after (s) | notification after (s) | notifications (critical) |")
-            print("|---|---|---|---|---|")
+            print("| failure | first alert firing | firing after (s) | page after (s) | pages | pager notifications |")
+            print("|---|---|---|---|---|---|")
             for r in RUNS:
                 if r.set != "faults":
                     continue
                 res, seen = live["runs"][r.name], live["seen"][r.name]
-                pages = [(t, n) for t, p, n in live["notifications"] if p == "/pager"
-                         and any(a["status"] == "firing" for a in n.get("alerts", []) if a["labels"].get("run") == r.name)]
+                pages = pages_of(live["notifications"], r.name)
+                sent = sum(1 for _, p, n in live["notifications"] if p == "/pager" and alerts_of(n, r.name))
                 first = min(seen["first_firing"].items(), key=lambda kv: kv[1], default=None)
                 t_page = pages[0][0] - res["t_fault"] if pages else None
                 print(f"| {r.fault} | {first[0] if first else 'none'} | "
                       f"{first[1] - res['t_fault']:.1f} | " if first else f"| {r.fault} | none | - | ", end="")
-                print(f"{t_page:.1f} | {len(pages)} |" if t_page is not None else f"- | 0 |")
+                print(f"{t_page:.1f} | {len(pages)} | {sent} |" if t_page is not None else f"- | 0 | {sent} |")
             healthy = [r.name for r in RUNS if r.set != "faults"]
-            n = sum(1 for _, p, nt in live["notifications"] for name in healthy
-                    if any(a["labels"].get("run") == name for a in nt.get("alerts", [])))
-            print(f"\nlive notifications about healthy runs: {n}")
+            for path in ("/pager", "/ticket"):
+                n = sum(1 for _, p, nt in live["notifications"] for name in healthy if p == path and alerts_of(nt, name))
+                print(f"live notifications to {path} about healthy runs: {n}")
     return 0
 
 

@@ -33,17 +33,17 @@ rank / module.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
-import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,7 @@ class Classifier(nn.Module):
     def __init__(self, r: Run) -> None:
         super().__init__()
         dims = [MLP_IN] + [r.width] * r.layers
-        self.blocks = nn.ModuleList([nn.Linear(a, b) for a, b in zip(dims, dims[1:])])
+        self.blocks = nn.ModuleList([nn.Linear(a, b) for a, b in itertools.pairwise(dims)])
         self.head = nn.Linear(r.width, r.vocab)
 
     def forward(self, xy: torch.Tensor) -> torch.Tensor:

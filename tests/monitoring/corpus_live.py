@@ -26,7 +26,13 @@ from grafana import rule_replay
 from tests.dist.corpus_cases import RUNS
 from tests.helpers import launch
 
-from .stack import RULES, EchoReceiver, MonitoringStack, get_json, shipped_alertmanager_config
+from .stack import (
+    RULES,
+    EchoReceiver,
+    MonitoringStack,
+    get_json,
+    shipped_alertmanager_config,
+)
 
 #: seconds a fault run keeps serving after its last step (so that a rule with a short ``for:``
 #: can still fire while its series exist); healthy runs close right after their final scrape
@@ -101,4 +107,21 @@ def alerts_of(notification: dict, run: str) -> list[dict]:
     return [a for a in notification.get("alerts", []) if a["labels"].get("run") == run]
 
 
-__all__ = ["run_corpus_live", "alerts_of", "FAULT_HOLD_S", "RUNS"]
+def pages_of(notifications: list[tuple[float, str, dict]], run: str, path: str = "/pager") -> list[tuple[float, dict]]:
+    """The pages about ``run``: ``(time received, notification)`` of the notifications to
+    ``path`` that bring a firing alert (alert name and start time) that no earlier one brought.
+    Alertmanager's later notifications of the same group (one of its alerts resolved,
+    ``send_resolved``) are not new pages."""
+    known: set = set()
+    pages = []
+    for t, p, n in notifications:
+        if p != path:
+            continue
+        new = {(a["labels"]["alertname"], a["startsAt"]) for a in alerts_of(n, run) if a["status"] == "firing"} - known
+        known |= new
+        if new:
+            pages.append((t, n))
+    return pages
+
+
+__all__ = ["FAULT_HOLD_S", "RUNS", "alerts_of", "pages_of", "run_corpus_live"]

@@ -29,7 +29,7 @@ from grafana import rule_replay
 from tests.dist.corpus_cases import FAULT_RANK, NAN_MODULE, RUNS
 
 from .corpus_live import alerts_of as _of
-from .corpus_live import run_corpus_live
+from .corpus_live import pages_of, run_corpus_live
 from .stack import MissingBinary
 
 pytestmark = [pytest.mark.monitoring, pytest.mark.multirank]
@@ -133,8 +133,9 @@ def _names_rank(text: str, rank: int) -> bool:
 
 @pytest.mark.parametrize("fault", [r.name for r in FAULTS])
 def test_each_failure_pages_once_naming_step_rank_module(corpus, fault):
-    """(b) Each realistic failure gives exactly one critical notification (to the pager, firing,
-    about that run), within DELAY_S seconds of the fault's step, whose text names the fault's
+    """(b) Each realistic failure gives exactly one page (a critical notification to the pager
+    bringing a firing alert about that run: :func:`corpus_live.pages_of`), within DELAY_S
+    seconds of the fault's step, whose text names the fault's
     step, the culprit rank (per-rank faults) and the culprit module (the NaN made in
     ``blocks.1.mlp``'s forward); no ticket before it; offline, a critical rule fires within
     DELAY_STEPS sampled steps of the fault and not before it."""
@@ -150,8 +151,7 @@ def test_each_failure_pages_once_naming_step_rank_module(corpus, fault):
     else:
         assert math.isfinite(recs[r.fault_step - 1].loss) and math.isnan(recs[r.fault_step].loss)
         assert recs[r.fault_step].nonfinite and not recs[r.fault_step - 1].nonfinite
-    pages = [(t, n) for t, p, n in corpus["notifications"] if p == "/pager"
-             and any(a["status"] == "firing" for a in _of(n, fault))]
+    pages = pages_of(corpus["notifications"], fault)
     ev = corpus["offline"][fault]
     crit = ev.pages("critical")
     assert crit and all(s >= r.fault_step for _, s in ev.pages()), "\n" + _describe(corpus, [fault])
