@@ -143,13 +143,16 @@ def test_malformed_middle_line_raises(tmp_path):
         list(read_jsonl(path))
 
 
-def test_newer_schema_rejected(tmp_path):
+@pytest.mark.parametrize("delta", [1, -1])
+def test_other_schema_rejected(tmp_path, delta):
+    """A newer line format, and the pre-release one (schema 1, no release wrote it), are refused
+    with the schema named instead of read into a record with its diagnostics missing."""
     path = tmp_path / "run.jsonl"
     write_run(path, 1)
     d = json.loads(path.read_text())
-    d["schema"] = SCHEMA_VERSION + 1
+    d["schema"] = SCHEMA_VERSION + delta
     path.write_text(json.dumps(d) + "\n")
-    with pytest.raises(ValueError, match="schema"):
+    with pytest.raises(ValueError, match=f"schema {SCHEMA_VERSION + delta}"):
         list(read_jsonl(path))
 
 
@@ -167,68 +170,6 @@ def test_fsync_and_bad_args(tmp_path):
     with pytest.raises(ValueError):
         JsonlSink(tmp_path / "x.jsonl", backups=-1)
     assert os.path.exists(path)
-
-
-# a line as distgrad <= the typed record wrote it (schema 1: diagnostics in "extra"), fp16 run,
-# non-finite step with every diagnostic present
-_SCHEMA1_LINE = (
-    '{"schema":1,"step":7,"micro_step":14,"timestamp":1700000000.5,"world_size":2,'
-    '"params":{"names":["a.weight","b.weight"],"numel":[4.0,4.0],"sum":[0.5,NaN],"sumsq":[1.0,NaN],'
-    '"nan":[0.0,1.0],"inf":[0.0,0.0],"zeros":[1.0,0.0],"min":[-0.5,NaN],"max":[0.75,NaN]},'
-    '"grad_norm":NaN,"loss":2.5,"loss_scale":1024.0,"overflow":false,"step_applied":true,'
-    '"counters":{"sampled_steps":8,"nonfinite_steps":1},"replica_mismatch_ranks":[],"nonfinite_ranks":[1],'
-    '"extra":{"grad_dtype":"fp16","grad_scale":1024.0,"headroom":[0.0117,NaN],'
-    '"consecutive_overflow_steps":0,"loss_scale_at_minimum":1,'
-    '"nonfinite_params":[{"param":"b.weight","rank":1,"nan":1,"inf":0,"count":1}],'
-    '"update_ratio":{"a.weight":0.001},'
-    '"grad_norm_zscore":{"ema":NaN,"window":NaN},"grad_norm_spikes_total":{"ema":1,"window":0},'
-    '"loss_zscore":{"ema":0.5,"window":-0.25},"loss_spikes_total":{"ema":0,"window":0},"spikes":["loss"],'
-    '"vanishing_params":1,"exploding_params":0,"vanishing":["a.weight"],"exploding":[],'
-    '"clip_ratio":0.5,"post_clip_norm":1.0,'
-    '"layer_norm":{"a":1.0,"b":NaN},"layer_nonfinite":{"a":0.0,"b":1.0},"layer_zero_ratio":{"a":0.25,"b":0.0},'
-    '"layer_headroom":{"a":0.0117,"b":NaN},"module_kind_norm":{"other":NaN},"exported_params":null,'
-    '"provenance":{"params":[{"name":"b.weight","nan":1,"inf":0,"ranks":[1]}],"first_param":"b.weight",'
-    '"step":7,"first_layer":"b"},'
-    '"nonfinite_event":{"step":7,"rows":[{"param":"b.weight","rank":1,"nan":1,"inf":0,"count":1}],'
-    '"provenance":{"params":[{"name":"b.weight","nan":1,"inf":0,"ranks":[1]}],"first_param":"b.weight",'
-    '"step":7,"first_layer":"b"}},"flight_recorder_report":"/tmp/flightrec-step7-nonfinite.json"}}\n')
-
-
-def test_schema1_line_reads_into_the_typed_parts(tmp_path):
-    """A line written before the typed record (diagnostics in ``extra``) loads with every value
-    in its typed place, and re-encodes (schema 2) to a record equal field by field."""
-    from distgrad.record import (Aggregates, Clip, NonfiniteEvent, ParamProvenance, Provenance, RankCount,
-                                 ScalerState, Spikes)
-    from distgrad.export.jsonl import decode_record, encode_record
-
-    r = decode_record(_SCHEMA1_LINE)
-    assert r.step == 7 and r.nonfinite and r.nonfinite_ranks == [1]
-    assert (r.grad_dtype, r.grad_scale, r.update_ratio) == ("fp16", 1024.0, {"a.weight": 0.001})
-    assert r.headroom[0] == 0.0117 and math.isnan(r.headroom[1])
-    assert r.scaler == ScalerState(consecutive_overflow_steps=0, loss_scale_at_minimum=True)
-    row = RankCount(param="b.weight", rank=1, nan=1, inf=0, count=1)
-    assert r.nonfinite_params == [row]
-    assert r.spikes.flagged == ["loss"] and r.spikes.total == {"grad_norm": {"ema": 1, "window": 0},
-                                                               "loss": {"ema": 0, "window": 0}}
-    assert r.spikes.zscore["loss"] == {"ema": 0.5, "window": -0.25} and math.isnan(r.spikes.zscore["grad_norm"]["ema"])
-    assert r.health == Health(n_vanishing=1, n_exploding=0, vanishing=["a.weight"], exploding=[])
-    assert r.clip == Clip(max_norm=None, ratio=0.5, post_clip_norm=1.0)
-    assert isinstance(r.aggregates, Aggregates) and r.aggregates.exported_params is None
-    assert r.aggregates.layer_zero_ratio == {"a": 0.25, "b": 0.0} and r.aggregates.layer_nonfinite["b"] == 1.0
-    prov = Provenance(step=7, params=[ParamProvenance("b.weight", 1, 0, [1])], first_param="b.weight", first_layer="b")
-    assert r.provenance == prov
-    assert r.nonfinite_event == NonfiniteEvent(step=7, rows=[row], provenance=prov)
-    assert r.flight_recorder_report == "/tmp/flightrec-step7-nonfinite.json"
-    assert isinstance(r.spikes, Spikes)
-    # new form: exact round trip (compared as JSON text, which also compares NaNs)
-    line = encode_record(r)
-    assert json.loads(line)["schema"] == 2 and "extra" not in json.loads(line)
-    assert encode_record(decode_record(line)) == line
-    # and the report reads the old file
-    path = tmp_path / "old.jsonl"
-    path.write_text(_SCHEMA1_LINE)
-    (back,) = list(read_jsonl(path))
-    assert encode_record(back) == line
 
 
 def test_parts_read_back_by_their_annotations_and_validated(tmp_path):

@@ -132,10 +132,8 @@ def test_analysis_details(run_log):
     assert np.nanmax(a.scalars.max[:, 1]) > 10 * np.nanmedian(a.scalars.last[:, 1])
 
 
-@pytest.mark.parametrize("schema", [2, 1])
-def test_provenance_and_detector_spikes_from_records(tmp_path, schema):
-    """Typed records, and a file written before them (schema 1: spikes and provenance in an
-    ``extra`` object), give the same problem and spikes."""
+def test_provenance_and_detector_spikes_from_records(tmp_path):
+    """The typed records' provenance and the detectors' spikes give the problem and the spikes."""
     path = tmp_path / "run.jsonl"
     names = param_names(3)
     rng = np.random.default_rng(0)
@@ -152,18 +150,6 @@ def test_provenance_and_detector_spikes_from_records(tmp_path, schema):
                 r.grad_norm = math.nan
                 r.provenance = Provenance.from_dict(prov)
             sink.write(r)
-    if schema == 1:  # rewrite every line as the previous version wrote it
-        lines = []
-        for line in path.read_text().splitlines():
-            d = json.loads(line)
-            extra = {"spikes": d.pop("spikes")["flagged"]}
-            if d["provenance"] is not None:
-                extra["provenance"] = {k: v for k, v in d["provenance"].items() if k != "first_layer"}
-            d = {k: v for k, v in d.items() if k in ("step", "micro_step", "timestamp", "world_size", "params",
-                                                       "grad_norm", "loss", "loss_scale", "overflow", "step_applied",
-                                                       "counters", "replica_mismatch_ranks", "nonfinite_ranks")}
-            lines.append(json.dumps({**d, "schema": 1, "extra": extra}) + "\n")
-        path.write_text("".join(lines))
     a = analyze(path)
     p = a.first_problem
     assert (p.step, p.param, p.ranks) == (30, names[5], [1, 3])
@@ -311,10 +297,10 @@ def write_synthetic(path: Path, n_steps: int, n_params: int, nan_step: int) -> N
     with open(path, "w") as f:
         for s in range(n_steps):
             nanstep = s == nan_step
-            f.write(f'{{"schema":1,"step":{s},"micro_step":{4 * s},"timestamp":{1.7e9 + s},"world_size":8,'
+            f.write(f'{{"schema":2,"step":{s},"micro_step":{4 * s},"timestamp":{1.7e9 + s},"world_size":8,'
                     f'"grad_norm":{"NaN" if nanstep else 1.0 + (s * 7919 % 13) / 10},"loss":{3.0 - s * 1e-5},'
                     f'"loss_scale":null,"overflow":null,"step_applied":true,"counters":{{"sampled_steps":{s + 1}}},'
-                    f'"replica_mismatch_ranks":[],"nonfinite_ranks":{[5] if nanstep else []},"extra":{{}},'
+                    f'"replica_mismatch_ranks":[],"nonfinite_ranks":{[5] if nanstep else []},'
                     f'"params":{bad if nanstep else blocks[s % 64]}}}\n')
 
 

@@ -61,7 +61,7 @@ class DeepSpeedSource(GradSource):
                              "to deepspeed.initialize")
         if not hasattr(engine, "_take_model_step"):
             raise ValueError("this DeepSpeed version has no DeepSpeedEngine._take_model_step; "
-                             "distgrad supports deepspeed 0.16-0.19")
+                             "distgrad supports deepspeed 0.19 (pyproject.toml: deepspeed>=0.19,<0.20)")
         self.engine = engine
         self.zero_stage = int(engine.zero_optimization_stage())
         self.replicated = self.zero_stage == 0

@@ -1,9 +1,10 @@
 """JSON Lines sink: one line per sampled step, crash-safe and size-bounded.
 
-File format (schema 1)
+File format (schema 2)
 ----------------------
-Each line is ``json.dumps({"schema": 1, **record.to_dict()})`` followed by ``"\\n"``: the
-columnar :meth:`distgrad.record.StepRecord.to_dict` form plus a ``"schema"`` integer.
+Each line is ``json.dumps({"schema": 2, **record.to_dict()})`` followed by ``"\\n"``: the
+columnar :meth:`distgrad.record.StepRecord.to_dict` form (the diagnostics as typed parts:
+``"spikes"``, ``"health"``, ...) plus a ``"schema"`` integer (:data:`SCHEMA_VERSION`).
 Non-finite floats use Python's ``NaN`` / ``Infinity`` / ``-Infinity`` literals, and every float is
 written with ``repr`` precision, so :func:`read_jsonl` gives back records whose floats are
 bit-identical to the ones written (NaN included).
@@ -44,9 +45,8 @@ from distgrad.export.base import Sink, SinkError
 
 log = logging.getLogger("distgrad")
 
-#: Version of the line format written by :class:`JsonlSink` (the ``"schema"`` key of each line).
-#: 2: the diagnostics as typed parts (``"spikes"``, ``"health"``, ...); 1: in an ``"extra"``
-#: object. Both are read (:meth:`StepRecord.from_dict`).
+#: Version of the line format written by :class:`JsonlSink` (the ``"schema"`` key of each line):
+#: 2, the diagnostics as typed parts (``"spikes"``, ``"health"``, ...). The only version read.
 SCHEMA_VERSION = 2
 
 # the configuration's defaults (``sinks.jsonl``): one default per setting
@@ -85,14 +85,14 @@ def decode_record(line: str | bytes) -> StepRecord:
 
     Raises:
         ValueError: on malformed JSON (``json.JSONDecodeError`` is a ValueError), a missing
-            field, or a ``schema`` newer than :data:`SCHEMA_VERSION`.
+            field, or a ``schema`` other than :data:`SCHEMA_VERSION`.
     """
     d = json.loads(line)
     if not isinstance(d, dict):
         raise ValueError("JSONL line is not an object")
     schema = d.pop("schema", SCHEMA_VERSION)
-    if not isinstance(schema, int) or schema > SCHEMA_VERSION:
-        raise ValueError(f"unsupported distgrad JSONL schema {schema!r} (this reader knows <= {SCHEMA_VERSION})")
+    if not isinstance(schema, int) or schema != SCHEMA_VERSION:
+        raise ValueError(f"unsupported distgrad JSONL schema {schema!r} (this reader knows {SCHEMA_VERSION})")
     try:
         return StepRecord.from_dict(d)
     except (KeyError, TypeError) as e:
@@ -433,7 +433,7 @@ def read_jsonl(path: str | os.PathLike[str], include_rotated: bool = True,
     Raises:
         FileNotFoundError: if neither ``path`` nor any rotated backup exists.
         ValueError: on a malformed line that is not a torn last line (message names file and
-            line number), or a newer schema.
+            line number), or a schema other than :data:`SCHEMA_VERSION`.
     """
     files = rotated_files(path) if include_rotated else ([Path(path)] if Path(path).is_file() else [])
     if not files:

@@ -16,9 +16,7 @@ JSON form (:meth:`StepRecord.to_dict`): columnar per-parameter arrays, floats wr
 Python's :mod:`json` (non-finite values as the ``NaN`` / ``Infinity`` literals that Python,
 pandas and JavaScript's JSON5 read; :meth:`StepRecord.from_dict` reverses it exactly, the parts
 validated and built by pydantic from the dataclasses' own annotations: a new part needs its
-dataclass and its annotated :class:`StepRecord` field, no registration). The
-previous form, which kept the diagnostics in an untyped ``"extra"`` object (JSONL schema 1), is
-still read: :meth:`StepRecord.from_dict` maps its keys onto the typed parts.
+dataclass and its annotated :class:`StepRecord` field, no registration).
 """
 
 from __future__ import annotations
@@ -188,8 +186,7 @@ class Clip(_Part):
     """Global-norm gradient clipping (present when a clipping threshold is known).
 
     Attributes:
-        max_norm: the clipping threshold (gradient-norm units); None in records read from the
-            schema-1 form, which did not carry it.
+        max_norm: the clipping threshold (gradient-norm units).
         ratio: ``min(1, max_norm / (grad_norm + 1e-6))``, the factor clipping multiplies the
             gradient by (dimensionless, in (0, 1]), ``distgrad_clip_ratio``.
         post_clip_norm: the global norm after clipping, ``grad_norm * ratio``,
@@ -239,7 +236,7 @@ class ScalerState(_Part):
         loss_scale_drop_factor: the largest loss scale of an applied step within the last
             ``loss_scale.collapse_window`` optimizer steps (else the last one seen) over this
             step's loss scale (>= 1; None before any step was applied),
-            ``distgrad_loss_scale_drop_factor`` (see :mod:`distgrad.loss_scale`).
+            ``distgrad_loss_scale_drop_factor`` (see :mod:`distgrad.diagnostics.loss_scale`).
         loss_scale_collapsed: ``loss_scale_drop_factor >= loss_scale.collapse_factor``: the
             scale collapsed (no configured minimum needed), ``distgrad_loss_scale_collapsed``.
     """
@@ -492,18 +489,13 @@ class StepRecord:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "StepRecord":
-        """Inverse of :meth:`to_dict`; also reads the schema-1 form, whose diagnostics were in
-        an untyped ``"extra"`` object (unknown keys, e.g. a sink's ``schema``, are ignored).
+        """Inverse of :meth:`to_dict` (unknown keys, e.g. a sink's ``schema``, are ignored).
 
         Raises:
             KeyError / TypeError / ValueError: on a malformed dict (a malformed part:
                 pydantic.ValidationError, a ValueError naming the field).
         """
         kw = dict(d)
-        if isinstance(kw.get("extra"), dict):
-            from distgrad.record.compat import from_extra
-
-            kw.update(from_extra(kw.pop("extra")))
         kw["params"] = ParamStats.from_dict(d["params"])
         for k, tp in _part_fields().items():  # the parts: validated and built by pydantic
             if kw.get(k) is not None:
