@@ -29,12 +29,11 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distgrad
 
 from tests.dist.cause_cases import CLASSES, CauseModel, batch
-from tests.dist.engines import build_deepspeed
+from tests.dist.engines import adamw, build_ddp, build_deepspeed, build_fsdp2, init_distributed
 from tests.dist.common import run_gathered_cases
 
 BAD_NAN, BAD_SPIKE = 4, 14
@@ -95,13 +94,8 @@ def read_file(d: str, rank: int) -> list[dict]:
 def torch_case(kind: str, mode: str, rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = CauseModel()
-    if kind == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(model)
-    else:
-        model = DDP(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    optim = adamw(1e-2, weight_decay=0.01)
+    model, opt = build_fsdp2(model, optim=optim) if kind == "fsdp2" else build_ddp(model, optim=optim)
     tmp = tempfile.mkdtemp(prefix=f"action-{kind}-{mode}-") if rank == 0 else None
     box = [tmp]
     dist.broadcast_object_list(box)
@@ -190,12 +184,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default="all")
     args = ap.parse_args()
-    import deepspeed
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = init_distributed()
     jobs = [("ddp-skip", lambda r, w: torch_case("ddp", "skip", r, w)),
             ("ddp-off", lambda r, w: torch_case("ddp", "off", r, w)),
             ("ddp-stop", lambda r, w: torch_case("ddp", "stop", r, w)),

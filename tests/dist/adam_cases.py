@@ -13,19 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 
-import deepspeed
-import deepspeed.comm
 import torch
 import torch.distributed as dist
 
 import distgrad
 from distgrad.naming.canonical import clean_name
 
-from tests.dist.engines import build_deepspeed
+from tests.dist.engines import adamw, blocks_and_frozen, build_ddp, build_deepspeed, build_fsdp1, build_fsdp2, init_distributed
 from tests.dist.common import BoundaryCounter, TinyModel, batch_for
 
 STEPS = 4
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.01
+ADAMW = adamw(LR, betas=BETAS, eps=EPS, weight_decay=WD)
 
 
 def _full(t) -> list | None:
@@ -73,15 +72,9 @@ def deepspeed_case(stage: int) -> dict:
 
 
 def fsdp2_case() -> dict:
-    from torch.distributed.fsdp import fully_shard
-
     torch.manual_seed(1234)
     model = TinyModel()
-    for b in model.blocks:
-        fully_shard(b)
-    fully_shard(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=BETAS, eps=EPS,
-                            weight_decay=WD)
+    model, opt = build_fsdp2(model, model.blocks, optim=ADAMW)
     named = [(clean_name(n, strip_module=False), p) for n, p in model.named_parameters() if p.requires_grad]
     refs: list[dict] = []
     state = {"step": 0}
@@ -122,19 +115,11 @@ def fsdp1_case() -> dict:
     ``summon_full_params(with_grads=True)``; the full moments are rebuilt by the test from the
     gradient history (AdamW, no clipping): ``FSDP.optim_state_dict``'s ``exp_avg`` was measured
     not to be the optimizer's (its ``exp_avg_sq`` was) on torch 2.13 CPU."""
-    import functools
-
-    import torch.nn as nn
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
     torch.manual_seed(1234)
     model = TinyModel()
-    frozen = model.frozen
-    policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.Sequential) or m is frozen)
-    w = FSDP(model, use_orig_params=True, auto_wrap_policy=policy, device_id=torch.device("cpu"))
-    opt = torch.optim.AdamW([p for p in w.parameters() if p.requires_grad], lr=LR, betas=BETAS, eps=EPS,
-                            weight_decay=WD)
+    w, opt = build_fsdp1(model, wrap=blocks_and_frozen(model), optim=ADAMW)
     refs: list[dict] = []
     state = {"step": 0}
 
@@ -166,12 +151,9 @@ def fsdp1_case() -> dict:
     # use_orig_params=False: the FlatParameter's state is not located: refused at instrument()
     torch.manual_seed(1234)
     m2 = TinyModel()
-    frozen2 = m2.frozen
-    flat = FSDP(m2, use_orig_params=False, device_id=torch.device("cpu"),
-                auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: m is frozen2))
+    flat, flat_opt = build_fsdp1(m2, wrap=lambda m: m is m2.frozen, orig_params=False, optim=adamw())
     try:
-        distgrad.instrument(flat, optimizer=torch.optim.AdamW(flat.parameters()), prometheus=False,
-                            optimizer_signals={"enabled": "on"}).close()
+        distgrad.instrument(flat, optimizer=flat_opt, prometheus=False, optimizer_signals={"enabled": "on"}).close()
         out["flat_refused"] = None
     except Exception as e:  # noqa: BLE001 - reported to the test
         out["flat_refused"] = f"{type(e).__name__}: {e}"
@@ -180,12 +162,8 @@ def fsdp1_case() -> dict:
 
 def ddp_case() -> dict:
     """DDP: every rank holds the full state; each counts its 1/W share (``inst.own``)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     torch.manual_seed(1234)
-    w = DDP(TinyModel())
-    opt = torch.optim.AdamW([p for p in w.parameters() if p.requires_grad], lr=LR, betas=BETAS, eps=EPS,
-                            weight_decay=WD)
+    w, opt = build_ddp(TinyModel(), optim=ADAMW)
     named = [(clean_name(n, strip_module=False), p) for n, p in w.module.named_parameters() if p.requires_grad]
     refs: list[dict] = []
     state = {"step": 0}
@@ -222,7 +200,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed()
     from distgrad.signals import adam_native
 
     assert adam_native.native() is not None  # built and self-checked before counting its pieces

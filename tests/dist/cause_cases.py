@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distgrad
 
-from tests.dist.engines import build_deepspeed
+from tests.dist.engines import adamw, build_ddp, build_deepspeed, build_fsdp1, build_fsdp2, sgd
 from tests.dist.common import HostSyncs, run_gathered_cases
 
 D_IN, D, CLASSES, BATCH = 8, 16, 5, 16
@@ -101,8 +101,7 @@ def _slim(rec) -> dict:
 
 def _ddp(seed: int = 0, detached_adapter: bool = False, **kw) -> tuple[DDP, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = DDP(CauseModel(detached_adapter), **kw)
-    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+    return build_ddp(CauseModel(detached_adapter), optim=sgd(0.1), **kw)
 
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast",
@@ -320,26 +319,17 @@ def _wrap_engine(kind: str, model: PaddedNormModel):
                 return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         return train, inst, full
     if kind.startswith("fsdp1"):
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
-
         own = kind.endswith("-own")
-        policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, Block) or (
-            own and m is model.adapter))
-        wrapped = FSDP(model, use_orig_params="-orig-" in kind, auto_wrap_policy=policy, device_id=torch.device("cpu"))
+        wrapped, opt = build_fsdp1(model, wrap=lambda m: isinstance(m, Block) or (own and m is model.adapter),
+                                   orig_params="-orig-" in kind, optim=adamw(1e-2))
 
         def full():
             return {_clean(n): t.detach().clone() for n, t in wrapped.state_dict().items()}
     else:
-        from torch.distributed.fsdp import fully_shard
-
-        for m in (*model.layers, model.adapter):
-            fully_shard(m)
-        wrapped = fully_shard(model)
+        wrapped, opt = build_fsdp2(model, (*model.layers, model.adapter), optim=adamw(1e-2))
 
         def full():
             return {n: t.full_tensor().detach().clone() for n, t in wrapped.state_dict().items()}
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     inst = distgrad.instrument(wrapped, optimizer=opt, prometheus=False)
     if kind == "fsdp1-flat-own":  # the adapter's own unit's FlatParameter
         holders = [lambda: model.adapter._flat_param.grad]
@@ -567,21 +557,15 @@ def _module_run(engine: str, rank: int, replays: int) -> dict:
         m.register_forward_hook(hook)
     if engine == "zero3":
         return _module_case_zero3(user, hook_state=(first_bad, cur), rank=rank, replays=replays)
+    adam = functools.partial(torch.optim.Adam, lr=1e-3)
     if engine == "ddp":
-        model = DDP(user)
+        model, opt = build_ddp(user, optim=adam)
     elif engine == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        model = FSDP(user, use_orig_params=True, device_id=torch.device("cpu"),
-                     auto_wrap_policy=ModuleWrapPolicy({Block, RoutedBlock}))
+        model, opt = build_fsdp1(user, auto_wrap_policy=ModuleWrapPolicy({Block, RoutedBlock}), optim=adam)
     else:
-        from torch.distributed.fsdp import fully_shard
-
-        for b in user.layers:
-            fully_shard(b)
-        model = fully_shard(user)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        model, opt = build_fsdp2(user, user.layers, optim=adam)
     snaps: dict = {}
     opt.register_step_pre_hook(lambda o, a, k: snaps.__setitem__("before", _snapshot(user, o)))
     inst = distgrad.instrument(model, optimizer=opt, prometheus=False, tracer={"replays": replays})

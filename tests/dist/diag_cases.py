@@ -26,14 +26,11 @@ import os
 import torch
 import torch.distributed as tdist
 
-import deepspeed
-import deepspeed.ops
-from deepspeed.accelerator import get_accelerator
 
 import distgrad
 
 from tests.dist.common import TinyModel, batch_for
-from tests.dist.engines import build_deepspeed
+from tests.dist.engines import build_deepspeed, init_distributed
 
 
 def _engine(stage: int, dtype: str, seed: int = 7, **ds_extra):
@@ -242,10 +239,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see launch/train.py
-    deepspeed.init_distributed(dist_backend="gloo")
-    type(get_accelerator()).is_fp16_supported = lambda self: True
-    rank = tdist.get_rank()
+    rank, _ = init_distributed(fp16=True)
     out_dir = os.path.join(os.path.dirname(args.out), "flightrec")
     results = {}
     for name, fn in (("faults", lambda: faults_case(rank, out_dir)), ("fp16", lambda: fp16_case(rank)),

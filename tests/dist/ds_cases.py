@@ -21,13 +21,13 @@ import json
 import os
 
 import torch
+import torch.distributed as dist
 
-from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import safe_get_full_grad
 
 import distgrad
 
-from tests.dist.engines import build_deepspeed, ds_config
+from tests.dist.engines import build_deepspeed, ds_config, init_distributed
 from tests.dist.common import (ATTR_GAS, HostSyncs, LA_GAS, LA_SOURCES, TinyLM, TinyModel, batch_for, full_stats,
                     loss_analysis_loop, loss_attribution_loop, reference_b)
 
@@ -366,14 +366,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default="all")
     args = ap.parse_args()
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see launch/train.py skip_cpu_shm_op
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
-    # fp16 on CPU: DeepSpeed refuses it by default (CPU_Accelerator.is_fp16_supported() is
-    # False); the arithmetic works, so the test enables it (see docs/engines.md)
-    type(get_accelerator()).is_fp16_supported = lambda self: True
+    rank, world = init_distributed(fp16=True)
     cases = []
     for stage in (0, 1, 2, 3):
         for dtype in ("fp32", "bf16", "fp16"):
@@ -401,7 +394,7 @@ def main() -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"world_size": world, "cases": results, "special": special}, f)
-    deepspeed.comm.barrier()
+    dist.barrier()
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from deepspeed.utils import groups, safe_get_full_grad
 import distgrad
 from distgrad import stats
 
-from tests.dist.engines import build_deepspeed
+from tests.dist.engines import build_deepspeed, init_distributed
 from tests.dist.common import full_stats
 from tests.dist.layout_cases import _count
 
@@ -212,11 +212,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--group", default="moe")
     args = ap.parse_args()
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see launch/train.py skip_cpu_shm_op
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
+    rank, world = init_distributed()
     stats.stats_table([torch.ones(3)], torch.device("cpu"))  # one-time kernel set-up, not counted
     results, t0 = {}, time.time()
     for key in ("moe-z2", "moe-z2-nan", "refusals", "pipe-z0", "pipe-z1", "pipe-z0-double"):  # MoE before any PipelineEngine (it sets groups.mpu)

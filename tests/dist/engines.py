@@ -120,13 +120,14 @@ def build_fsdp1(model: nn.Module, *, wrap: Callable[[nn.Module], bool] | None = 
     """``FullyShardedDataParallel`` on CPU: ``wrap`` (a module predicate, e.g.
     :func:`blocks_and_frozen`) makes those submodules units of their own (lambda auto-wrap),
     ``orig_params`` is ``use_orig_params`` (False: flat parameters), ``fsdp_kw`` go to FSDP
-    (``sharding_strategy=``, ``mixed_precision=``, ``process_group=``...). Returns
-    ``(fsdp, optimizer)``."""
+    (``sharding_strategy=``, ``mixed_precision=``, ``device_mesh=``, another
+    ``auto_wrap_policy=`` instead of ``wrap``...). Returns ``(fsdp, optimizer)``."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
-    policy = None if wrap is None else functools.partial(lambda_auto_wrap_policy, lambda_fn=wrap)
-    w = FSDP(model, use_orig_params=orig_params, auto_wrap_policy=policy, device_id=CPU, **fsdp_kw)
+    if wrap is not None:
+        fsdp_kw["auto_wrap_policy"] = functools.partial(lambda_auto_wrap_policy, lambda_fn=wrap)
+    w = FSDP(model, use_orig_params=orig_params, device_id=CPU, **fsdp_kw)
     return w, _optimizer(w, optim)
 
 
@@ -141,3 +142,23 @@ def build_fsdp2(model: nn.Module, shard: Iterable[nn.Module] = (), *, optim: Opt
         fully_shard(m, **shard_kw)
     fully_shard(model, **shard_kw)
     return model, _optimizer(model, optim)
+
+
+def init_distributed(fp16: bool = False) -> tuple[int, int]:
+    """Start a driver's gloo process group (from torchrun's environment) through
+    ``deepspeed.init_distributed``, which DeepSpeed's engines need and the torch engines share,
+    with DeepSpeed's shared-memory collective op off (not built here; as launch/train.py's
+    ``skip_cpu_shm_op``). ``fp16``: lift DeepSpeed's refusal of fp16 on CPU
+    (``CPU_Accelerator.is_fp16_supported()`` is False; the arithmetic works, see docs/engines.md).
+    Returns ``(rank, world size)``."""
+    import deepspeed
+    import deepspeed.ops
+    import torch.distributed as dist
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    if fp16:
+        from deepspeed.accelerator import get_accelerator
+
+        type(get_accelerator()).is_fp16_supported = lambda self: True
+    return dist.get_rank(), dist.get_world_size()

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import distgrad
 from distgrad import stats
 
-from tests.dist.engines import build_deepspeed
+from tests.dist.engines import adamw, build_ddp, build_deepspeed, build_fsdp1, build_fsdp2, init_distributed, sgd
 from tests.dist.common import BoundaryCounter
 from tests.closed_forms import LSQ, Dot, known_covariance, lsq_curvature, lsq_data
 
@@ -63,10 +63,7 @@ def run_noise(key: str, rank: int, world: int) -> dict:
     torch.manual_seed(5)
     model = Dot(D1, D - D1)
     if key == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        w = DDP(model)
-        opt = torch.optim.SGD(w.parameters(), lr=0.0)
+        w, opt = build_ddp(model, optim=sgd(0.0))
         inst = distgrad.instrument(w, cfg, optimizer=opt, noise_scale={"enabled": True, "micro_batch_size": B,
                                                                        "ema_decay": DECAY})
 
@@ -77,20 +74,9 @@ def run_noise(key: str, rank: int, world: int) -> dict:
             opt.zero_grad()
     elif key in ("fsdp1", "fsdp2"):
         if key == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
-
-            fully_shard(model.a)
-            fully_shard(model)
-            w = model
+            w, opt = build_fsdp2(model, [model.a], optim=sgd(0.0))
         else:
-            import functools
-
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-            from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
-
-            w = FSDP(model, device_id=torch.device("cpu"),
-                     auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: m is model.a))
-        opt = torch.optim.SGD(w.parameters(), lr=0.0)
+            w, opt = build_fsdp1(model, wrap=lambda m: m is model.a, orig_params=False, optim=sgd(0.0))
         inst = distgrad.instrument(w, cfg, optimizer=opt, noise_scale={"enabled": True, "micro_batch_size": B,
                                                                        "ema_decay": DECAY})
 
@@ -134,12 +120,7 @@ def run_curvature(key: str, rank: int, world: int) -> dict:
     model = LSQ()
     data = lsq_data(rank)
     if key == "curv-fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for lay in model.layers:
-            fully_shard(lay)
-        fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        model, opt = build_fsdp2(model, model.layers, optim=adamw(0.05))
         inst = distgrad.instrument(model, cfg, optimizer=opt)
 
         def train():
@@ -186,16 +167,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    import deepspeed
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see launch/train.py skip_cpu_shm_op
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    from deepspeed.accelerator import get_accelerator
-
-    # fp16 on CPU: DeepSpeed refuses it by default; the CPU kernels work (as tests/dist/ds_cases.py)
-    type(get_accelerator()).is_fp16_supported = lambda self: True
+    rank, world = init_distributed(fp16=True)
     stats.stats_table([torch.ones(3)], torch.device("cpu"))  # one-time kernel set-up
     results = {}
     for key in ("ddp", "z2", "z3", "fsdp1", "fsdp2", "z0-fp16", "z2-fp16", "z3-fp16",

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 from deepspeed.utils import safe_get_full_grad
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import distgrad
 
-from tests.dist.engines import build_deepspeed
+from tests.dist.engines import build_deepspeed, build_fsdp2, init_distributed
 from tests.dist.common import BoundaryCounter, TinyModel, batch_for
 
 STEPS = 3
@@ -78,11 +78,8 @@ def fsdp2_case(rank: int) -> dict:
     torch.manual_seed(1234)
     model = TinyModel()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for b in model.blocks:
-        fully_shard(b, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+    model, opt = build_fsdp2(model, model.blocks, mp_policy=mp)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    opt = torch.optim.AdamW([p for _, p in trainable], lr=1e-3)
     inst = distgrad.instrument(model, optimizer=opt, prometheus=False, histogram={"enabled": True})
     count = BoundaryCounter(inst)
     refs: list[dict] = []
@@ -108,11 +105,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see launch/train.py skip_cpu_shm_op
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = dist.get_rank()
+    rank, _ = init_distributed()
     cases = {"z2-bf16": lambda: ds_case(2, "bf16", "fp16", rank), "z3-fp32": lambda: ds_case(3, "fp32", "auto", rank),
              "fsdp2-bf16": lambda: fsdp2_case(rank)}
     results = {}

@@ -12,6 +12,7 @@ pass before and after, and the ``all_reduce`` calls made during the slices. Rank
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import traceback
 
@@ -22,7 +23,7 @@ import deepspeed
 
 from distgrad.report import landscape as ls
 
-from tests.dist.engines import build_deepspeed
+from tests.dist.engines import build_ddp, build_deepspeed, build_fsdp2, init_distributed
 from tests.dist.common import TinyModel, batch_for
 
 STEPS1, STEPS2, SPAN, SEED, NB = 5, 3, 0.5, 3, 2
@@ -50,25 +51,21 @@ def full_state(kind: str, model) -> dict:
     return {n.removeprefix("module."): p.detach().clone() for n, p in model.named_parameters()}
 
 
+#: the optimizer of the torch engines' single training step
+ADAM = functools.partial(torch.optim.Adam, lr=1e-2)
+
+
 def build(kind: str, rank: int):
     torch.manual_seed(1234)
     model = TinyModel()
     if kind == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        m = DistributedDataParallel(model)
-        opt = torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        m, opt = build_ddp(model, optim=ADAM)
         x, y = batch_for(0, 0, rank)
         m(x, y).backward()
         opt.step()
         return m
     if kind == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for b in model.blocks:
-            fully_shard(b)
-        fully_shard(model)
-        opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        model, opt = build_fsdp2(model, model.blocks, optim=ADAM)
         x, y = batch_for(0, 0, rank)
         model(x, y).backward()
         opt.step()
@@ -120,8 +117,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = init_distributed()
     out = {}
     for kind in ("ddp", "fsdp2", "zero3", "zero3-gathered"):
         try:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import json
 import logging
 import sys
@@ -44,13 +43,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import ShardingStrategy, fully_shard
-from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+from torch.distributed.fsdp import ShardingStrategy
 
 import distgrad
 from distgrad import stats
 from distgrad.engines.base import Ownership
 
+from tests.dist.engines import adamw, blocks_and_frozen, build_ddp, build_fsdp1, build_fsdp2, sgd
 from tests.dist.common import HostSyncs, TinyModel, batch_for, full_stats, pieces_match, reference_b
 
 CPU = torch.device("cpu")
@@ -135,7 +134,6 @@ def run_pp_case(layout: str, rank: int) -> dict:
     x 2-way data parallelism (DDP or FSDP2) inside each stage, on a ``(pp, dp)`` mesh; each rank
     instruments its own stage module with its optimizer."""
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(1234)
     full = PPModel()
@@ -144,12 +142,11 @@ def run_pp_case(layout: str, rank: int) -> dict:
     stage_index, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     mod = full.stage(stage_index)
     if "-ddp" in layout:
-        wrapped = DDP(mod, process_group=mesh["dp"].get_group())
+        wrapped, opt = build_ddp(mod, optim=adamw(1e-2), process_group=mesh["dp"].get_group())
         trainable = [(n, p) for n, p in mod.named_parameters()]
         gather = lambda: {n: _flat(p.grad) for n, p in trainable}  # noqa: E731
     else:
-        fully_shard(mod, mesh=mesh["dp"])
-        wrapped = mod
+        wrapped, opt = build_fsdp2(mod, optim=adamw(1e-2), mesh=mesh["dp"])
         trainable = [(n, p) for n, p in mod.named_parameters()]
         gather = lambda: {n: _flat(p.grad.full_tensor()) for n, p in trainable}  # noqa: E731
     stage = PipelineStage(wrapped, stage_index, 2, CPU, group=mesh["pp"].get_group())
@@ -158,7 +155,6 @@ def run_pp_case(layout: str, rank: int) -> dict:
     # replicas then differ, which distgrad's replica check reports)
     n_micro = 1 if "-ddp" in layout else 2
     schedule = ScheduleGPipe(stage, n_microbatches=n_micro, loss_fn=lambda out, y: F.cross_entropy(out, y))
-    opt = torch.optim.AdamW(mod.parameters(), lr=1e-2)
     state = {"step": 0}
     if layout.endswith("-nan"):  # before distgrad's hook: a NaN in rank 3's (stage 1) blocks.1.1.weight, step 1
 
@@ -268,7 +264,8 @@ def _strip(name: str) -> str:
 
 
 def wrap(layout: str, rank: int):
-    """(model, full-gradient gather, data-parallel rank, data-parallel size, reference model)."""
+    """(model, its AdamW (lr 1e-2), full-gradient gather, data-parallel rank, data-parallel size,
+    reference model)."""
     torch.manual_seed(1234)
     if layout.startswith("fsdp2-tp"):
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
@@ -283,32 +280,28 @@ def wrap(layout: str, rank: int):
             "norm": SequenceParallel(),
             "up": ColwiseParallel(input_layouts=Shard(1)),
             "down": RowwiseParallel(output_layouts=Replicate())})
-        fully_shard(model, mesh=mesh["dp"])
+        model, opt = build_fsdp2(model, optim=adamw(1e-2), mesh=mesh["dp"])
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        return (model, lambda: {n: _flat(p.grad.full_tensor()) for n, p in trainable},
+        return (model, opt, lambda: {n: _flat(p.grad.full_tensor()) for n, p in trainable},
                 mesh["dp"].get_local_rank(), 2, ref)
     model = TinyModel()
     ref = copy.deepcopy(model).double()
     if layout.startswith("fsdp2-hsdp"):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        for b in model.blocks:
-            fully_shard(b, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model, opt = build_fsdp2(model, model.blocks, optim=adamw(1e-2), mesh=mesh)
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        return model, lambda: {n: _flat(p.grad.full_tensor()) for n, p in trainable}, rank, 4, ref
+        return model, opt, lambda: {n: _flat(p.grad.full_tensor()) for n, p in trainable}, rank, 4, ref
     # FSDP1 hybrid: shard group = mesh dim 1, replica group = mesh dim 0
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     strategy = ShardingStrategy._HYBRID_SHARD_ZERO2 if "zero2" in layout else ShardingStrategy.HYBRID_SHARD
     orig = "-flat" not in layout
-    frozen = model.frozen
-    policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.Sequential) or m is frozen)
-    w = FSDP(model, use_orig_params=orig, sharding_strategy=strategy, auto_wrap_policy=policy,
-             device_id=CPU, device_mesh=mesh)
+    w, opt = build_fsdp1(model, wrap=blocks_and_frozen(model), orig_params=orig, optim=adamw(1e-2),
+                         sharding_strategy=strategy, device_mesh=mesh)
     if orig:
         def summon():
             with FSDP.summon_full_params(w, with_grads=True, writeback=False):
                 return {_strip(n): _flat(p.grad) for n, p in w.named_parameters() if p.requires_grad}
-        return w, summon, rank, 4, ref
+        return w, opt, summon, rank, 4, ref
     shard_group = mesh.get_group("shard")
 
     def flat_gather():
@@ -324,7 +317,7 @@ def wrap(layout: str, rank: int):
             for fqn, piece in zip(fp._fqns, full.split(list(fp._numels))):
                 out[prefix + fqn] = piece.clone()
         return out
-    return w, flat_gather, rank, 4, ref
+    return w, opt, flat_gather, rank, 4, ref
 
 
 class _Log(logging.Handler):
@@ -338,9 +331,8 @@ class _Log(logging.Handler):
 
 def run_case(layout: str, rank: int) -> dict:
     base = layout.split("-corrupt")[0].split("-double")[0].split("-nan")[0]
-    model, gather, dp_rank, dp_size, ref_model = wrap(base, rank)
+    model, opt, gather, dp_rank, dp_size, ref_model = wrap(base, rank)
     tp = base.startswith("fsdp2-tp")
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     if layout.endswith("-corrupt"):  # before distgrad's hook: rank 3 changes a replicated piece
         target = "norm.weight" if tp else "blocks.1.3.bias"
 
@@ -436,16 +428,14 @@ def run_refusals(rank: int) -> dict:
     """instrument() on models reduced over half of the job (the layout of 2 pipeline stages x
     2-way data parallelism, each rank instrumenting its own stage): DDP on a 2-rank group and
     FSDP2 on the 1-D ``dp`` sub-mesh. Both must raise, not report one stage as the model."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     out = {}
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    for key, make in (("ddp-subgroup", lambda m: DDP(m, process_group=groups[rank // 2])),
-                      ("fsdp2-submesh", lambda m: fully_shard(m, mesh=mesh["dp"]))):
+    for key, make in (("ddp-subgroup", lambda m: build_ddp(m, optim=sgd(0.1), process_group=groups[rank // 2])),
+                      ("fsdp2-submesh", lambda m: build_fsdp2(m, optim=sgd(0.1), mesh=mesh["dp"]))):
         try:
-            m = make(TinyModel())
-            distgrad.instrument(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), prometheus=False).close()
+            m, opt = make(TinyModel())
+            distgrad.instrument(m, optimizer=opt, prometheus=False).close()
             out[key] = None
         except Exception as e:  # noqa: BLE001
             out[key] = f"{type(e).__name__}: {e}"

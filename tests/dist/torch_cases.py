@@ -42,18 +42,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, ShardingStrategy, fully_shard
-from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
 
 import distgrad
 from distgrad import stats
 
+from tests.dist.engines import adamw, blocks_and_frozen, build_ddp, build_fsdp1, build_fsdp2, sgd
 from tests.dist.common import (ATTR_GAS, LA_GAS, LA_SOURCES, TinyLM, TinyModel, batch_for, full_stats, pieces_match,
                     loss_analysis_loop, loss_attribution_loop, reference_b)
 
 ENGINES = ("ddp", "fsdp1-orig-full", "fsdp1-orig-sgo", "fsdp1-flat-full", "fsdp1-flat-sgo", "fsdp2")
-CPU = torch.device("cpu")
 
 
 def _strip(name: str) -> str:
@@ -82,40 +80,36 @@ def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def wrap(engine: str, model: TinyModel, dtype: str):
-    """Returns (wrapped model, full-gradient gather, full-weight gather, no_sync factory); the
-    gathers are collectives (every rank calls them) returning {name: float64 1-D tensor}."""
+    """Returns (wrapped model, its AdamW (lr 1e-3), full-gradient gather, full-weight gather,
+    no_sync factory); the gathers are collectives (every rank calls them) returning
+    {name: float64 1-D tensor}."""
     bf16 = dtype == "bf16"
     if engine == "ddp":
         if bf16:
             model = model.to(torch.bfloat16)
-        w = DDP(model)
+        w, opt = build_ddp(model)
         trainable = [(n, p) for n, p in w.module.named_parameters() if p.requires_grad]
-        return (w, lambda: {n: _flat(p.grad) for n, p in trainable},
+        return (w, opt, lambda: {n: _flat(p.grad) for n, p in trainable},
                 lambda: {n: _flat(p) for n, p in trainable}, w.no_sync)
     if engine.startswith("fsdp1"):
         orig = "-orig-" in engine
         strategy = {"full": ShardingStrategy.FULL_SHARD, "sgo": ShardingStrategy.SHARD_GRAD_OP,
                     "noshard": ShardingStrategy.NO_SHARD}[engine.rsplit("-", 1)[1]]
-        frozen = model.frozen
-        policy = functools.partial(lambda_auto_wrap_policy,
-                                   lambda_fn=lambda m: isinstance(m, nn.Sequential) or m is frozen)
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else None
-        w = FSDP(model, use_orig_params=orig, sharding_strategy=strategy, mixed_precision=mp,
-                 auto_wrap_policy=policy, device_id=CPU)
+        w, opt = build_fsdp1(model, wrap=blocks_and_frozen(model), orig_params=orig, sharding_strategy=strategy,
+                             mixed_precision=mp)
         if orig:
             def summon(grads: bool):
                 with FSDP.summon_full_params(w, with_grads=grads, writeback=False):
                     return {_strip(n): _flat(p.grad if grads else p)
                             for n, p in w.named_parameters() if p.requires_grad}
-            return w, lambda: summon(True), lambda: summon(False), w.no_sync
-        return (w, lambda: _flat_gather(w, lambda fp: fp.grad), lambda: _flat_gather(w, lambda fp: fp.data),
+            return w, opt, lambda: summon(True), lambda: summon(False), w.no_sync
+        return (w, opt, lambda: _flat_gather(w, lambda fp: fp.grad), lambda: _flat_gather(w, lambda fp: fp.data),
                 w.no_sync)
     if engine == "fsdp2":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
             else MixedPrecisionPolicy()
-        for b in model.blocks:
-            fully_shard(b, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+        model, opt = build_fsdp2(model, model.blocks, mp_policy=mp)
 
         @contextlib.contextmanager
         def no_sync():
@@ -126,7 +120,7 @@ def wrap(engine: str, model: TinyModel, dtype: str):
                 model.set_requires_gradient_sync(True)
 
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        return (model, lambda: {n: _flat(None if p.grad is None else p.grad.full_tensor()) for n, p in trainable},
+        return (model, opt, lambda: {n: _flat(None if p.grad is None else p.grad.full_tensor()) for n, p in trainable},
                 lambda: {n: _flat(p.detach().full_tensor()) for n, p in trainable}, no_sync)
     raise ValueError(engine)
 
@@ -145,8 +139,7 @@ def run_case(engine: str, dtype: str, gas: int, sync: bool, rank: int, world: in
     model, ref_model = fresh_model(dtype)
     expected = [n for n, p in model.named_parameters() if p.requires_grad]
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    w, gather, gather_weights, no_sync = wrap(engine, model, dtype)
-    opt = torch.optim.AdamW([p for p in w.parameters() if p.requires_grad], lr=1e-3)
+    w, opt, gather, gather_weights, no_sync = wrap(engine, model, dtype)
     if corrupt:  # registered before distgrad's hook: distgrad reads the corrupted copy on rank 1
         def corrupt_rank1(o, a, k):
             if rank == 1:
@@ -212,8 +205,7 @@ def run_scaler_case(mode: str, rank: int, world: int, steps: int = 3, overflow_s
     the backward of ``overflow_step``. ``mode``: "plain" (scaler.step unscales), "unscale"
     (the loop calls scaler.unscale_ first), "fused" (AdamW(fused=True): the optimizer unscales)."""
     model, _ = fresh_model("fp32")
-    w = DDP(model)
-    opt = torch.optim.AdamW([p for p in w.parameters() if p.requires_grad], lr=1e-3, fused=(mode == "fused"))
+    w, opt = build_ddp(model, optim=adamw(1e-3, fused=(mode == "fused")))
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**6)
     inst = distgrad.instrument(w, optimizer=opt, scaler=scaler, prometheus=False)
 
@@ -271,8 +263,7 @@ def run_errors(rank: int) -> dict:
         torch.manual_seed(0)
         m = TinyModel()
         early = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)
-        w = FSDP(m, use_orig_params=False, device_id=CPU,
-                 auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda x: x is m.frozen))
+        w, _ = build_fsdp1(m, wrap=lambda x: x is m.frozen, orig_params=False, optim=None)
         distgrad.instrument(w, optimizer=early, prometheus=False)
         out["optimizer_before_wrap"] = None
     except Exception as e:  # noqa: BLE001
@@ -280,9 +271,8 @@ def run_errors(rank: int) -> dict:
     # enabled: false on rank 1 only: every rank raises (was: a gloo abort), both messages kept
     msg = None
     try:
-        m = DDP(TinyModel())
-        distgrad.instrument(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), prometheus=False,
-                            enabled=rank == 0).close()
+        m, opt = build_ddp(TinyModel(), optim=sgd(0.1))
+        distgrad.instrument(m, optimizer=opt, prometheus=False, enabled=rank == 0).close()
     except Exception as e:  # noqa: BLE001
         msg = f"{type(e).__name__}: {e}"
     msgs: list = [None] * dist.get_world_size()
@@ -298,8 +288,7 @@ def run_unsampled_nonfinite(rank: int, world: int) -> dict:
     Reference: the steps injected. Also counts the collectives made inside ``optimizer.step`` per
     step (2 on sampled steps, 0 on the others)."""
     torch.manual_seed(0)
-    w = DDP(TinyModel())
-    opt = torch.optim.SGD(w.parameters(), lr=0.01)
+    w, opt = build_ddp(TinyModel(), optim=sgd(0.01))
     state = {"step": 0, "count": False, "collectives": 0}
 
     def inject(g):
@@ -359,8 +348,7 @@ def run_refused(rank: int, world: int) -> dict:
     ("closure"; on one rank only the closure's DDP all-reduce would come after the other rank's
     distgrad collectives: not a loop that can run). Reference: the script itself."""
     torch.manual_seed(0)
-    w = DDP(TinyModel())
-    opt = torch.optim.SGD(w.parameters(), lr=0.01)
+    w, opt = build_ddp(TinyModel(), optim=sgd(0.01))
     inst = distgrad.instrument(w, optimizer=opt, prometheus=False)
     exported: list[int] = []
     inst.add_hook(lambda r: exported.append(r.step))
@@ -396,8 +384,7 @@ def run_loss_attribution(rank: int, tmp: str) -> dict:
     (``observe_data_time``), sample indices passed with ``observe_loss(loss, samples=)``; see
     common.loss_attribution_loop."""
     model, _ = fresh_model("fp32")
-    w, _, _, no_sync = wrap("fsdp2", model, "fp32")
-    opt = torch.optim.AdamW([p for p in w.parameters() if p.requires_grad], lr=1e-3)
+    w, opt, _, _, no_sync = wrap("fsdp2", model, "fp32")
     inst = distgrad.instrument(w, optimizer=opt, prometheus=False, **{"flight_recorder.dir": tmp, "spikes.ema_warmup": 3,
                                    "spikes.ema_z": 10.0})
     ctx: dict = {}
@@ -426,9 +413,7 @@ def run_loss_analysis(rank: int) -> dict:
     components, per-token losses from ``logits=`` / ``labels=`` with per-sequence sources, and
     the trend. See common.loss_analysis_loop."""
     torch.manual_seed(11)
-    model = TinyLM()
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = build_fsdp2(TinyLM(), optim=adamw(1e-2))
     inst = distgrad.instrument(model, optimizer=opt, prometheus=False, loss={"sources": LA_SOURCES})
 
     def forward(tokens, micro):
