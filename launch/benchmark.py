@@ -78,7 +78,7 @@ SIGNAL_ROWS = [
 # On CUDA the example's batch is used.
 E2E_BATCH = {"10m": None, "100m": (1, 1)}
 E2E_WARMUP = 3  # optimizer steps left out of the end-to-end medians
-SYNCING = ("cpu", "item", "tolist", "__bool__", "__float__", "__int__", "__index__")  # as tests/dist/ds_cases.py
+SYNCING = ("cpu", "item", "tolist", "__bool__", "__float__", "__int__", "__index__")  # as tests/dist/common.py HostSyncs
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
                "reduce_scatter_tensor", "reduce_scatter", "reduce", "gather", "scatter", "barrier",
                "all_to_all_single", "broadcast_object_list")
