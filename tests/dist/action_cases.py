@@ -139,10 +139,9 @@ def ds_case(rank: int, world: int, stage: int = 2, dtype: str = "fp32") -> dict:
 
     torch.manual_seed(0)
     model = CauseModel()
+    warmup = {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 2, "total_num_steps": 1000}
     engine, _ = build_deepspeed(model, stage, dtype, micro_batch=16, lr=1e-2,
-                                scheduler={"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2,
-                                                                               "warmup_num_steps": 2,
-                                                                               "total_num_steps": 1000}})
+                                scheduler={"type": "WarmupDecayLR", "params": warmup})
     tmp = tempfile.mkdtemp(prefix="action-ds-") if rank == 0 else None
     box = [tmp]
     dist.broadcast_object_list(box)

@@ -19,8 +19,9 @@ import torch.distributed as dist
 import distgrad
 from distgrad.naming.canonical import clean_name
 
-from tests.dist.engines import adamw, blocks_and_frozen, build_ddp, build_deepspeed, build_fsdp1, build_fsdp2, init_distributed
-from tests.dist.common import BoundaryCounter, TinyModel, batch_for
+from tests.dist.engines import (adamw, blocks_and_frozen, build_ddp, build_deepspeed, build_fsdp1, build_fsdp2,
+                                init_distributed)
+from tests.dist.common import TinyModel, batch_for, counted_steps
 
 STEPS = 4
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.01
@@ -31,12 +32,21 @@ def _full(t) -> list | None:
     return None if t is None else t.detach().double().cpu().reshape(-1).tolist()
 
 
+def _torch_steps(inst, model, opt) -> tuple[list, list]:
+    """STEPS steps of ``model`` (batch_for(step, 0, rank)) and ``opt``: see common.counted_steps."""
+    def step():
+        opt.step()
+        opt.zero_grad()
+    return counted_steps(inst, STEPS, lambda s: model(*batch_for(s, 0, dist.get_rank())).backward(), step)
+
+
 def deepspeed_case(stage: int) -> dict:
     from deepspeed.utils import safe_get_full_grad, safe_get_full_optimizer_state
 
     torch.manual_seed(1234)
     model = TinyModel()
-    engine, _ = build_deepspeed(model, stage, lr=LR, adamw_params={"betas": list(BETAS), "eps": EPS, "weight_decay": WD})
+    engine, _ = build_deepspeed(model, stage, lr=LR,
+                                adamw_params={"betas": list(BETAS), "eps": EPS, "weight_decay": WD})
     inst = distgrad.instrument(engine, prometheus=False)
     named = [(clean_name(n), p) for n, p in engine.module.named_parameters() if p.requires_grad]
     assert [n for n, _ in named] == inst.names
@@ -54,17 +64,9 @@ def deepspeed_case(stage: int) -> dict:
         return inner(*a, **kw)
 
     engine._take_model_step = capture
-    counter = BoundaryCounter(inst)
-    records = []
-    try:
-        for step in range(STEPS):
-            x, y = batch_for(step, 0, dist.get_rank())
-            engine.backward(engine(x, y))
-            counter.around(engine.step)
-            records.append(inst.last_record.to_dict() if inst.last_record else None)
-    finally:
-        counter.restore()
-    out = {"records": records, "refs": refs, "counts": counter.counts, "counters": dict(inst.counters),
+    records, counts = counted_steps(inst, STEPS, lambda s: engine.backward(engine(*batch_for(s, 0, dist.get_rank()))),
+                                    engine.step)
+    out = {"records": records, "refs": refs, "counts": counts, "counters": dict(inst.counters),
            "optimizer": type(engine.optimizer.optimizer).__name__,
            "clip": float(engine.gradient_clipping() or 0.0) or None}  # DeepSpeed's default is 1.0
     inst.close()
@@ -93,18 +95,8 @@ def fsdp2_case() -> dict:
     opt.register_step_pre_hook(capture)
     inst = distgrad.instrument(model, optimizer=opt, prometheus=False)
     assert [n for n, _ in named] == inst.names
-    counter = BoundaryCounter(inst)
-    records = []
-    try:
-        for step in range(STEPS):
-            x, y = batch_for(step, 0, dist.get_rank())
-            model(x, y).backward()
-            counter.around(opt.step)
-            opt.zero_grad()
-            records.append(inst.last_record.to_dict() if inst.last_record else None)
-    finally:
-        counter.restore()
-    out = {"records": records, "refs": refs, "counts": counter.counts, "counters": dict(inst.counters),
+    records, counts = _torch_steps(inst, model, opt)
+    out = {"records": records, "refs": refs, "counts": counts, "counters": dict(inst.counters),
            "optimizer": type(opt).__name__}
     inst.close()
     return out
@@ -134,18 +126,8 @@ def fsdp1_case() -> dict:
 
     opt.register_step_pre_hook(capture)
     inst = distgrad.instrument(w, optimizer=opt, prometheus=False)
-    counter = BoundaryCounter(inst)
-    records = []
-    try:
-        for step in range(STEPS):
-            x, y = batch_for(step, 0, dist.get_rank())
-            w(x, y).backward()
-            counter.around(opt.step)
-            opt.zero_grad()
-            records.append(inst.last_record.to_dict() if inst.last_record else None)
-    finally:
-        counter.restore()
-    out = {"records": records, "refs": refs, "counts": counter.counts, "counters": dict(inst.counters),
+    records, counts = _torch_steps(inst, w, opt)
+    out = {"records": records, "refs": refs, "counts": counts, "counters": dict(inst.counters),
            "optimizer": type(opt).__name__, "names": list(inst.names)}
     inst.close()
     # use_orig_params=False: the FlatParameter's state is not located: refused at instrument()
@@ -179,18 +161,8 @@ def ddp_case() -> dict:
 
     opt.register_step_pre_hook(capture)
     inst = distgrad.instrument(w, optimizer=opt, prometheus=False)
-    counter = BoundaryCounter(inst)
-    records = []
-    try:
-        for step in range(STEPS):
-            x, y = batch_for(step, 0, dist.get_rank())
-            w(x, y).backward()
-            counter.around(opt.step)
-            opt.zero_grad()
-            records.append(inst.last_record.to_dict() if inst.last_record else None)
-    finally:
-        counter.restore()
-    out = {"records": records, "refs": refs, "counts": counter.counts, "counters": dict(inst.counters),
+    records, counts = _torch_steps(inst, w, opt)
+    out = {"records": records, "refs": refs, "counts": counts, "counters": dict(inst.counters),
            "optimizer": type(opt).__name__}
     inst.close()
     return out

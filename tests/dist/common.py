@@ -223,6 +223,23 @@ class BoundaryCounter:
             vars(self.inst).pop(meth, None)
 
 
+def counted_steps(inst, steps: int, backward: Callable[[int], None], step: Callable[[], None]) -> tuple[list, list]:
+    """Train ``steps`` steps: ``backward(s)`` (forward and backward of step ``s``), then ``step()``
+    (the optimizer step, where distgrad's boundary runs) inside :meth:`BoundaryCounter.around`.
+    Returns (each step's record as a dict, None where there is none; each step's
+    ``{"collectives", "syncs"}`` counts). The wrapping is undone even when a step raises."""
+    counter = BoundaryCounter(inst)
+    records = []
+    try:
+        for s in range(steps):
+            backward(s)
+            counter.around(step)
+            records.append(inst.last_record.to_dict() if inst.last_record else None)
+    finally:
+        counter.restore()
+    return records, counter.counts
+
+
 class TinyLM(nn.Module):
     """Token model for the loss-analysis runs: embedding -> linear head over 13 classes. Input
     tokens [B, T] (int64); ``forward`` returns logits [B, T, 13]."""

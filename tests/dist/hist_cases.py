@@ -28,7 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import distgrad
 
 from tests.dist.engines import build_deepspeed, build_fsdp2, init_distributed
-from tests.dist.common import BoundaryCounter, TinyModel, batch_for
+from tests.dist.common import TinyModel, batch_for, counted_steps
 
 STEPS = 3
 
@@ -49,7 +49,6 @@ def ds_case(stage: int, dtype: str, hist_dtype: str, rank: int) -> dict:
     model = TinyModel()
     engine, _ = build_deepspeed(model, stage, dtype)
     inst = distgrad.instrument(engine, prometheus=False, histogram={"enabled": True, "dtype": hist_dtype})
-    count = BoundaryCounter(inst)
     refs: list[dict] = []
     inner = engine._take_model_step
 
@@ -59,16 +58,9 @@ def ds_case(stage: int, dtype: str, hist_dtype: str, rank: int) -> dict:
         return inner(*a, **kw)
 
     engine._take_model_step = capture
-    records = []
-    try:
-        for step in range(STEPS):
-            x, y = _batch(step, rank, torch.bfloat16 if dtype == "bf16" else torch.float32)
-            engine.backward(engine(x, y))
-            count.around(engine.step)
-            records.append(inst.last_record.to_dict() if inst.last_record else None)
-    finally:
-        count.restore()
-    out = {"records": records, "full": refs, "counts": count.counts, "counters": dict(inst.counters),
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    records, counts = counted_steps(inst, STEPS, lambda s: engine.backward(engine(*_batch(s, rank, dt))), engine.step)
+    out = {"records": records, "full": refs, "counts": counts, "counters": dict(inst.counters),
            "compute_dtype": str(inst.source.compute_dtype)}
     inst.close()
     return out
@@ -81,21 +73,15 @@ def fsdp2_case(rank: int) -> dict:
     model, opt = build_fsdp2(model, model.blocks, mp_policy=mp)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     inst = distgrad.instrument(model, optimizer=opt, prometheus=False, histogram={"enabled": True})
-    count = BoundaryCounter(inst)
     refs: list[dict] = []
     opt.register_step_pre_hook(lambda o, a, k: refs.append(_full(
         (n, p.grad.full_tensor()) for n, p in trainable if p.grad is not None)))
-    records = []
-    try:
-        for step in range(STEPS):
-            x, y = _batch(step, rank, torch.float32)
-            model(x, y).backward()
-            count.around(opt.step)
-            opt.zero_grad(set_to_none=True)
-            records.append(inst.last_record.to_dict() if inst.last_record else None)
-    finally:
-        count.restore()
-    out = {"records": records, "full": refs, "counts": count.counts, "counters": dict(inst.counters),
+
+    def step():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    records, counts = counted_steps(inst, STEPS, lambda s: model(*_batch(s, rank, torch.float32)).backward(), step)
+    out = {"records": records, "full": refs, "counts": counts, "counters": dict(inst.counters),
            "compute_dtype": str(inst.source.compute_dtype)}
     inst.close()
     return out
