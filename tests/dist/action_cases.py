@@ -21,7 +21,6 @@ optimizer step, so "the update was skipped" is checked bit for bit on every rank
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -34,7 +33,7 @@ import distgrad
 
 from tests.dist.cause_cases import CLASSES, CauseModel, batch
 from tests.dist.engines import adamw, build_ddp, build_deepspeed, build_fsdp2, init_distributed
-from tests.dist.common import run_gathered_cases
+from tests.dist.common import driver_args, run_gathered_cases
 
 BAD_NAN, BAD_SPIKE = 4, 14
 
@@ -179,10 +178,7 @@ def ds_case(rank: int, world: int, stage: int = 2, dtype: str = "fp32") -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--cases", default="all")
-    args = ap.parse_args()
+    args = driver_args(cases="all")
     rank, world = init_distributed()
     jobs = [("ddp-skip", lambda r, w: torch_case("ddp", "skip", r, w)),
             ("ddp-off", lambda r, w: torch_case("ddp", "off", r, w)),

@@ -10,7 +10,6 @@ syncs distgrad made per step, and the optimizer's hyperparameters, as JSON to --
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -21,7 +20,7 @@ from distgrad.naming.canonical import clean_name
 
 from tests.dist.engines import (adamw, blocks_and_frozen, build_ddp, build_deepspeed, build_fsdp1, build_fsdp2,
                                 init_distributed)
-from tests.dist.common import TinyModel, batch_for, counted_steps
+from tests.dist.common import driver_args, TinyModel, batch_for, counted_steps
 
 STEPS = 4
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.01
@@ -169,9 +168,7 @@ def ddp_case() -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = driver_args()
     init_distributed()
     from distgrad.signals import adam_native
 

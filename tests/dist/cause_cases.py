@@ -22,7 +22,6 @@ Cases (each returns JSON-able records of rank 0 and per-rank facts):
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 
@@ -35,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distgrad
 
 from tests.dist.engines import adamw, build_ddp, build_deepspeed, build_fsdp1, build_fsdp2, sgd
-from tests.dist.common import HostSyncs, run_gathered_cases
+from tests.dist.common import driver_args, HostSyncs, run_gathered_cases
 
 D_IN, D, CLASSES, BATCH = 8, 16, 5, 16
 
@@ -656,10 +655,7 @@ def _module_case_zero3(user: nn.Module, hook_state: tuple, rank: int, replays: i
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--cases", default="all")
-    args = ap.parse_args()
+    args = driver_args(cases="all")
     dist.init_process_group("gloo")
     import deepspeed.ops
 

@@ -3,6 +3,7 @@ per-(step, micro-batch, rank) data, and float64 reference statistics of full gra
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 import traceback
@@ -319,6 +320,17 @@ def loss_analysis_loop(inst, rank: int, forward, backward, step, use_logits: boo
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, seen)
     return {"records": records, "seen": gathered, "counts": counter.counts}
+
+
+def driver_args(**options: str) -> argparse.Namespace:
+    """A driver's command line, as :func:`tests.helpers.launch` passes it: ``--out PATH`` (required:
+    the JSON rank 0 writes) and ``--NAME`` for each keyword, that value its default
+    (``cases="all"``: the comma-separated cases to run, or all). Exits (argparse) on a bad line."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    for name, default in options.items():
+        ap.add_argument(f"--{name}", default=default)
+    return ap.parse_args()
 
 
 def run_gathered_cases(jobs: list[tuple[str, Callable[[int, int], Any]]], cases: str, out: str, rank: int,

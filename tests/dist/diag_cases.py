@@ -18,7 +18,6 @@ and without restoring distgrad's state.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ import torch.distributed as tdist
 
 import distgrad
 
-from tests.dist.common import TinyModel, batch_for
+from tests.dist.common import driver_args, TinyModel, batch_for
 from tests.dist.engines import build_deepspeed, init_distributed
 
 
@@ -236,9 +235,7 @@ def resume_case(rank: int, ckpt_dir: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = driver_args()
     rank, _ = init_distributed(fp16=True)
     out_dir = os.path.join(os.path.dirname(args.out), "flightrec")
     results = {}

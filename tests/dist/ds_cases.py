@@ -15,7 +15,6 @@ Writes JSON to the path given by --out.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -28,7 +27,7 @@ from deepspeed.utils import safe_get_full_grad
 import distgrad
 
 from tests.dist.engines import build_deepspeed, ds_config, init_distributed
-from tests.dist.common import (ATTR_GAS, HostSyncs, LA_GAS, LA_SOURCES, TinyLM, TinyModel, batch_for, full_stats,
+from tests.dist.common import (driver_args, ATTR_GAS, HostSyncs, LA_GAS, LA_SOURCES, TinyLM, TinyModel, batch_for, full_stats,
                     loss_analysis_loop, loss_attribution_loop, reference_b)
 
 
@@ -362,10 +361,7 @@ def special_cases(rank: int, world: int, tmp: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--cases", default="all")
-    args = ap.parse_args()
+    args = driver_args(cases="all")
     rank, world = init_distributed(fp16=True)
     cases = []
     for stage in (0, 1, 2, 3):

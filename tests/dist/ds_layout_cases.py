@@ -19,7 +19,6 @@ mutation counting both data-parallel replicas of a stage. ``refusals``:
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -39,7 +38,7 @@ import distgrad
 from distgrad import stats
 
 from tests.dist.engines import build_deepspeed, init_distributed
-from tests.dist.common import full_stats
+from tests.dist.common import driver_args, full_stats
 from tests.dist.layout_cases import _count
 
 
@@ -208,10 +207,7 @@ def run_refusals(rank: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--group", default="moe")
-    args = ap.parse_args()
+    args = driver_args(group="moe")
     rank, world = init_distributed()
     stats.stats_table([torch.ones(3)], torch.device("cpu"))  # one-time kernel set-up, not counted
     results, t0 = {}, time.time()

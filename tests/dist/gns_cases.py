@@ -20,7 +20,6 @@ Rank 0 writes the JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -33,7 +32,7 @@ import distgrad
 from distgrad import stats
 
 from tests.dist.engines import adamw, build_ddp, build_deepspeed, build_fsdp1, build_fsdp2, init_distributed, sgd
-from tests.dist.common import BoundaryCounter
+from tests.dist.common import driver_args, BoundaryCounter
 from tests.closed_forms import LSQ, Dot, known_covariance, lsq_curvature, lsq_data
 
 D, GAS, B, STEPS, D1 = 10, 2, 4, 80, 4
@@ -62,18 +61,10 @@ def run_noise(key: str, rank: int, world: int) -> dict:
            "noise_scale": {"enabled": True, "ema_decay": DECAY}}
     torch.manual_seed(5)
     model = Dot(D1, D - D1)
-    if key == "ddp":
-        w, opt = build_ddp(model, optim=sgd(0.0))
-        inst = distgrad.instrument(w, cfg, optimizer=opt, noise_scale={"enabled": True, "micro_batch_size": B,
-                                                                       "ema_decay": DECAY})
-
-        def train(step):
-            for m in range(GAS):
-                (w(batch(step, m, rank)) / GAS).backward()
-            opt.step()
-            opt.zero_grad()
-    elif key in ("fsdp1", "fsdp2"):
-        if key == "fsdp2":
+    if key in ("ddp", "fsdp1", "fsdp2"):
+        if key == "ddp":
+            w, opt = build_ddp(model, optim=sgd(0.0))
+        elif key == "fsdp2":
             w, opt = build_fsdp2(model, [model.a], optim=sgd(0.0))
         else:
             w, opt = build_fsdp1(model, wrap=lambda m: m is model.a, orig_params=False, optim=sgd(0.0))
@@ -164,9 +155,7 @@ def run_curvature(key: str, rank: int, world: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = driver_args()
     rank, world = init_distributed(fp16=True)
     stats.stats_table([torch.ones(3)], torch.device("cpu"))  # one-time kernel set-up
     results = {}

@@ -15,7 +15,6 @@ Writes JSON to the path given by --out.
 
 from __future__ import annotations
 
-import argparse
 import json
 import traceback
 
@@ -28,7 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import distgrad
 
 from tests.dist.engines import build_deepspeed, build_fsdp2, init_distributed
-from tests.dist.common import TinyModel, batch_for, counted_steps
+from tests.dist.common import driver_args, TinyModel, batch_for, counted_steps
 
 STEPS = 3
 
@@ -88,9 +87,7 @@ def fsdp2_case(rank: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = driver_args()
     rank, _ = init_distributed()
     cases = {"z2-bf16": lambda: ds_case(2, "bf16", "fp16", rank), "z3-fp32": lambda: ds_case(3, "fp32", "auto", rank),
              "fsdp2-bf16": lambda: fsdp2_case(rank)}

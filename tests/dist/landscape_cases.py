@@ -11,7 +11,6 @@ pass before and after, and the ``all_reduce`` calls made during the slices. Rank
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import traceback
@@ -24,7 +23,7 @@ import deepspeed
 from distgrad.report import landscape as ls
 
 from tests.dist.engines import build_ddp, build_deepspeed, build_fsdp2, init_distributed
-from tests.dist.common import TinyModel, batch_for
+from tests.dist.common import driver_args, TinyModel, batch_for
 
 STEPS1, STEPS2, SPAN, SEED, NB = 5, 3, 0.5, 3, 2
 
@@ -114,9 +113,7 @@ def run_case(kind: str, rank: int, world: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = driver_args()
     rank, world = init_distributed()
     out = {}
     for kind in ("ddp", "fsdp2", "zero3", "zero3-gathered"):

@@ -29,7 +29,6 @@ rank's tensor-parallel shard: the provenance must name the parameter and the glo
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import logging
@@ -50,7 +49,7 @@ from distgrad import stats
 from distgrad.engines.base import Ownership
 
 from tests.dist.engines import adamw, blocks_and_frozen, build_ddp, build_fsdp1, build_fsdp2, sgd
-from tests.dist.common import HostSyncs, TinyModel, batch_for, full_stats, pieces_match, reference_b
+from tests.dist.common import driver_args, HostSyncs, TinyModel, batch_for, full_stats, pieces_match, reference_b
 
 CPU = torch.device("cpu")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast",
@@ -451,10 +450,7 @@ GROUPS = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--group", default="all", help="hsdp, tp, pp or all (one launch for every case)")
-    args = ap.parse_args()
+    args = driver_args(group="all")  # --group: hsdp, tp, pp or all (one launch for every case)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     stats.stats_table([torch.ones(3)], CPU)  # one-time kernel set-up (native self-check), not counted

@@ -29,7 +29,6 @@ Writes JSON to the path given by --out.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import functools
@@ -48,7 +47,7 @@ import distgrad
 from distgrad import stats
 
 from tests.dist.engines import adamw, blocks_and_frozen, build_ddp, build_fsdp1, build_fsdp2, sgd
-from tests.dist.common import (ATTR_GAS, LA_GAS, LA_SOURCES, TinyLM, TinyModel, batch_for, full_stats, pieces_match,
+from tests.dist.common import (driver_args, ATTR_GAS, LA_GAS, LA_SOURCES, TinyLM, TinyModel, batch_for, full_stats, pieces_match,
                     loss_analysis_loop, loss_attribution_loop, reference_b)
 
 ENGINES = ("ddp", "fsdp1-orig-full", "fsdp1-orig-sgo", "fsdp1-flat-full", "fsdp1-flat-sgo", "fsdp2")
@@ -451,10 +450,7 @@ def all_cases() -> list[tuple[str, str, str, int, bool]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--cases", default="all")
-    args = ap.parse_args()
+    args = driver_args(cases="all")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     want = None if args.cases == "all" else set(args.cases.split(","))
