@@ -82,6 +82,9 @@ def test_counters_on_healthy_fp32_run(ds_results):
     assert c["counters"]["nonfinite_steps"] == 0
     assert c["counters"]["internal_errors"] == 0
     assert c["counters"]["overflow_steps"] == 0
+    # StepRecord.micro_step: micro-batches processed up to the boundary, this step's included
+    # (accumulation 2 x (step + 1)), as under the PyTorch engines and the Trainer / Accelerate
+    assert [r["micro_step"] for r in c["records"]] == [2 * (r["step"] + 1) for r in c["records"]]
 
 
 @pytest.mark.multirank

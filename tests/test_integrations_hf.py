@@ -88,6 +88,19 @@ def test_pre_clip_gradient_equals_float64_reference(hf_results, key):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("key", CASES)
+def test_micro_step_counts_micro_batches(hf_results, key):
+    """``StepRecord.micro_step`` means one thing under every integration and engine: the
+    micro-batches processed up to the step's boundary, this step's included, i.e. accumulation
+    (2 in every case) x (step + 1). The Trainer and Accelerate with DeepSpeed call
+    ``engine.step()`` only at the boundary, so DeepSpeed's own ``micro_steps`` counts optimizer
+    steps there (0, 1, ...); the PyTorch engines count forward passes (2, 4, ...)."""
+    recs = case(hf_results, key)["records"]
+    assert recs
+    assert [r["micro_step"] for r in recs] == [2 * (r["step"] + 1) for r in recs]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("key", CASES)
 def test_loss_is_the_steps_mean_loss(hf_results, key):
     c = case(hf_results, key)
     # the Trainer hands backward a pre-scaled loss; an Accelerate loop under DeepSpeed the

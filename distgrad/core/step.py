@@ -42,7 +42,8 @@ class StepOutcome:
         grad_scale: the factor the gradients carried when :meth:`Instrument.begin_step` read
             them (1.0 when they were already unscaled); the statistics are divided by it.
         samples: training samples consumed so far when the engine counts them, else None.
-        micro_step: micro-batches (forward/backward passes) since the start, for the record.
+        micro_step: micro-batches (forward/backward passes) since the start, this step's
+            included (:attr:`StepRecord.micro_step`).
     """
 
     overflow: bool | None = None

@@ -353,9 +353,23 @@ def attach_deepspeed(inst: Any, engine: Any, source: DeepSpeedSource) -> None:
         inner_optimizer(engine)  # raises now, not at the first skipped step
     take = engine._take_model_step
     backward = engine.backward
+    # StepRecord.micro_step: micro-batches processed up to this boundary, this step's included,
+    # as the PyTorch boundary counts them. engine.micro_steps counts engine.step() calls before
+    # the current one: one per micro-batch in a plain loop (g*(k+1) - 1 at boundary k with g
+    # micro-batches), but one per optimizer step where engine.step() runs only at the boundary
+    # (Accelerate, the Hugging Face Trainer: k). The backward calls since the last boundary (n)
+    # against the engine's count (d) give the micro-batches it did not count (n - d per step).
+    micro = {"extra": 0, "n": 0, "start": 0}
+
+    def _micro_at_boundary() -> int:
+        now = int(engine.micro_steps)
+        if micro["n"]:  # a pipeline engine's backward bypasses the wrapper: n == 0, nothing to add
+            micro["extra"] += micro["n"] - (now - micro["start"] + 1)
+        micro["n"] = 0
+        return now + 1 + micro["extra"]
 
     def _take_model_step(*args: Any, **kwargs: Any) -> Any:
-        step, micro = int(engine.global_steps), int(engine.micro_steps)
+        step, micro_step = int(engine.global_steps), _micro_at_boundary()
         gscale = 1.0
         if inst.is_sampled(step):
             try:
@@ -371,11 +385,14 @@ def attach_deepspeed(inst: Any, engine: Any, source: DeepSpeedSource) -> None:
         except Exception:  # noqa: BLE001
             inst.count_error("reading the optimizer state")
             outcome = StepOutcome(overflow=None, step_applied=not skip)
-        outcome.grad_scale, outcome.micro_step = gscale, micro
+        outcome.grad_scale, outcome.micro_step = gscale, micro_step
         inst.end_step(token, outcome)
         return out
 
     def _backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
+        if micro["n"] == 0:
+            micro["start"] = int(engine.micro_steps)
+        micro["n"] += 1
         inst.observe_loss(loss, automatic=True)  # ignored once the user observes losses
         out = backward(loss, *args, **kwargs)
         inst.after_micro_batch()

@@ -365,7 +365,9 @@ class StepRecord:
         step: optimizer step index, counting every gradient-accumulation boundary reached
             before this one (skipped fp16 steps included), i.e. DeepSpeed's ``global_steps``
             at the time the gradients were read. 0-based.
-        micro_step: micro-batches processed before this boundary (DeepSpeed ``micro_steps``).
+        micro_step: micro-batches (forward/backward passes) processed since ``instrument()`` up to
+            this boundary, this step's included: ``g * (step + 1)`` with ``g`` micro-batches per
+            step, under every engine and integration.
         timestamp: Unix time in seconds when the statistics became available.
         world_size: number of ranks whose shards were combined.
         params: per-parameter statistics (see :class:`ParamStats`).
