@@ -26,6 +26,7 @@ from distgrad.record.culprit import CulpritModule
 from distgrad.record.optimizer import OptimizerSignals
 from distgrad.loss.token import EDGES
 from distgrad.export.prometheus import PrometheusSink
+from distgrad.record.incidents import KINDS, Incident
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 NAMES = ["blocks.0.attn.qkv.weight", "blocks.1.mlp.fc.weight"]
@@ -101,6 +102,9 @@ def _sink(features: set[str]) -> PrometheusSink:
             layer_update_rms={"0": 0.8, "1": 1.0}, layer_spike_fraction={"0": 0.0, "1": 0.0},
             layer_grad_momentum_cosine={"0": 0.4, "1": 0.6}, fisher_top_layers=["1", "0"])  # cosine: JSONL only
     diag.on_record(rec)
+    if "incident" in f:  # the policy opened one (a bad batch naming its rank and a component)
+        rec.incidents.total["bad_batch"] = 1
+        rec.incidents.last = [Incident("bad_batch", 3, 2.0, "rank_loss", 3, level=0.5, rank=1, component="aux")]
     sink.write(rec)
     return sink
 
@@ -197,3 +201,7 @@ def test_catalogue_rejects_bad_declarations():
     with pytest.raises(KeyError, match="distgrad_nope"):
         metrics.by_name("distgrad_nope")
     assert metrics.by_name("distgrad_sink_errors") is metrics.by_name("distgrad_sink_errors_total")
+
+
+def test_incident_label_values_are_the_policy_kinds():
+    assert metrics.LABELS["incident"].values == KINDS

@@ -34,6 +34,7 @@ from distgrad.config.sections import (
 )
 from distgrad.config.sections import CurvatureConfig, NoiseScaleConfig
 from distgrad.config.sections import OptimizerSignalsConfig
+from distgrad.config.sections import IncidentsConfig
 
 #: top-level keys that mark a DeepSpeed config (whose "distgrad" section holds distgrad's settings)
 _DEEPSPEED_KEYS = frozenset({
@@ -160,6 +161,7 @@ class DistgradConfig(BaseModel):
     exporter: ExporterConfig = Field(default_factory=ExporterConfig, description=ExporterConfig.__doc__)
     statistics: StatisticsConfig = Field(default_factory=StatisticsConfig, description=StatisticsConfig.__doc__)
     spikes: SpikesConfig = Field(default_factory=SpikesConfig, description=SpikesConfig.__doc__)
+    incidents: IncidentsConfig = Field(default_factory=IncidentsConfig, description=IncidentsConfig.__doc__)
     health: HealthConfig = Field(default_factory=HealthConfig, description=HealthConfig.__doc__)
     loss_scale: LossScaleConfig = Field(default_factory=LossScaleConfig, description=LossScaleConfig.__doc__)
     clip: ClipConfig = Field(default_factory=ClipConfig, description=ClipConfig.__doc__)
@@ -284,5 +286,5 @@ __all__ = [
     "SinksConfig", "JsonlConfig", "TensorBoardConfig", "NamingConfig", "NamingRule", "LossConfig",
     "NoiseScaleConfig", "CurvatureConfig",
     "ActionConfig",
-    "OptimizerSignalsConfig",
+    "OptimizerSignalsConfig", "IncidentsConfig",
 ]

@@ -180,6 +180,59 @@ class SpikesConfig(Section):
         return self
 
 
+class IncidentsConfig(Section):
+    """The detection policy (distgrad.diagnostics.incidents): what opens an incident, which the
+    alerts page on and the offline verdict reports. A single spike training recovers from opens
+    none (it is a dashboard annotation: the spikes section's counters)."""
+
+    section_key: ClassVar[str] = "incidents"
+    enabled: bool = Field(True, description=(
+        "Run the policy (record field incidents, distgrad_incident* metrics). Off: no incident is ever "
+        "opened, and the incident alerts cannot fire."))
+    level_window: int = Field(16, ge=3, description=(
+        "Divergence: finite sampled losses whose median is the loss level before an excursion (the "
+        "pre-spike level); frozen while the loss is above factor x level."))
+    level_min: int = Field(8, ge=3, description=(
+        "Divergence and bad batch: sampled losses (and gradient norms) needed before the first test "
+        "(at most level_window)."))
+    divergence_factor: float = Field(1.5, gt=1, description=(
+        "Divergence: a sampled loss above this many times the level starts an excursion."))
+    divergence_steps: int = Field(5, ge=1, description=(
+        "Divergence: the excursion opens an incident when the loss has stayed above factor x level for "
+        "this many consecutive sampled steps (the alert fires divergence_steps - 1 sampled steps after "
+        "the spike at the earliest)."))
+    drift_window: int = Field(10, ge=3, description=(
+        "Divergence by drift (no single jump): sampled losses of the rolling median compared with its "
+        "lowest value so far."))
+    drift_factor: float = Field(2.0, gt=1, description=(
+        "Divergence by drift: the rolling median above this many times its lowest value so far (and above "
+        "that value plus the run's first rolling median) opens an incident."))
+    burst_spikes: int = Field(3, ge=2, description=(
+        "Spike burst: this many sampled steps with a robust-detector spike (loss or gradient norm; "
+        "spikes.robust_*) ..."))
+    burst_window: int = Field(50, ge=2, description=(
+        "... within this many consecutive sampled steps open a spike_burst incident (a warning)."))
+    rank_ratio: float = Field(2.0, gt=1, description=(
+        "Bad batch: the largest rank's loss over the median loss of the other ranks must be at least "
+        "this many times what that ratio's recent trend predicts (and rank_k robust deviations above it)."))
+    rank_k: float = Field(6.0, gt=0, description=(
+        "Bad batch: robust standard deviations (1.4826 x MAD, Theil-Sen detrended, on the log of the "
+        "ratio over the last 24 sampled steps) the ratio must exceed its trend by."))
+    rank_grad_ratio: float = Field(1.2, gt=1, description=(
+        "Bad batch: the step's global gradient norm must also be at least this many times the median of "
+        "the last level_window sampled gradient norms (the batch moved the update)."))
+    component_share: float = Field(0.5, gt=0, le=1, description=(
+        "With loss components: an incident names the component whose weighted contribution (weight x "
+        "value) rose the most over its level, if that rise is at least this fraction of the loss's rise."))
+
+    @model_validator(mode="after")
+    def _level_min(self) -> "IncidentsConfig":
+        if self.level_min > self.level_window:
+            raise SettingError("level_min", f"must be at most incidents.level_window ({self.level_window})",
+                               self.level_min)
+        return self
+
+
 ActionMode = Literal["none", "skip", "stop"]
 
 
@@ -474,7 +527,7 @@ class OptimizerSignalsConfig(Section):
 #: the sections of DistgradConfig, in the order of the generated files
 SECTIONS: dict[str, type[Section]] = {
     "sampling": SamplingConfig, "exporter": ExporterConfig, "statistics": StatisticsConfig,
-    "spikes": SpikesConfig, "health": HealthConfig, "loss_scale": LossScaleConfig, "clip": ClipConfig,
+    "spikes": SpikesConfig, "incidents": IncidentsConfig, "health": HealthConfig, "loss_scale": LossScaleConfig, "clip": ClipConfig,
     "flight_recorder": FlightRecorderConfig, "tracer": TracerConfig, "sinks": SinksConfig,
     "naming": NamingConfig, "loss": LossConfig, "histogram": HistogramConfig,
     "noise_scale": NoiseScaleConfig, "action": ActionConfig, "curvature": CurvatureConfig,

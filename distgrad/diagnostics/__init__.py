@@ -34,6 +34,7 @@ from distgrad.diagnostics.builtin import (AggregatesDiagnostic, ClipDiagnostic, 
                                           ProvenanceDiagnostic, SpikeDiagnostic, TracerDiagnostic)
 from distgrad.diagnostics.loss import ComponentSpikeDiagnostic, LossTrendDiagnostic  # noqa: F401  (registers them)
 from distgrad.diagnostics.loss_scale import LossScaleDiagnostic
+from distgrad.diagnostics.incidents import IncidentDiagnostic  # noqa: F401  (registers it: runs last)
 from distgrad.record import StepRecord
 from distgrad.export.base import SinkError
 

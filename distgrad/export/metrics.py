@@ -82,6 +82,10 @@ LABELS: dict[str, Label] = {lab.name: lab for lab in (
                        "most 8)"),
     Label("source", "data source of per-token losses: the configured `loss.sources` (at most 8) and `other`"),
     Label("moment", "Adam optimizer state", ("exp_avg", "exp_avg_sq")),
+    Label("incident", "kind of incident the detection policy opened (`distgrad.diagnostics.incidents`): "
+                      "`divergence` (the loss did not come back after a spike, or drifted up; critical), "
+                      "`bad_batch` (one rank's loss an outlier and the gradient norm up; critical), "
+                      "`spike_burst` (robust spikes recurring; warning)", ("divergence", "bad_batch", "spike_burst")),
     Label("le", "upper edge of a fixed token-loss bin, in nats (`distgrad.loss.token.EDGES`)",
           ("0.01", "0.05", "0.1", "0.25", "0.5", "1", "2", "3", "4", "5", "6", "8", "10", "15", "20")),
 )}
@@ -109,6 +113,9 @@ CONDITIONS: dict[str, str] = {
     "curvature": "`curvature.enabled: true`, from the second sampled step on (see docs/signals.md)",
     "adam": "an Adam-family optimizer (`optimizer_signals.enabled: auto`, the default), after a sampled step "
             "from the second optimizer step on (no moment exists before the first)",
+    "incident": "after the detection policy opened an incident of that kind (`incidents.enabled`, the default); "
+                "`distgrad_incident_rank` only for incidents that name a rank (`bad_batch`), "
+                "`distgrad_incident_component` only for incidents that name a loss component",
     "data_time": "after a sampled step whose data time is known on some rank (the boundary sees the forward: "
                  "PyTorch models with `optimizer=`, DeepSpeed engines; or the loop calls `observe_data_time`)",
 }
@@ -428,6 +435,22 @@ CATALOGUE: tuple[Metric, ...] = (
     _g("distgrad_grad_norm_zscore", "1", "Spike score of the last grad_norm.", labels=("detector",)),
     _g("distgrad_loss_zscore", "1", "Spike score of the last loss.", labels=("detector",),
        doc="spike score of the last loss (NaN while no loss is observed)"),
+    _c("distgrad_incidents_total", "incidents", "Incidents the detection policy opened (what the alerts page "
+       "on), by kind.", "sample", ("incident",),
+       doc="incidents the detection policy opened since the start, by kind, at 0 for every kind from the first sampled "
+           "step (`distgrad.diagnostics.incidents`; a single spike training recovers from is none); the alerts "
+           "`DistgradLossDivergence`, `DistgradBadBatch` and `DistgradRecurringSpikes` fire on its increase"),
+    _g("distgrad_incident_step", "steps", "Optimizer step of the event that opened the last incident of a kind "
+       "(the spike step, the bad batch's step).", "incident", ("incident",)),
+    _g("distgrad_incident_value", "1", "Value at the event's step of the last incident of a kind (loss units for "
+       "divergence and bad_batch, gradient units for a grad-norm spike burst).", "incident", ("incident",),
+       doc="the value at `distgrad_incident_step` of the last incident of a kind: the loss (divergence), the "
+           "culprit rank's loss (bad_batch), the gradient norm or the loss of the spike that completed the burst "
+           "(spike_burst)"),
+    _g("distgrad_incident_rank", "1", "Rank named by the last incident of a kind (bad_batch: the rank whose loss "
+       "was the outlier).", "incident", ("incident",)),
+    _g("distgrad_incident_component", "1", "1 for the loss component whose weighted contribution rose the most in "
+       "the last incident of a kind.", "incident", ("incident", "component"), max_series=3),
     _c("distgrad_grad_norm_spikes_total", "spikes", "Detected grad_norm spikes.", "sample", ("detector",)),
     _c("distgrad_loss_spikes_total", "spikes", "Detected loss spikes.", "sample", ("detector",)),
     _g("distgrad_vanishing_params", "params", "Parameters currently flagged as vanishing (parameters without "

@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 
 from distgrad.export import metrics
 from distgrad.record import StepRecord
+from distgrad.record.incidents import KINDS
 from distgrad.signals.adam import SPIKE_CLIP_MIN
 from distgrad.export.base import Sink
 from distgrad.export.exporter import ExporterProcess, PageCache
@@ -282,6 +283,7 @@ def _record_metrics(rec: StepRecord) -> Iterable[Metric]:
             yield metrics.family(name, value=float(v))
     yield from _rank_metrics(rec)
     yield from _loss_metrics(rec)
+    yield from _incident_metrics(rec)
 
     selected = rec.aggregates.exported_params if rec.aggregates is not None else None
     # parameters without a gradient anywhere this step (unused; numel 0 after the reduction)
@@ -337,6 +339,32 @@ def _rank_metrics(rec: StepRecord) -> Iterable[Metric]:
         yield metrics.family("distgrad_straggler_rank", value=float(r.straggler_rank))
         if r.straggler_ratio is not None:
             yield metrics.family("distgrad_straggler_ratio", value=float(r.straggler_ratio))
+
+
+def _incident_metrics(rec: StepRecord) -> Iterable[Metric]:
+    """The detection policy's state (:mod:`distgrad.diagnostics.incidents`): the counters of every
+    kind (at 0 from the first sampled step, so that ``increase()`` sees the first incident), and
+    the last incident of each kind that has had one: its event's step and value, the rank and the
+    loss component when it names them."""
+    inc = rec.incidents
+    if inc is None:
+        return
+    fam = metrics.family("distgrad_incidents_total")
+    for kind in KINDS:
+        fam.add_metric([kind], float(inc.total.get(kind, 0)))
+    yield fam
+    if not inc.last:
+        return
+    fams = {n: metrics.family(n) for n in ("distgrad_incident_step", "distgrad_incident_value",
+                                           "distgrad_incident_rank", "distgrad_incident_component")}
+    for i in inc.last:
+        fams["distgrad_incident_step"].add_metric([i.kind], float(i.step))
+        fams["distgrad_incident_value"].add_metric([i.kind], float(i.value))
+        if i.rank is not None:
+            fams["distgrad_incident_rank"].add_metric([i.kind], float(i.rank))
+        if i.component is not None:
+            fams["distgrad_incident_component"].add_metric([i.kind, i.component], 1.0)
+    yield from (f for f in fams.values() if f.samples)
 
 
 def _loss_metrics(rec: StepRecord) -> Iterable[Metric]:

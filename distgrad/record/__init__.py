@@ -428,6 +428,8 @@ class StepRecord:
             (:class:`~distgrad.record.culprit.CulpritModule`, :mod:`distgrad.diagnostics.replay`).
         optimizer_signals: Adam-family signals (:class:`~distgrad.record.optimizer.OptimizerSignals`),
             None when off, on the first optimizer step (no moment yet) and on overflow steps.
+        incidents: the detection policy's state (:class:`~distgrad.record.incidents.Incidents`: incidents
+            opened so far, the one opened on this step), None when ``incidents.enabled`` is false.
     """
 
     step: int
@@ -470,6 +472,7 @@ class StepRecord:
     curvature: Curvature | None = None
     culprit_module: "CulpritModule | None" = None
     optimizer_signals: OptimizerSignals | None = None
+    incidents: "Incidents | None" = None
 
     @property
     def nonfinite(self) -> bool:
@@ -514,3 +517,4 @@ from distgrad.record.gns import Curvature, NoiseScale  # noqa: E402,F401
 from distgrad.record.action import ActionPart  # noqa: E402,F401
 from distgrad.record.culprit import CulpritModule  # noqa: E402,F401
 from distgrad.record.optimizer import OptimizerSignals  # noqa: E402,F401
+from distgrad.record.incidents import Incidents  # noqa: E402,F401

@@ -26,6 +26,14 @@ to do and the runbook section, ``docs/runbook.md#verdict-<kind>``):
   ``divergence``).
 * ``loss_scale_collapse``: a record with ``scaler.loss_scale_collapsed`` (see
   :mod:`distgrad.diagnostics.loss_scale`).
+
+One decision with the alerts: in a log whose records carry the detection policy's state
+(``incidents``, :mod:`distgrad.diagnostics.incidents`, written by distgrad since the policy
+exists, unless ``incidents.enabled`` is false), ``divergence``, ``bad_batch`` and ``spike_burst``
+are the incidents the policy opened online, read from those record fields (:func:`incident_finding`),
+the same state the alert rules fire on; the ``divergence`` / ``loss_spike`` / ``grad_norm_spike``
+rules above then do not run (:attr:`VerdictChecks.use_incidents`). They judge only logs written
+without the policy.
 """
 
 from __future__ import annotations
@@ -57,6 +65,10 @@ _ADVICE = {
     "stall": "check the training job (hung collective, data loader, preemption) and its logs around that step",
     "no_progress": "check the learning rate (0?), that the optimizer steps the model's parameters, and the "
                    "data (same batch every step?)",
+    "bad_batch": "inspect the batch rank {rank} read at step {at} (its data shard, the sample indices the loop "
+                 "passed to observe_loss); if the loss does not come back, resume from a checkpoint before that step",
+    "spike_burst": "spikes keep coming: lower the learning rate or lengthen warm-up, enable or lower gradient "
+                   "clipping, check the data around those steps",
     "loss_scale_collapse": "see the DistgradLossScaleCollapsed runbook: lower the learning rate, find the "
                            "overflowing layer, or switch to bf16",
 }
@@ -65,6 +77,13 @@ _ADVICE = {
 def _finding(kind: str, step: int, what: str, **fmt) -> tuple[str, int, str]:
     anchor = "verdict-" + kind.replace("_", "-")
     return kind, step, f"{what}; what to do: {_ADVICE[kind].format(**fmt)} ({RUNBOOK}#{anchor})"
+
+
+def incident_finding(inc) -> tuple[str, int, str]:
+    """``(kind, step, detail)`` of an :class:`~distgrad.record.incidents.Incident` the online policy
+    opened, with what to do and the runbook section, as :meth:`VerdictChecks.findings` gives."""
+    return _finding(inc.kind, int(inc.step), inc.detail, best=inc.level_step if inc.level_step is not None else inc.step,
+                    rank=inc.rank, at=inc.step)
 
 
 class _Rolling:
@@ -129,9 +148,9 @@ class VerdictChecks:
         self._last_step = 0
 
     # ------------------------------------------------------------------------------------
-    def _put(self, kind: str, step: int, what: str, **fmt) -> None:
+    def _put(self, kind: str, step: int, what: str, _inc=None, **fmt) -> None:
         if kind not in self._out:
-            self._out[kind] = _finding(kind, step, what, **fmt)
+            self._out[kind] = incident_finding(_inc) if _inc is not None else _finding(kind, step, what, **fmt)
 
     def _idx(self, names: list[str]) -> np.ndarray:
         if names is not self._last_names and names != self._last_names:
@@ -152,9 +171,16 @@ class VerdictChecks:
         self._last_names = names
         return self._map
 
+    #: the log carries the detection policy's state: divergence and spikes come from its incidents
+    use_incidents = False
+
     def add(self, r: StepRecord) -> None:
         """Fold in one record (file order)."""
         step = int(r.step)
+        if r.incidents is not None:
+            self.use_incidents = True
+            for inc in [*r.incidents.opened, *r.incidents.last]:  # `last` covers records lost from the log
+                self._put(inc.kind, int(inc.step), "", _inc=inc)
         self._last_step = step
         self._gap(r, step)
         if r.scaler is not None and getattr(r.scaler, "loss_scale_collapsed", False):
@@ -165,8 +191,9 @@ class VerdictChecks:
         if math.isfinite(loss):
             self._loss(loss, step)
         if not r.overflow:
-            for series, v in (("loss", loss), ("grad_norm", float(r.grad_norm))):
-                self._spike(series, v, step)
+            if not self.use_incidents:
+                for series, v in (("loss", loss), ("grad_norm", float(r.grad_norm))):
+                    self._spike(series, v, step)
             self._params(r, step)
 
     def _gap(self, r: StepRecord, step: int) -> None:
@@ -199,7 +226,7 @@ class VerdictChecks:
         if self._best is None or med < self._best[0]:
             self._best = (med, step)
         best, bstep = self._best
-        if med - best > max(abs(best), abs(self._first_med)) and med > 0:
+        if med - best > max(abs(best), abs(self._first_med)) and med > 0 and not self.use_incidents:
             self._put("divergence", step, f"the loss diverged: median of the last {len(self._div_buf)} sampled "
                       f"losses {med:.4g} at step {step}, up from its minimum {best:.4g} (step {bstep})", best=bstep)
 

@@ -435,7 +435,9 @@ def spike_case(mode: str, rank: int, world: int) -> dict:
         opt.zero_grad()
         rec = inst.last_record
         out.append({"step": rec.step, "loss": rec.loss, "grad_norm": rec.grad_norm, "fired": rec.spikes.fired,
-                    "loss_max_rank": rec.ranks.loss_max_rank if rec.ranks is not None else None})
+                    "loss_max_rank": rec.ranks.loss_max_rank if rec.ranks is not None else None,
+                    "rank_loss": list(rec.ranks.loss_mean) if rec.ranks is not None else None,
+                    "incidents": rec.incidents.to_dict()})
     totals = {s: dict(m.spikes) for s, m in inst.diagnostics.monitors.items()}
     replays = inst.replay.replays
     inst.close()
