@@ -131,16 +131,31 @@ def _where_it_started(culprits: str, module: str) -> str:
             f"Culprit module, whose forward output first went NaN/Inf when that step was replayed: {module}.")
 
 
-def _spike_rule(name: str, what: str, counter: str, gauge: str) -> dict[str, Any]:
+def tincident(metric: str, incident: str, fmt: str = "%.0f", missing: str = "unknown") -> str:
+    """Template text: the value of ``metric{incident="<incident>"}`` of the alert's target (the
+    detection policy's last incident of that kind), or ``missing``."""
+    q = tquery(metric + "{job=%q,instance=%q,incident=" + f'\\"{incident}\\"' + "}")
+    return f'{{{{ with {q} }}}}{{{{ . | first | value | printf "{fmt}" }}}}{{{{ else }}}}{missing}{{{{ end }}}}'
+
+
+def _component(incident: str) -> str:
+    """Template text naming the loss component of the last incident of ``incident``, if any."""
+    return tlist("distgrad_incident_component{job=%q,instance=%q,incident=" + f'\\"{incident}\\"' + "}",
+                 " Loss component whose weighted contribution (weight x value) rose the most: "
+                 "{{ $s.Labels.component }}.", "component", "")
+
+
+def _incident_rule(name: str, incident: str, summary: str, what: str) -> dict[str, Any]:
+    """A thin rule on the detection policy's counter ``distgrad_incidents_total{incident}``
+    (:mod:`distgrad.diagnostics.incidents` decides; ``for: 0s``): fires from the scrape that
+    saw the incident open until ``window`` after."""
     w = config.ALERTS[name]["window"]
-    det = config.ALERTS[name]["detectors"]
     return _rule(
         name,
-        f"max without (detector) (increase({counter}{sel(f'detector=~{chr(34)}{det}{chr(34)}')}[{w}])) > 0",
-        f"{what.capitalize()} spike in {{{{ $labels.job }}}}.",
-        f"The {what} spike detector of {WHO} flagged a spike in the last {w}. "
-        f"{what.capitalize()} at the last sampled step {tvalue('distgrad_optimizer_step')}: "
-        f"{tvalue(gauge, '%.4g')}.",
+        f"increase(distgrad_incidents_total{sel(f'incident={chr(34)}{incident}{chr(34)}')}[{w}]) > 0",
+        summary,
+        f"{WHO}: {what}{_component(incident)} Last sampled step: {tvalue('distgrad_optimizer_step')}; "
+        f"{tincident('distgrad_incidents_total', incident)} such incident(s) since the start.",
     )
 
 
@@ -195,8 +210,27 @@ def _groups() -> dict[str, Any]:
             f"{tvalue('distgrad_nonfinite_origin_step', missing='unknown (no non-finite gradient step exported)')}. "
             f"{_where_it_started(*_culprit_texts())}",
         ),
-        _spike_rule("DistgradGradNormSpike", "gradient norm", "distgrad_grad_norm_spikes_total", "distgrad_grad_norm"),
-        _spike_rule("DistgradLossSpike", "loss", "distgrad_loss_spikes_total", "distgrad_loss"),
+        _incident_rule(
+            "DistgradLossDivergence", "divergence", "The training loss of {{ $labels.job }} diverged.",
+            f"the loss rose at step {tincident('distgrad_incident_step', 'divergence')} to "
+            f"{tincident('distgrad_incident_value', 'divergence', '%.4g')} and did not come back (it stayed above "
+            "incidents.divergence_factor times its pre-spike level for incidents.divergence_steps sampled steps, "
+            "or its rolling median drifted up incidents.drift_factor times from its lowest).",
+        ),
+        _incident_rule(
+            "DistgradBadBatch", "bad_batch", "A bad batch on one rank of {{ $labels.job }}.",
+            f"the batch of rank {tincident('distgrad_incident_rank', 'bad_batch')} at step "
+            f"{tincident('distgrad_incident_step', 'bad_batch')} made its loss "
+            f"{tincident('distgrad_incident_value', 'bad_batch', '%.4g')}, a robust outlier against the other "
+            "ranks' losses, and moved the step's gradient norm: inspect that rank's data at that step.",
+        ),
+        _incident_rule(
+            "DistgradRecurringSpikes", "spike_burst", "Loss or gradient-norm spikes keep recurring in {{ $labels.job }}.",
+            f"incidents.burst_spikes robust spikes within incidents.burst_window sampled steps, the last at step "
+            f"{tincident('distgrad_incident_step', 'spike_burst')} (value "
+            f"{tincident('distgrad_incident_value', 'spike_burst', '%.4g')}); each recovered, but the run is "
+            "unstable (learning rate, warm-up, clipping, data).",
+        ),
         _rule(
             "DistgradReplicaMismatch",
             f"increase(distgrad_replica_mismatch_total{sel()}[{a['DistgradReplicaMismatch']['window']}]) > 0",

@@ -33,15 +33,26 @@ ALERTS: dict[str, dict[str, Any]] = {
     # DistgradRepeatedOverflow and DistgradLossScaleCollapsed instead).
     "DistgradNonFiniteGradients": {"severity": "critical", "for": "0s", "window": "5m"},
     "DistgradNaNLoss": {"severity": "critical", "for": "0s"},
-    # detectors that page: the robust jump test (distgrad.diagnostics.robust_spike: from the first tens of
-    # steps, a one-rank garbage batch doubling the loss, an lr blow-up; no alarm on healthy
-    # 300-step runs, tests/test_causes.py) and OLMo's windowed 6-sigma score. ZClip's EMA z-score at its default
-    # z = 2.5 flags ~1-2% of samples of a noisy but healthy series (tests/test_detectors.py),
-    # fine for a dashboard, too often for an alert; use "ema|window" to page on both.
-    "DistgradGradNormSpike": {"severity": "warning", "for": "0s", "window": "10m", "detectors": "robust|window",
-                              "incident": "divergence"},
-    "DistgradLossSpike": {"severity": "warning", "for": "0s", "window": "10m", "detectors": "robust|window",
-                              "incident": "divergence"},
+    # Severity policy (docs/runbook.md, "Detection policy"): critical = a person must act now
+    # (non-finite training, divergence that does not recover, a bad batch on one rank, loss-scale
+    # collapse, a stop requested, a run that died or hung while running); warning = a ticket for
+    # working hours; anything else = a dashboard annotation, no alert.
+    # Spikes and divergence are decided by one state machine in distgrad
+    # (distgrad.diagnostics.incidents, config section `incidents`: every threshold and duration in
+    # sampled steps is a key there) whose state the offline verdict reads too; these rules only
+    # fire on its counters (for: 0s: the policy already waited the steps it needed), and
+    # `window` is how long an alert stays firing after its incident opened.
+    # the loss stayed above incidents.divergence_factor x its pre-spike level for
+    # incidents.divergence_steps sampled steps (or its rolling median drifted up drift_factor x)
+    "DistgradLossDivergence": {"severity": "critical", "for": "0s", "window": "1h", "incident": "divergence"},
+    # one rank's loss a robust outlier against the other ranks while the gradient norm jumped
+    "DistgradBadBatch": {"severity": "critical", "for": "0s", "window": "1h", "incident": "divergence"},
+    # incidents.burst_spikes robust spikes within incidents.burst_window sampled steps
+    "DistgradRecurringSpikes": {"severity": "warning", "for": "0s", "window": "1h", "incident": "divergence"},
+    # A single spike (robust jump test, distgrad.diagnostics.robust_spike, or OLMo's windowed 6-sigma score)
+    # that training recovers from is no alert: the dashboards mark it (annotations from
+    # distgrad_{loss,grad_norm}_spikes_total); a healthy 200-step run of the example has 2-3 of them
+    # (2-2.5x grad-norm jumps at small batch). The consequences alert (above).
     "DistgradLossScaleCollapsed": {"severity": "critical", "for": "2m"},
     "DistgradRepeatedOverflow": {"severity": "warning", "for": "0s", "threshold": 5},
     # seconds since the last sampled step; must exceed sample_every x step time; only while the
