@@ -291,6 +291,9 @@ def test_healthy_300_step_run_pages_nothing(causes):
     for series in ("loss", "grad_norm"):
         assert {d: c["totals"][series][d] for d in PAGING} == {"robust": 0, "window": 0}, series
     assert not any(d in PAGING for r in c["records"] for ds in r["fired"].values() for d in ds)
+    # the detection policy opens no incident: no alert, and the verdict has nothing to say
+    assert all(r["incidents"]["opened"] == [] for r in c["records"])
+    assert c["records"][-1]["incidents"]["total"] == {"divergence": 0, "bad_batch": 0, "spike_burst": 0}
 
 
 @pytest.mark.multirank
@@ -306,6 +309,12 @@ def test_one_rank_garbage_batch_pages_on_its_step_and_names_the_rank(causes):
     assert fired == {150: {"loss": ["robust"]}}
     assert recs[150]["loss_max_rank"] == 1
     assert c["totals"]["loss"]["window"] == 0
+    # it pages (DistgradBadBatch, critical) on its own step: the policy's bad_batch incident names
+    # rank 1 (its own loss vs the median of the others', from the loop's values) and step 150
+    opened = [(r["step"], i) for r in c["records"] for i in r["incidents"]["opened"]]
+    assert [(s, i["kind"], i["step"], i["rank"]) for s, i in opened] == [(150, "bad_batch", 150, 1)]
+    ranks = recs[150]["rank_loss"]
+    assert opened[0][1]["value"] == ranks[1] and opened[0][1]["level"] == (ranks[0] + ranks[2]) / 2
 
 
 @pytest.mark.multirank
@@ -317,6 +326,14 @@ def test_learning_rate_blow_up_pages_within_a_few_steps_early_in_a_run(causes):
     first = min(r["step"] for r in c["records"] if "robust" in r["fired"].get("grad_norm", []))
     assert 20 <= first <= 25
     assert not any(r["fired"] for r in c["records"] if r["step"] < 20)
+    # it opens a ticket (DistgradRecurringSpikes, warning): the policy's spike_burst incident
+    # within 7 sampled steps of the blow-up, on the fourth robust spike (incidents.burst_spikes),
+    # nothing before
+    opened = [i for r in c["records"] for i in r["incidents"]["opened"]]
+    assert opened and {i["kind"] for i in opened} == {"spike_burst"}
+    burst = opened[0]
+    robust = [r["step"] for r in c["records"] if any("robust" in d for d in r["fired"].values())]
+    assert burst["step"] == robust[3] <= 27 and burst["first_step"] == robust[0]
 
 
 # ---------------------------------------------------------------------------- culprit module

@@ -259,3 +259,16 @@ def test_type_check_rejects_broken_dashboard_code(tmp_path, mypy_cache):
     assert '"VizLegendOptions" has no attribute "placment"' in out, out
     assert 'incompatible type "str"; expected "GraphDrawStyle"' in out, out
     assert "grafana/dashboards/overview.py" in out and 'Argument "th" to "stat" has incompatible type' in out, out
+
+
+def test_spikes_and_incidents_are_annotations_on_every_dashboard():
+    """A single spike is no alert (docs/runbook.md, "Detection policy"): every dashboard marks the
+    robust/window detectors' spikes from their counters, and the policy's incidents."""
+    for name, d in _dashboards().items():
+        by_name = {a["name"]: a for a in d["annotations"]["list"]}
+        spikes, incidents = by_name["distgrad spikes"], by_name["distgrad incidents"]
+        for series in ("grad_norm", "loss"):
+            assert f'increase(distgrad_{series}_spikes_total{{job=~"$job"' in spikes["target"]["expr"], name
+        assert 'detector=~"robust|window"' in spikes["target"]["expr"] and spikes["tagKeys"] == "series,detector"
+        assert incidents["target"]["expr"].startswith("increase(distgrad_incidents_total{") and \
+            incidents["tagKeys"] == "incident", name

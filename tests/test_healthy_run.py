@@ -118,7 +118,9 @@ def _run_and_check(tmp_path, capsys) -> None:
         assert not r.nonfinite and r.culprits == [] and r.nonfinite_ranks == []
         assert r.health.n_no_grad == 0 and r.health.n_vanishing == 0 and r.health.n_exploding == 0
         assert r.replica_mismatch_ranks == []
+        assert r.incidents.opened == [] and r.incidents.active == []  # the detection policy: no page
     last = recs[-1]
+    assert last.incidents.total == {"divergence": 0, "bad_batch": 0, "spike_burst": 0}
     assert all(v == 0 for s in last.spikes.total.values() for v in s.values()), last.spikes.total
     assert set(last.spikes.total["loss"]) >= {"robust", "window", "ema"}  # every detector ran
     c = last.counters

@@ -207,11 +207,13 @@ class IncidentsConfig(Section):
     drift_factor: float = Field(2.0, gt=1, description=(
         "Divergence by drift: the rolling median above this many times its lowest value so far (and above "
         "that value plus the run's first rolling median) opens an incident."))
-    burst_spikes: int = Field(3, ge=2, description=(
+    burst_spikes: int = Field(4, ge=2, description=(
         "Spike burst: this many sampled steps with a robust-detector spike (loss or gradient norm; "
         "spikes.robust_*) ..."))
-    burst_window: int = Field(50, ge=2, description=(
-        "... within this many consecutive sampled steps open a spike_burst incident (a warning)."))
+    burst_window: int = Field(25, ge=2, description=(
+        "... within this many consecutive sampled steps open a spike_burst incident (a warning). Healthy "
+        "small-batch runs have isolated spikes (3 within 30 sampled steps at batch 2 per rank); an unstable "
+        "learning rate gives them back to back."))
     rank_ratio: float = Field(2.0, gt=1, description=(
         "Bad batch: the largest rank's loss over the median loss of the other ranks must be at least "
         "this many times what that ratio's recent trend predicts (and rank_k robust deviations above it)."))

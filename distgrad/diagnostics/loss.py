@@ -38,7 +38,8 @@ class LossTrendDiagnostic(Diagnostic):
 @register
 class ComponentSpikeDiagnostic(Diagnostic):
     """The spike detectors of the loss (config section ``spikes``) on each loss component's
-    mean (:class:`~distgrad.record.LossComponents`); writes its ``zscore``, ``spikes_total``
+    weighted contribution, mean weight x mean value (:class:`~distgrad.record.LossComponents`:
+    a weight raised by a schedule bug is seen though the value does not move); writes its ``zscore``, ``spikes_total``
     and ``flagged``. Monitors are created at a component's first record."""
 
     name = "loss_component_spikes"
@@ -62,8 +63,9 @@ class ComponentSpikeDiagnostic(Diagnostic):
         c = rec.loss_components
         if c is None or not c.names:
             return
-        for name, value in zip(c.names, c.mean):
-            res = self._monitor(name).update(None if rec.overflow else value, step=rec.step)
+        for name, value, weight in zip(c.names, c.mean, c.weight):
+            # the weighted contribution: a weight a schedule bug raised 1000x moves it, not the value
+            res = self._monitor(name).update(None if rec.overflow else float(weight) * float(value), step=rec.step)
             c.zscore[name] = {k: r.score for k, r in res.items()}
             c.spikes_total[name] = dict(self.monitors[name].spikes)
             if any(r.is_spike for r in res.values()):

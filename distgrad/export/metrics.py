@@ -245,7 +245,7 @@ CATALOGUE: tuple[Metric, ...] = (
        ("component",), max_series=8),
     _g("distgrad_loss_component_share", "ratio", "sum(weight * component) / sum(loss): the component's share of "
        "the total loss.", "components", ("component",), max_series=8),
-    _c("distgrad_loss_component_spikes_total", "spikes", "Detected spikes of a loss component's mean.", "components",
+    _c("distgrad_loss_component_spikes_total", "spikes", "Detected spikes of a loss component's weighted contribution (weight x mean).", "components",
        ("component", "detector"), max_series=16),
     _g("distgrad_token_loss_mean", "nats", "Token-weighted mean per-token loss of the step over all ranks.", "tokens"),
     _g("distgrad_perplexity", "1", "exp(mean per-token loss) of the step over all ranks.", "tokens"),

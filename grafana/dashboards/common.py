@@ -335,7 +335,30 @@ def alert_annotations() -> list[Any]:
     target = prometheus_b.Dataquery().expr(FIRING_ALERTS).interval("").ref_id("Anno").build()
     alerts = PromAnnotation("distgrad alerts", target, icon_color="red", tag_keys="alertname,severity",
                             title_format="{{alertname}}", text_format="{{instance}}")
-    return [builtin.build(), alerts]
+    return [builtin.build(), alerts, *spike_annotations()]
+
+
+#: A single spike training recovers from is no alert (docs/runbook.md, "Detection policy"): it is
+#: marked here, from the spike counters of the robust and window detectors (each increase in the
+#: scrape interval is a mark, tagged with the series and the detector) ...
+SPIKES = ('max by (job, instance, series, detector) (label_replace(increase(distgrad_grad_norm_spikes_total'
+          '{job=~"$job", run=~"$run", instance=~"$instance", detector=~"robust|window"}[$__interval]), "series", '
+          '"grad_norm", "", "") > 0 or label_replace(increase(distgrad_loss_spikes_total{job=~"$job", '
+          'run=~"$run", instance=~"$instance", detector=~"robust|window"}[$__interval]), "series", "loss", "", "") > 0)')
+#: ... and the detection policy's incidents (which the alerts fire on) as marks of their own
+INCIDENTS = 'increase(distgrad_incidents_total{job=~"$job", run=~"$run", instance=~"$instance"}[$__interval]) > 0'
+
+
+def spike_annotations() -> list[Any]:
+    """Annotations: every robust/window spike (orange, tagged series and detector) and every
+    incident the detection policy opened (purple, tagged with its kind)."""
+    spikes = PromAnnotation("distgrad spikes", prometheus_b.Dataquery().expr(SPIKES).interval("").ref_id("Spikes")
+                            .build(), icon_color="orange", tag_keys="series,detector",
+                            title_format="{{series}} spike", text_format="{{instance}} ({{detector}} detector)")
+    incidents = PromAnnotation("distgrad incidents", prometheus_b.Dataquery().expr(INCIDENTS).interval("")
+                               .ref_id("Incidents").build(), icon_color="purple", tag_keys="incident",
+                               title_format="{{incident}} incident", text_format="{{instance}}")
+    return [spikes, incidents]
 
 
 def dashboard(uid: str, title: str, description: str, panels: Sequence[Any],
