@@ -21,8 +21,8 @@ import distgrad
 from distgrad.config import ConfigError, DistgradConfig
 from distgrad.diagnostics.incidents import IncidentPolicy
 from distgrad.report import analyze
-from distgrad.sinks.jsonl import read_jsonl
-from distgrad.sinks.prometheus import PrometheusSink
+from distgrad.export.jsonl import read_jsonl
+from distgrad.export.prometheus import PrometheusSink
 
 CFG = DistgradConfig().incidents
 
