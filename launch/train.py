@@ -22,8 +22,9 @@ goes through a naive ``log(softmax(y / T))`` with a collapsed temperature, whose
 entries are ``log(0) = -inf`` and turn into NaN in the next GELU, as a real numerical fault in a
 model's forward would. distgrad finds it with its own machinery: that rank's loss and gradients
 are non-finite before the reduction (the culprit rank) and the forward replay of the step names
-the module. ``inf`` sets one gradient element to +Inf during backward, before the reduction (a
-fault of the backward pass: the loss stays finite, the replay comes out finite); ``spike``
+the module. ``inf`` sets one gradient element to +Inf during backward, before the reduction but
+after distgrad's pre-reduction check has seen it (the loss stays finite, the replay comes out
+finite and no culprit rank is seen, as for a corruption in the reduction); ``spike``
 multiplies every gradient by 100 on every rank; ``zero`` zeroes ``--inject-param``'s gradient from
 then on. The same GPU/NCCL run works unchanged: nothing here assumes a CPU beyond the launcher's
 defaults.
