@@ -33,7 +33,7 @@ import distgrad
 
 from tests.dist.cause_cases import CLASSES, CauseModel, batch
 from tests.dist.engines import adamw, build_ddp, build_deepspeed, build_fsdp2, init_distributed
-from tests.dist.common import driver_args, run_gathered_cases
+from tests.dist.common import driver_args, run_cases
 
 BAD_NAN, BAD_SPIKE = 4, 14
 
@@ -186,7 +186,7 @@ def main() -> None:
             ("fsdp2-skip", lambda r, w: torch_case("fsdp2", "skip", r, w)),
             ("ds-spike", ds_case),
             ("ds3-bf16-spike", lambda r, w: ds_case(r, w, stage=3, dtype="bf16"))]
-    run_gathered_cases(jobs, args.cases, args.out, rank, world, "action_cases")
+    run_cases(jobs, args.cases, args.out, rank, world, "action_cases")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distgrad
 
 from tests.dist.engines import adamw, build_ddp, build_deepspeed, build_fsdp1, build_fsdp2, sgd
-from tests.dist.common import driver_args, HostSyncs, run_gathered_cases
+from tests.dist.common import driver_args, HostSyncs, run_cases
 
 D_IN, D, CLASSES, BATCH = 8, 16, 5, 16
 
@@ -667,7 +667,7 @@ def main() -> None:
     jobs += [(f"spike-{m}", functools.partial(spike_case, m)) for m in ("healthy", "garbage", "lr")]
     jobs += [(f"engine-{k}", functools.partial(engine_case, k)) for k in ENGINE_KINDS]
     jobs += [(f"module-{e}", functools.partial(module_case, e)) for e in ("ddp", "fsdp1", "fsdp2", "zero3")]
-    run_gathered_cases(jobs, args.cases, args.out, rank, world, "cause_cases")
+    run_cases(jobs, args.cases, args.out, rank, world, "cause_cases")
     dist.destroy_process_group()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -333,12 +334,14 @@ def driver_args(**options: str) -> argparse.Namespace:
     return ap.parse_args()
 
 
-def run_gathered_cases(jobs: list[tuple[str, Callable[[int, int], Any]]], cases: str, out: str, rank: int,
-                       world: int, tag: str) -> None:
+def run_cases(jobs: list[tuple[str, Callable[[int, int], Any]]], cases: str, out: str, rank: int, world: int,
+              tag: str, gather: bool = True, extra: Callable[[], dict] | None = None) -> None:
     """Run each ``(key, fn)`` of ``jobs`` selected by ``cases`` ("all" or comma-separated keys)
-    on every rank as ``fn(rank, world)``; a case that raises reports its error and traceback
-    instead (per case, to the pytest side). Each case's per-rank results are all-gathered and
-    rank 0 writes ``{"world_size": W, "cases": {key: {"ranks": [...]}}}`` to ``out``."""
+    on every rank as ``fn(rank, world)``, in order; a case that raises reports its error and
+    traceback instead (per case, to the pytest side; each rank also prints it on stderr). With
+    ``gather`` each case's per-rank results are all-gathered (``{key: {"ranks": [...]}}``), else
+    rank 0 keeps its own (``{key: result}``). Rank 0 writes ``{"world_size": W, "cases": ...}``
+    and the keys of ``extra()`` to ``out``; then every rank meets at a barrier."""
     want = None if cases == "all" else set(cases.split(","))
     results, t0 = {}, time.time()
     for key, fn in jobs:
@@ -349,13 +352,17 @@ def run_gathered_cases(jobs: list[tuple[str, Callable[[int, int], Any]]], cases:
             res = fn(rank, world)
         except Exception as e:  # noqa: BLE001 - reported per case by the pytest side
             res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        per_rank = [None] * world
-        dist.all_gather_object(per_rank, res)
-        results[key] = {"ranks": per_rank}
+            print(f"[{tag}] rank {rank} {key}: {res['traceback']}", file=sys.stderr, flush=True)
+        if gather:
+            per_rank = [None] * world
+            dist.all_gather_object(per_rank, res)
+            results[key] = {"ranks": per_rank}
+        else:
+            results[key] = res
         if rank == 0:
-            print(f"[{tag}] {key}: {time.time() - t:.2f}s", flush=True)
+            print(f"[{tag}] {key}: {'error' if 'error' in res else 'ok'} ({time.time() - t:.2f}s)", flush=True)
     if rank == 0:
         print(f"[{tag}] total {time.time() - t0:.1f}s", flush=True)
         with open(out, "w") as f:
-            json.dump({"world_size": world, "cases": results}, f)
+            json.dump({"world_size": world, "cases": results, **(extra() if extra else {})}, f)
     dist.barrier()

@@ -19,10 +19,6 @@ mutation counting both data-parallel replicas of a stage. ``refusals``:
 
 from __future__ import annotations
 
-import json
-import sys
-import time
-import traceback
 
 import torch
 import torch.nn as nn
@@ -38,7 +34,7 @@ import distgrad
 from distgrad import stats
 
 from tests.dist.engines import build_deepspeed, init_distributed
-from tests.dist.common import driver_args, full_stats
+from tests.dist.common import driver_args, run_cases, full_stats
 from tests.dist.layout_cases import _count
 
 
@@ -210,22 +206,15 @@ def main() -> None:
     args = driver_args(group="moe")
     rank, world = init_distributed()
     stats.stats_table([torch.ones(3)], torch.device("cpu"))  # one-time kernel set-up, not counted
-    results, t0 = {}, time.time()
-    for key in ("moe-z2", "moe-z2-nan", "refusals", "pipe-z0", "pipe-z1", "pipe-z0-double"):  # MoE before any PipelineEngine (it sets groups.mpu)
-        t = time.time()
-        try:
-            run = run_pipe if key.startswith("pipe-") else run_moe
-            results[key] = run_refusals(rank) if key == "refusals" else run(key, rank)
-        except Exception as e:  # noqa: BLE001 - reported per case by the pytest side
-            results[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-            print(f"[ds_layout_cases] rank {rank} {key}: {results[key]['traceback']}", file=sys.stderr, flush=True)
-        if rank == 0:
-            print(f"[ds_layout_cases] {key}: {'error' if 'error' in results[key] else 'ok'} "
-                  f"({time.time() - t:.2f}s)", flush=True)
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump({"world_size": world, "cases": results}, f)
-    deepspeed.comm.barrier()
+
+    def job(key: str):
+        if key == "refusals":
+            return lambda r, w: run_refusals(r)
+        run = run_pipe if key.startswith("pipe-") else run_moe
+        return lambda r, w: run(key, r)
+    # MoE before any PipelineEngine (it sets groups.mpu)
+    keys = ("moe-z2", "moe-z2-nan", "refusals", "pipe-z0", "pipe-z1", "pipe-z0-double")
+    run_cases([(k, job(k)) for k in keys], "all", args.out, rank, world, "ds_layout_cases", gather=False)
 
 
 if __name__ == "__main__":

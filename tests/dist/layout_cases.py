@@ -30,11 +30,7 @@ rank's tensor-parallel shard: the provenance must name the parameter and the glo
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import sys
-import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -49,7 +45,7 @@ from distgrad import stats
 from distgrad.engines.base import Ownership
 
 from tests.dist.engines import adamw, blocks_and_frozen, build_ddp, build_fsdp1, build_fsdp2, sgd
-from tests.dist.common import driver_args, HostSyncs, TinyModel, batch_for, full_stats, pieces_match, reference_b
+from tests.dist.common import driver_args, run_cases, HostSyncs, TinyModel, batch_for, full_stats, pieces_match, reference_b
 
 CPU = torch.device("cpu")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast",
@@ -454,24 +450,14 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     stats.stats_table([torch.ones(3)], CPU)  # one-time kernel set-up (native self-check), not counted
-    results, t0 = {}, time.time()
     keys = [k for g in GROUPS.values() for k in g] if args.group == "all" else GROUPS[args.group]
-    for key in keys:
-        t = time.time()
-        try:
-            run = run_refusals if key == "refusals" else run_pp_case if key.startswith("pp-") else run_case
-            results[key] = run(key, rank) if run is not run_refusals else run(rank)
-        except Exception as e:  # noqa: BLE001 - reported per case by the pytest side
-            results[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-            print(f"[layout_cases] rank {rank} {key}: {results[key]['traceback']}", file=sys.stderr, flush=True)
-        if rank == 0:
-            print(f"[layout_cases] {key}: {'error' if 'error' in results[key] else 'ok'} "
-                  f"({time.time() - t:.2f}s)", flush=True)
-    if rank == 0:
-        print(f"[layout_cases] total {time.time() - t0:.1f}s", flush=True)
-        with open(args.out, "w") as f:
-            json.dump({"world_size": world, "cases": results}, f)
-    dist.barrier()
+
+    def job(key: str):
+        if key == "refusals":
+            return lambda r, w: run_refusals(r)
+        run = run_pp_case if key.startswith("pp-") else run_case
+        return lambda r, w: run(key, r)
+    run_cases([(k, job(k)) for k in keys], "all", args.out, rank, world, "layout_cases", gather=False)
     dist.destroy_process_group()
 
 

@@ -32,10 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import json
 import os
-import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -47,7 +44,7 @@ import distgrad
 from distgrad import stats
 
 from tests.dist.engines import adamw, blocks_and_frozen, build_ddp, build_fsdp1, build_fsdp2, sgd
-from tests.dist.common import (driver_args, ATTR_GAS, LA_GAS, LA_SOURCES, TinyLM, TinyModel, batch_for, full_stats, pieces_match,
+from tests.dist.common import (run_cases, driver_args, ATTR_GAS, LA_GAS, LA_SOURCES, TinyLM, TinyModel, batch_for, full_stats, pieces_match,
                     loss_analysis_loop, loss_attribution_loop, reference_b)
 
 ENGINES = ("ddp", "fsdp1-orig-full", "fsdp1-orig-sgo", "fsdp1-flat-full", "fsdp1-flat-sgo", "fsdp2")
@@ -453,37 +450,19 @@ def main() -> None:
     args = driver_args(cases="all")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    want = None if args.cases == "all" else set(args.cases.split(","))
-    jobs = [(key, functools.partial(run_case, engine, dtype, gas, sync, rank, world))
-            for key, engine, dtype, gas, sync in all_cases()]
-    jobs.append(("ddp-fp32-gas1-corrupt", functools.partial(run_case, "ddp", "fp32", 1, False, rank, world,
-                                                             corrupt=True)))
+    jobs = [(key, functools.partial(run_case, engine, dtype, gas, sync)) for key, engine, dtype, gas, sync in all_cases()]
+    jobs.append(("ddp-fp32-gas1-corrupt", functools.partial(run_case, "ddp", "fp32", 1, False, corrupt=True)))
     for mode in ("plain", "unscale", "fused"):
-        jobs.append((f"scaler-{mode}", functools.partial(run_scaler_case, mode, rank, world)))
-    jobs.append(("errors", functools.partial(run_errors, rank)))
-    jobs.append(("unsampled-nonfinite", functools.partial(run_unsampled_nonfinite, rank, world)))
-    jobs.append(("refused", functools.partial(run_refused, rank, world)))
-    jobs.append(("loss-analysis-fsdp2", functools.partial(run_loss_analysis, rank)))
-    jobs.append(("loss-attribution-fsdp2", functools.partial(run_loss_attribution, rank,
-                                                             os.path.join(os.path.dirname(args.out), "flightrec"))))
-    results, t0 = {}, time.time()
-    for key, fn in jobs:
-        if want is not None and key not in want:
-            continue
-        t = time.time()
-        try:
-            results[key] = fn()
-        except Exception as e:  # noqa: BLE001 - reported per case by the pytest side
-            results[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        if rank == 0:
-            print(f"[torch_cases] {key}: {'error' if 'error' in results[key] else 'ok'} "
-                  f"({time.time() - t:.2f}s)", flush=True)
-    if rank == 0:
-        print(f"[torch_cases] total {time.time() - t0:.1f}s", flush=True)
-        with open(args.out, "w") as f:
-            # which statistics kernel computed the pieces (DISTGRAD_STATS_KERNEL forces one)
-            json.dump({"world_size": world, "cases": results, "stats_kernel_use": stats.kernel_use()}, f)
-    dist.barrier()
+        jobs.append((f"scaler-{mode}", functools.partial(run_scaler_case, mode)))
+    tmp = os.path.join(os.path.dirname(args.out), "flightrec")
+    jobs += [("errors", lambda r, w: run_errors(r)),
+             ("unsampled-nonfinite", run_unsampled_nonfinite),
+             ("refused", run_refused),
+             ("loss-analysis-fsdp2", lambda r, w: run_loss_analysis(r)),
+             ("loss-attribution-fsdp2", lambda r, w: run_loss_attribution(r, tmp))]
+    # which statistics kernel computed the pieces (DISTGRAD_STATS_KERNEL forces one)
+    run_cases(jobs, args.cases, args.out, rank, world, "torch_cases", gather=False,
+              extra=lambda: {"stats_kernel_use": stats.kernel_use()})
     dist.destroy_process_group()
 
 
