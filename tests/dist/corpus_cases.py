@@ -33,6 +33,7 @@ rank / module.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -44,6 +45,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tests.dist.engines import build_ddp, build_deepspeed, build_fsdp2
 
 
 @dataclass(frozen=True)
@@ -331,32 +334,22 @@ def run_one(r: Run, rank: int, args: argparse.Namespace) -> dict:
             os.remove(p)
     engine = None
     if r.engine == "zero2":
-        import deepspeed
-
         opt = make_optimizer(r, model.parameters())
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(r, s))
-        cfg = {"train_micro_batch_size_per_gpu": r.batch, "gradient_accumulation_steps": 1,
-               "zero_optimization": {"stage": 2}, "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
-               "wall_clock_breakdown": False}
-        if r.clip:
-            cfg["gradient_clipping"] = r.clip
-        engine, opt, _, sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
+        engine, opt = build_deepspeed(model, 2, micro_batch=r.batch, optimizer=opt, lr_scheduler=sched,
+                                      zero_allow_untested_optimizer=True,
+                                      **({"gradient_clipping": r.clip} if r.clip else {}))
+        sched = engine.lr_scheduler
         inst = distgrad.instrument(engine, **overrides)
         net = engine
     else:
+        optim = functools.partial(make_optimizer, r)
         if r.engine == "ddp":
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            net = DDP(model)
+            net, opt = build_ddp(model, optim=optim)
         elif r.engine == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
-
-            for b in model.blocks:
-                fully_shard(b)
-            net = fully_shard(model)
+            net, opt = build_fsdp2(model, model.blocks, optim=optim)
         else:
-            net = model
-        opt = make_optimizer(r, net.parameters())
+            net, opt = model, optim(list(model.parameters()))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(r, s))
         if r.clip:
             overrides["clip"] = {"max_grad_norm": r.clip}

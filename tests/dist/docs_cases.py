@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 import distgrad
 from tests.docs_blocks import blocks
+from tests.dist.engines import build_deepspeed
 
 _REAL_INSTRUMENT = distgrad.instrument
 MADE: list = []  # instruments made by the current block
@@ -87,10 +88,7 @@ _DS_CONFIG = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps"
 
 
 def _ds_engine(model: nn.Module) -> Any:
-    import deepspeed
-
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=dict(_DS_CONFIG))
-    return engine
+    return build_deepspeed(model, config=dict(_DS_CONFIG))[0]
 
 
 def _close_enough(a: float, b: float, rtol: float = 1e-6) -> bool:

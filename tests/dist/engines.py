@@ -81,19 +81,21 @@ def ds_config(stage: int, dtype: str = "fp32", gas: int = 1, *, micro_batch: int
 
 def build_deepspeed(model: nn.Module, stage: int = 0, dtype: str = "fp32", gas: int = 1, *,
                     config: dict | None = None, optimizer: torch.optim.Optimizer | None = None,
-                    **config_kw: Any):
+                    lr_scheduler: Any = None, **config_kw: Any):
     """``deepspeed.initialize`` of ``model`` over its trainable parameters with ``config`` (else
     :func:`ds_config` of ``stage``, ``dtype``, ``gas`` and ``config_kw``); ``optimizer``: a client
-    optimizer (then the config's own is dropped). Returns ``(engine, engine.optimizer)``: the
-    latter is DeepSpeed's wrapper (ZeRO optimizer, fp16/bf16 optimizer) or the bare optimizer."""
+    optimizer (then the config's own is dropped), ``lr_scheduler``: a client scheduler (the
+    engine steps it: ``engine.lr_scheduler``). Returns ``(engine, engine.optimizer)``: the latter
+    is DeepSpeed's wrapper (ZeRO optimizer, fp16/bf16 optimizer) or the bare optimizer."""
     import deepspeed
 
     cfg = dict(config) if config is not None else ds_config(stage, dtype, gas, **config_kw)
     if optimizer is not None:
         cfg.pop("optimizer", None)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=cfg)
     else:
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable(model), config=cfg)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable(model), lr_scheduler=lr_scheduler,
+                                          config=cfg)
     return engine, engine.optimizer
 
 
