@@ -124,6 +124,17 @@ def _culprit_texts() -> tuple[str, str]:
     return culprits, module
 
 
+def _if_gradients_nonfinite(then: str, finite: str, unknown: str) -> str:
+    """Template text: ``then`` when the grad norm of the alert's target at its last sampled step
+    is NaN/Inf (so the non-finite event views, which describe the *last* event, are about this
+    one), ``finite`` when it is finite, ``unknown`` when no grad norm is served."""
+    nonfinite = ('printf "(distgrad_grad_norm{job=%[1]q,instance=%[2]q} != distgrad_grad_norm{job=%[1]q,instance=%[2]q})'
+                 ' or abs(distgrad_grad_norm{job=%[1]q,instance=%[2]q}) == Inf" $labels.job $labels.instance | query')
+    served = tquery("distgrad_grad_norm{job=%q,instance=%q}")
+    return (f"{{{{ if {nonfinite} }}}}{then}{{{{ else if {served} }}}}{finite}{{{{ else }}}}{unknown}"
+            "{{ end }}")
+
+
 def _where_it_started(culprits: str, module: str) -> str:
     """The page's one answer to "where did the NaN start" (besides the origin step): the culprit
     rank(s) and the forward replay's culprit module; never the parameter last in forward order."""
@@ -198,6 +209,14 @@ def _groups() -> dict[str, Any]:
     refused_n = ('{{ with printf "distgrad_refused_steps_total{job=%q,instance=%q,reason=%q}" $labels.job '
                  '$labels.instance $labels.reason | query }}{{ . | first | value | printf "%.0f" }}'
                  "{{ else }}unknown{{ end }}")
+    # the NaN loss's event (origin step, culprit rank and module) when that step's gradients are
+    # non-finite too; the event views describe the last event, which may be an older one otherwise
+    nan_loss_event = _if_gradients_nonfinite(
+        f"Its non-finite gradients started at step {tvalue('distgrad_nonfinite_origin_step')}. "
+        + _where_it_started(*_culprit_texts()),
+        "The gradients of that step are finite: no non-finite gradient event to name (a loss observed but "
+        "not backpropagated, or a NaN in the loss value only).",
+        "Whether its gradients are non-finite is unknown (no grad norm served).")
     gradients = [
         _nonfinite_rule(),
         _rule(
@@ -206,9 +225,7 @@ def _groups() -> dict[str, Any]:
             f"or distgrad_loss{sel()} == Inf\nor distgrad_loss{sel()} == -Inf\n",
             "Non-finite training loss in {{ $labels.job }}.",
             f"{WHO} reports a training loss of {{{{ $value }}}} at sampled step "
-            f"{tvalue('distgrad_optimizer_step')}; its non-finite gradients started at step "
-            f"{tvalue('distgrad_nonfinite_origin_step', missing='unknown (no non-finite gradient step exported)')}. "
-            f"{_where_it_started(*_culprit_texts())}",
+            f"{tvalue('distgrad_optimizer_step')}. {nan_loss_event}",
         ),
         _incident_rule(
             "DistgradLossDivergence", "divergence", "The training loss of {{ $labels.job }} diverged.",
