@@ -473,6 +473,7 @@ class StepRecord:
     culprit_module: "CulpritModule | None" = None
     optimizer_signals: OptimizerSignals | None = None
     incidents: "Incidents | None" = None
+    logits: LogitStats | None = None
 
     @property
     def nonfinite(self) -> bool:
@@ -518,3 +519,4 @@ from distgrad.record.action import ActionPart  # noqa: E402,F401
 from distgrad.record.culprit import CulpritModule  # noqa: E402,F401
 from distgrad.record.optimizer import OptimizerSignals  # noqa: E402,F401
 from distgrad.record.incidents import Incidents  # noqa: E402,F401
+from distgrad.record.logits import LogitStats  # noqa: E402,F401

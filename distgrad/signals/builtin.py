@@ -11,6 +11,7 @@ from distgrad.signals import histogram  # noqa: F401,E402
 from distgrad.signals import adam  # noqa: F401,E402 - optimizer-aware signals (Adam family)
 from distgrad.signals import noise_scale  # noqa: F401,E402 - gradient noise scale
 from distgrad.signals import curvature  # noqa: F401,E402 - curvature along the last update
+from distgrad.signals import logits  # noqa: F401,E402 - attention and output logit precursors
 
 
 def build(inst: Any) -> SignalPack:

@@ -1,0 +1,205 @@
+"""Logit precursors (distgrad/signals/logits.py) on one process, against float64 recomputations
+made another way: for a tiny Hugging Face Llama (grouped keys, rotary, a padding mask; eager
+and sdpa kernels) the queries and keys are rebuilt from the q_proj / k_proj outputs and the
+layer's rotary cos/sin in float64, masked causally and by the padding mask, and maxed; the z
+statistics from the model's returned logits in float64; for a plain SDPA model through
+observe_attention, the scores from the projections in float64. Also: only sampled steps are
+computed (interval 2), and the logit-growth case (a high learning rate on q/k makes the maximum
+attention logit grow until the loss spikes): the precursor crosses its threshold before the loss
+spike detector fires."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import distgrad
+from distgrad.config import ConfigError
+from distgrad.record import StepRecord
+from distgrad.signals import logits as L
+
+
+def _llama(impl: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      attn_implementation=impl)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def _reference_llama(model, ids, mask):
+    """Per layer per head max of q.k/sqrt(d) (float64, from the projections and the rotary
+    cos/sin, causal + padding mask), and the float64 z statistics of the returned logits."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    cap, handles = {}, []
+    for i, layer in enumerate(model.model.layers):
+        a = layer.self_attn
+        handles.append(a.q_proj.register_forward_hook(lambda m, x, y, i=i: cap.__setitem__(("q", i), y.double())))
+        handles.append(a.k_proj.register_forward_hook(lambda m, x, y, i=i: cap.__setitem__(("k", i), y.double())))
+        handles.append(a.register_forward_pre_hook(
+            lambda m, args, kw, i=i: cap.__setitem__(("pe", i), kw["position_embeddings"]), with_kwargs=True))
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask)
+    for h in handles:
+        h.remove()
+    c = model.config
+    d = c.hidden_size // c.num_attention_heads
+    b, t = ids.shape
+    allowed = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None, :]
+    heads = {}
+    for i in range(c.num_hidden_layers):
+        q = cap[("q", i)].view(b, t, -1, d).transpose(1, 2)
+        k = cap[("k", i)].view(b, t, -1, d).transpose(1, 2)
+        cos, sin = (x.double()[:, None] for x in cap[("pe", i)])
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k = k.repeat_interleave(c.num_attention_heads // c.num_key_value_heads, dim=1)
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(d)
+        s = s.masked_fill(~allowed, -math.inf)
+        heads[str(i)] = s.transpose(0, 1).reshape(c.num_attention_heads, -1).amax(1)
+    lg = out.logits.double()
+    z = torch.logsumexp(lg, -1).reshape(-1)
+    return heads, dict(abs_max=lg.abs().max().item(), z_mean=z.mean().item(), z_sq_mean=(z * z).mean().item(),
+                       z_max=z.max().item(), n=z.numel())
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_llama_attention_and_output_logits_equal_float64_recomputation(impl):
+    model = _llama(impl)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"},
+                             logits={"attention": True, "output": True})
+    recs = []
+    dg.add_hook(recs.append)
+    g = torch.Generator().manual_seed(1)
+    refs = []
+    for step in range(2):
+        ids = torch.randint(0, 61, (2, 2, 9), generator=g)  # 2 micro-batches of 2 sequences
+        mask = torch.ones(2, 2, 9, dtype=torch.long)
+        mask[step, 1, :3] = 0  # left padding in one sequence of one micro-batch
+        mb = [_reference_llama(model, ids[j], mask[j]) for j in range(2)]
+        refs.append(mb)
+        for j in range(2):
+            model(input_ids=ids[j], attention_mask=mask[j], labels=ids[j]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    dg.close()
+    assert [r.step for r in recs] == [0, 1]
+    for rec, mb in zip(recs, refs):
+        lg = rec.logits
+        assert sorted(lg.attention_max) == ["0", "1"]
+        for layer in ("0", "1"):
+            ref = torch.stack([m[0][layer] for m in mb]).amax(0)
+            assert lg.attention_head_max[layer] == pytest.approx(ref.tolist(), rel=1e-5, abs=1e-6)
+            assert lg.attention_max[layer] == pytest.approx(ref.max().item(), rel=1e-5)
+        outs = [m[1] for m in mb]
+        n = sum(o["n"] for o in outs)
+        assert lg.positions == n == 2 * 2 * 9  # padding positions included (documented)
+        assert lg.output_abs_max == pytest.approx(max(o["abs_max"] for o in outs), rel=1e-6)
+        assert lg.z_max == pytest.approx(max(o["z_max"] for o in outs), rel=1e-6)
+        assert lg.z_mean == pytest.approx(sum(o["z_mean"] * o["n"] for o in outs) / n, rel=1e-6)
+        assert lg.z_sq_mean == pytest.approx(sum(o["z_sq_mean"] * o["n"] for o in outs) / n, rel=1e-6)
+        assert StepRecord.from_dict(rec.to_dict()).logits == lg
+    assert dg.counters["internal_errors"] == 0
+    # undone at close(): the attention interface is transformers' own again
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    assert "get_interface" not in vars(ALL_ATTENTION_FUNCTIONS) and not L._MODULES
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d=16, h=2):
+        super().__init__()
+        self.num_heads, self.qk, self.v, self.o = h, torch.nn.Linear(d, 2 * d), torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k = self.qk(x).view(b, t, 2, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        v = self.v(x).view(b, t, self.num_heads, -1).transpose(1, 2)
+        L.observe_attention(self, q, k, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, d))
+
+
+class _SDPAModel(torch.nn.Module):
+    def __init__(self, vocab=23, d=16, layers=2):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList(_Block(d) for _ in range(layers))
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(x)
+
+
+def _sdpa_reference(model, ids):
+    cap, hs = {}, []
+    for i, blk in enumerate(model.blocks):
+        hs.append(blk.qk.register_forward_hook(lambda m, x, y, i=i: cap.__setitem__(i, y.double())))
+    with torch.no_grad():
+        model(ids)
+    for h in hs:
+        h.remove()
+    b, t = ids.shape
+    out = {}
+    for i, blk in enumerate(model.blocks):
+        q, k = cap[i].view(b, t, 2, blk.num_heads, -1).permute(2, 0, 3, 1, 4)
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        s = s.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), -math.inf)
+        out[f"blocks.{i}"] = s.transpose(0, 1).reshape(blk.num_heads, -1).amax(1)
+    return out
+
+
+def test_plain_sdpa_model_through_observe_attention_and_only_sampled_steps():
+    torch.manual_seed(0)
+    model = _SDPAModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"},
+                             sampling={"interval": 2}, logits={"attention": True, "attention_modules": r"^blocks\.\d+$",
+                                                               "output": True, "output_module": "head"})
+    sig = next(s for s in dg.signals.signals if s.name == "logits")
+    calls = []
+    orig = L.attention_head_max
+    L.attention_head_max = lambda *a, **k: (calls.append(1), orig(*a, **k))[1]
+    recs, refs = [], {}
+    dg.add_hook(recs.append)
+    try:
+        for step in range(4):
+            ids = torch.randint(0, 23, (3, 7))
+            refs[step] = _sdpa_reference(model, ids)
+            n0 = len(calls)
+            F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+            assert len(calls) - n0 == (2 if step % 2 == 0 else 0)  # computed on sampled steps only
+            opt.step()
+            opt.zero_grad()
+    finally:
+        L.attention_head_max = orig
+    dg.close()
+    assert [r.step for r in recs] == [0, 2]
+    assert sig.layers == ["0", "1"]
+    for rec in recs:
+        for i in range(2):
+            ref = refs[rec.step][f"blocks.{i}"]
+            assert rec.logits.attention_head_max[str(i)] == pytest.approx(ref.tolist(), rel=1e-5, abs=1e-6)
+    assert dg.counters["internal_errors"] == 0
+
+
+def test_logits_off_by_default_and_clear_errors():
+    model = _SDPAModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False})
+    assert "logits" not in {s.name for s in dg.signals.signals}
+    dg.close()
+    with pytest.raises(ConfigError, match="logits.attention"):
+        distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, logits={"attention": True})
+    with pytest.raises(ConfigError, match="logits.output"):
+        distgrad.instrument(model, optimizer=opt, exporter={"enabled": False},
+                            logits={"output": True, "output_module": "nope"})
+    assert not L._MODULES
