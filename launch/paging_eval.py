@@ -70,7 +70,9 @@ def table(evals: dict, label: str) -> list[str]:
             crit = ev.pages("critical")
             first = crit[0] if crit else None
             fired = ", ".join(f"{a} ({ev.alerts[a].severity}, {st})" for a, st in ev.pages()) or "none"
-            lines.append(f"| {r.fault} (`{r.name}`) | {r.fault_step} | {first[0] + ' at ' + str(first[1]) if first else 'NONE'} "
+            what = f"{r.fault} x{r.lr_mult:g}" if r.fault == "lr" else r.fault
+            what += "" if r.pages else " (recovers: must not page)"
+            lines.append(f"| {what} (`{r.name}`) | {r.fault_step} | {first[0] + ' at ' + str(first[1]) if first else 'NONE'} "
                          f"| {first[1] - r.fault_step if first else '-'} | {fired} |")
     return lines
 
@@ -125,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                 sent = sum(1 for _, p, n in live["notifications"] if p == "/pager" and alerts_of(n, r.name))
                 first = min(seen["first_firing"].items(), key=lambda kv: kv[1], default=None)
                 t_page = pages[0][0] - res["t_fault"] if pages else None
-                print(f"| {r.fault} | {first[0] if first else 'none'} | "
-                      f"{first[1] - res['t_fault']:.1f} | " if first else f"| {r.fault} | none | - | ", end="")
+                what = f"{r.fault} x{r.lr_mult:g}" if r.fault == "lr" else r.fault
+                print(f"| {what} | {first[0] if first else 'none'} | "
+                      f"{first[1] - res['t_fault']:.1f} | " if first else f"| {what} | none | - | ", end="")
                 print(f"{t_page:.1f} | {len(pages)} | {sent} |" if t_page is not None else f"- | 0 | {sent} |")
             healthy = [r.name for r in RUNS if r.set != "faults"]
             for path in ("/pager", "/ticket"):

@@ -35,7 +35,8 @@ from .stack import MissingBinary
 pytestmark = [pytest.mark.monitoring, pytest.mark.multirank]
 
 HEALTHY = [r for r in RUNS if r.set in ("tune", "heldout")]
-FAULTS = [r for r in RUNS if r.set == "faults"]
+FAULTS = [r for r in RUNS if r.set == "faults" and r.pages]
+RECOVERED = [r for r in RUNS if r.set == "faults" and not r.pages]
 #: the stated detection delay: a page within this many sampled steps of the fault (offline
 #: replay, one step per evaluation) and this many seconds from the fault's step to the
 #: notification in the live stack (1 s scrape + 1 s evaluation + 1 s group_wait here; the
@@ -147,7 +148,7 @@ def test_each_failure_pages_once_naming_step_rank_module(corpus, fault):
     if r.fault == "garbage":
         assert 1.5 < recs[r.fault_step].loss / recs[r.fault_step - 1].loss < 4.0
     elif r.fault == "lr":
-        assert res["lrs"][r.fault_step] / res["lrs"][r.fault_step - 1] > 25
+        assert res["lrs"][r.fault_step] / res["lrs"][r.fault_step - 1] > 0.8 * r.lr_mult
     else:
         assert math.isfinite(recs[r.fault_step - 1].loss) and math.isnan(recs[r.fault_step].loss)
         assert recs[r.fault_step].nonfinite and not recs[r.fault_step - 1].nonfinite
@@ -166,3 +167,17 @@ def test_each_failure_pages_once_naming_step_rank_module(corpus, fault):
         assert _names_rank(text, FAULT_RANK), text
     if r.fault == "nan":
         assert NAN_MODULE in text, text
+
+
+@pytest.mark.parametrize("run", [r.name for r in RECOVERED])
+def test_recovered_instability_does_not_page(corpus, run):
+    """The 30x learning-rate jump the loss recovers from (it rises and is back below its level
+    before the jump within 15 steps: checked on the records) is an instability, not a failure
+    a person must act on now: no page, live or offline (a ticket is allowed)."""
+    r = next(x for x in RECOVERED if x.name == run)
+    recs = rule_replay.read_records(corpus["tmp"] / "jsonl" / f"{run}.jsonl")
+    before = recs[r.fault_step - 1].loss
+    assert max(x.loss for x in recs[r.fault_step:r.fault_step + 5]) > 1.2 * before
+    assert min(x.loss for x in recs[r.fault_step + 5:r.fault_step + 15]) < before
+    assert pages_of(corpus["notifications"], run) == [], "\n" + _describe(corpus, [run])
+    assert corpus["offline"][run].pages("critical") == [], "\n" + _describe(corpus, [run])
