@@ -86,6 +86,13 @@ class Run:
     pages: bool = True
 
     @property
+    def event_step(self) -> int:
+        """The first step whose record can show the fault: the garbage batch's and the NaN's own
+        step; for ``lr`` the step after the jump (the step where the learning rate is raised is
+        still computed on the weights before its update)."""
+        return self.fault_step + 1 if self.fault == "lr" else self.fault_step
+
+    @property
     def world(self) -> int:
         return 1 if self.engine == "plain" else 2
 

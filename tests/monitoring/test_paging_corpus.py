@@ -135,11 +135,11 @@ def _names_rank(text: str, rank: int) -> bool:
 @pytest.mark.parametrize("fault", [r.name for r in FAULTS])
 def test_each_failure_pages_once_naming_step_rank_module(corpus, fault):
     """(b) Each realistic failure gives exactly one page (a critical notification to the pager
-    bringing a firing alert about that run: :func:`corpus_live.pages_of`), within DELAY_S
-    seconds of the fault's step, whose text names the fault's
-    step, the culprit rank (per-rank faults) and the culprit module (the NaN made in
-    ``blocks.1.mlp``'s forward); no ticket before it; offline, a critical rule fires within
-    DELAY_STEPS sampled steps of the fault and not before it."""
+    bringing a firing alert about that run: :func:`corpus_live.pages_of`) within DELAY_S seconds
+    of the fault's step, whose text names the step where the fault shows (``Run.event_step``:
+    for the learning-rate jump the step after it, the first whose loss shows it), the culprit
+    rank (per-rank faults) and the culprit module (the NaN made in ``blocks.1.mlp``'s forward);
+    offline, a critical rule fires within DELAY_STEPS sampled steps of the fault, none before."""
     r = next(x for x in FAULTS if x.name == fault)
     res = corpus["runs"][fault]
     # the fault is what it says (the loop's own values): the loss about doubles on the garbage
@@ -162,7 +162,7 @@ def test_each_failure_pages_once_naming_step_rank_module(corpus, fault):
     assert t - res["t_fault"] <= DELAY_S
     text = " ".join(f"{a['annotations'].get('summary', '')} {a['annotations'].get('description', '')}"
                     for a in _of(n, fault) if a["status"] == "firing")
-    assert _names_step(text, r.fault_step), text
+    assert _names_step(text, r.event_step), text
     if r.fault in ("garbage", "nan"):
         assert _names_rank(text, FAULT_RANK), text
     if r.fault == "nan":
