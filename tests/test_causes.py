@@ -294,6 +294,7 @@ def test_healthy_300_step_run_pages_nothing(causes):
     # the detection policy opens no incident: no alert, and the verdict has nothing to say
     assert all(r["incidents"]["opened"] == [] for r in c["records"])
     assert c["records"][-1]["incidents"]["total"] == {"divergence": 0, "bad_batch": 0, "spike_burst": 0}
+    assert c["verdict"] == {"healthy": True, "problems": []}  # distgrad summary agrees
 
 
 @pytest.mark.multirank
@@ -315,6 +316,9 @@ def test_one_rank_garbage_batch_pages_on_its_step_and_names_the_rank(causes):
     assert [(s, i["kind"], i["step"], i["rank"]) for s, i in opened] == [(150, "bad_batch", 150, 1)]
     ranks = recs[150]["rank_loss"]
     assert opened[0][1]["value"] == ranks[1] and opened[0][1]["level"] == (ranks[0] + ranks[2]) / 2
+    # distgrad summary reads the same incident from the JSONL records: one decision
+    assert [p[:3] for p in c["verdict"]["problems"]] == [["bad_batch", 150, [1]]]
+    assert c["verdict"]["problems"][0][3].startswith(opened[0][1]["detail"])
 
 
 @pytest.mark.multirank
@@ -334,6 +338,7 @@ def test_learning_rate_blow_up_pages_within_a_few_steps_early_in_a_run(causes):
     burst = opened[0]
     robust = [r["step"] for r in c["records"] if any("robust" in d for d in r["fired"].values())]
     assert burst["step"] == robust[3] <= 27 and burst["first_step"] == robust[0]
+    assert [p[:2] for p in c["verdict"]["problems"]] == [["spike_burst", burst["step"]]]  # the same in the verdict
 
 
 # ---------------------------------------------------------------------------- culprit module

@@ -357,7 +357,7 @@ class RunAnalyzer:
             if s is not None:
                 first_of[f"{m}_spikes"] = s
         for kind, st, detail in self._checks.findings(self._first_step or 0):
-            self._problem(Problem(kind, st, detail=detail))
+            self._problem(Problem(kind, st, detail=detail, ranks=list(self._checks.ranks.get(kind, []))))
         r = self._last
         problems = sorted(self._problems.values(), key=lambda q: (q.step, list(self._problems).index(q.kind)))
         return RunAnalysis(

@@ -132,6 +132,8 @@ class VerdictChecks:
         self._losses_tail: deque[float] = deque()
         self._n_loss = 0
         self._out: dict[str, tuple[str, int, str]] = {}
+        #: kind -> the ranks its finding names (an incident's culprit rank)
+        self.ranks: dict[str, list[int]] = {}
         self._names: list[str] = []
         self._index: dict[str, int] = {}
         self._last_names: list[str] | None = None
@@ -151,6 +153,8 @@ class VerdictChecks:
     def _put(self, kind: str, step: int, what: str, _inc=None, **fmt) -> None:
         if kind not in self._out:
             self._out[kind] = incident_finding(_inc) if _inc is not None else _finding(kind, step, what, **fmt)
+            if _inc is not None and _inc.rank is not None:
+                self.ranks[kind] = [int(_inc.rank)]
 
     def _idx(self, names: list[str]) -> np.ndarray:
         if names is not self._last_names and names != self._last_names:

@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import shutil
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distgrad
+from distgrad.report import analyze
 
 from tests.dist.engines import adamw, build_ddp, build_deepspeed, build_fsdp1, build_fsdp2, sgd
 from tests.dist.common import driver_args, HostSyncs, run_cases
@@ -419,7 +423,8 @@ def spike_case(mode: str, rank: int, world: int) -> dict:
     model, opt = _ddp()
     for g in opt.param_groups:
         g["lr"] = 0.05
-    inst = distgrad.instrument(model, optimizer=opt, prometheus=False)
+    log = Path(tempfile.mkdtemp(prefix=f"spike-{mode}-")) / "run.jsonl"
+    inst = distgrad.instrument(model, optimizer=opt, prometheus=False, sinks={"jsonl": {"path": str(log)}})
     steps = {"healthy": 300, "garbage": 156, "lr": 30}[mode]
     out = []
     for step in range(steps):
@@ -441,7 +446,12 @@ def spike_case(mode: str, rank: int, world: int) -> dict:
     totals = {s: dict(m.spikes) for s, m in inst.diagnostics.monitors.items()}
     replays = inst.replay.replays
     inst.close()
-    return {"records": out, "totals": totals, "replays": replays}
+    verdict = None
+    if rank == 0:  # the offline verdict (distgrad summary) of the run's JSONL log
+        a = analyze(log)
+        verdict = {"healthy": a.healthy, "problems": [[p.kind, p.step, p.ranks, p.detail] for p in a.problems]}
+    shutil.rmtree(log.parent, ignore_errors=True)
+    return {"records": out, "totals": totals, "replays": replays, "verdict": verdict}
 
 
 class Router(nn.Module):
