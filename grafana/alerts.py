@@ -364,6 +364,21 @@ def _groups() -> dict[str, Any]:
             f"at sampled step {tvalue('distgrad_optimizer_step')}. Loss spikes tend to follow within a few steps.",
         ),
     ]
+    att = a["DistgradAttentionLogitHigh"]
+    training += [
+        _rule(
+            "DistgradAttentionLogitHigh",
+            f"max by (job, instance, run) (distgrad_layer_attention_logit_max{sel()}) > {att['threshold']}\n",
+            "Attention logits of {{ $labels.job }} grow past " + f"{att['threshold']}.",
+            f"For {att['for']}, the maximum pre-softmax attention logit q.k/sqrt(d) of {WHO} has been above "
+            f"{att['threshold']} (Kimi K2's QK-Clip bound): now {{{{ $value | printf \"%.1f\" }}}} at sampled step "
+            f"{tvalue('distgrad_optimizer_step')}, in layer(s) "
+            + tlist(f"topk(3, distgrad_layer_attention_logit_max{{job=%q,instance=%q}} > {att['threshold']})",
+                    '{{ $s.Labels.layer }} ({{ $s.Value | printf "%.1f" }})', "layer", "unknown")
+            + ". Growing attention logits precede attention-entropy collapse and loss spikes: lower the "
+            "learning rate of the attention projections, add QK-norm or QK-clip (docs/runbook.md).",
+        ),
+    ]
     down, gone = a["DistgradExporterDown"], a["DistgradExporterAbsent"]
     # the last state the target served within the window (stale markers are not samples)
     last_state = f"last_over_time(distgrad_run_state{sel()}[" + "{w}])"

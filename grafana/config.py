@@ -90,6 +90,12 @@ ALERTS: dict[str, dict[str, Any]] = {
     # healthy runs sit at a median of ~1 and ~1e-4 (docs/signals.md, "Alert").
     "DistgradAdamUpdateExcursion": {"severity": "warning", "for": "5m", "window": "10m", "rms": 2.0,
                                     "fraction": 0.01, "min_step": 100, "incident": "divergence"},
+    # the maximum pre-softmax attention logit of some layer (logits.attention: true, opt-in;
+    # distgrad.signals.logits) above `threshold` on `for` of sampled steps: the logit growth that
+    # precedes attention-entropy collapse and loss spikes. 100 is Kimi K2's QK-Clip bound
+    # (arXiv 2507.20534); healthy small models stay near 10 (docs/signals.md, "Logit precursors").
+    # A ticket: a precursor, seen before the loss moves (the loss alerts page if it diverges).
+    "DistgradAttentionLogitHigh": {"severity": "warning", "for": "1m", "threshold": 100},
 }
 
 #: Alertmanager routing and inhibition; ``python grafana/build.py`` renders configs/alertmanager.yml

@@ -24,6 +24,7 @@ from distgrad.record import Culprit, LossComponents, ParamStats, RankCount, Scal
 from distgrad.record.histogram import GradHistogram
 from distgrad.record.culprit import CulpritModule
 from distgrad.record.optimizer import OptimizerSignals
+from distgrad.record.logits import LogitStats
 from distgrad.loss.token import EDGES
 from distgrad.export.prometheus import PrometheusSink
 from distgrad.record.incidents import KINDS, Incident
@@ -101,6 +102,9 @@ def _sink(features: set[str]) -> PrometheusSink:
             grad_momentum_cosine=0.5, exp_avg_norm=0.1, exp_avg_sq_norm=0.01, fisher_trace=0.02,
             layer_update_rms={"0": 0.8, "1": 1.0}, layer_spike_fraction={"0": 0.0, "1": 0.0},
             layer_grad_momentum_cosine={"0": 0.4, "1": 0.6}, fisher_top_layers=["1", "0"])  # cosine: JSONL only
+    if "logits" in f:
+        rec.logits = LogitStats(attention_max={"0": 12.0, "1": 30.0}, attention_head_max={"0": [12.0, 3.0]},
+                                output_abs_max=9.0, z_mean=4.5, z_sq_mean=20.5, z_max=6.0, positions=16)
     diag.on_record(rec)
     if "incident" in f:  # the policy opened one (a bad batch naming its rank and a component)
         rec.incidents.total["bad_batch"] = 1
