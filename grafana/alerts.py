@@ -256,6 +256,25 @@ def _groups() -> dict[str, Any]:
             f"{a['DistgradReplicaMismatch']['window']}; the last disagreeing rank was "
             f"{tvalue('distgrad_replica_mismatch_rank')}.",
         ),
+        _rule(
+            "DistgradReplicaWeightsDiverged",
+            f"distgrad_replica_weights_mismatch_params{sel()} > 0",
+            "Weights differ across data-parallel replicas in {{ $labels.job }}.",
+            f"{WHO}: the replica weight hash at optimizer step {tvalue('distgrad_replica_weights_hash_step')} "
+            "found {{ $value }} parameter(s) whose weights differ across data-parallel replicas (a silent data "
+            "corruption: the replicas now train different models); the rank outside its replica group's "
+            f"majority: {tvalue('distgrad_replica_weights_mismatch_rank')} (with two replicas there is no majority: "
+            "the higher rank is named). The "
+            "parameters are named in the JSONL record's replica_weights and the flight-recorder report.",
+        ),
+        _rule(
+            "DistgradDuplicateData",
+            f"distgrad_duplicate_data_ranks{sel()} > 0",
+            "Data-parallel ranks train on the same data in {{ $labels.job }}.",
+            f"{WHO}: {{{{ $value }}}} data-parallel ranks had bit-identical losses on consecutive sampled steps "
+            f"(last sampled step {tvalue('distgrad_optimizer_step')}): their data loader does not shard by rank "
+            "(or a sampler misses set_epoch). The ranks are named in the log and the JSONL record's duplicate_data.",
+        ),
     ]
     fp16 = [
         _rule(

@@ -68,6 +68,14 @@ ALERTS: dict[str, dict[str, Any]] = {
     # it) without a clean end: its last state within `window` is "running" and it has no `up`
     "DistgradExporterAbsent": {"severity": "warning", "for": "2m", "window": "1h"},
     "DistgradReplicaMismatch": {"severity": "critical", "for": "0s", "window": "10m"},
+    # weights differ across data-parallel replicas at a replica weight-hash step
+    # (replica_weights.hash_interval, distgrad.signals.weight_hash): a silent data corruption the
+    # replicas will train on for the rest of the run; pages at once
+    "DistgradReplicaWeightsDiverged": {"severity": "critical", "for": "0s"},
+    # data-parallel ranks whose losses were bit-identical on duplicate_data.steps sampled steps
+    # (distgrad.signals.duplicate_data): a loader that does not shard by rank; the run wastes its
+    # compute but is not broken: a ticket
+    "DistgradDuplicateData": {"severity": "warning", "for": "0s"},
     "DistgradInternalErrors": {"severity": "warning", "for": "0s", "window": "10m"},
     # sampled steps distgrad refused to export (gradients read in the wrong order, clipped
     # before distgrad read them, or no backward since the last step): the loop needs a fix

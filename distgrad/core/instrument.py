@@ -151,6 +151,7 @@ class Instrument:
         #: the packed signals (distgrad.signals) riding in the step's two collectives; decided
         #: here from the configuration (same on every rank); raises a configuration error
         self.signals = build_signals(self)
+        self.sampled_step: int | None = None  # the optimizer step of the last collect()
         self.replay: Any = None  # culprit module: distgrad.diagnostics.replay.ForwardReplay, set by attach_replay
 
     def _device_type(self) -> str:
@@ -236,6 +237,7 @@ class Instrument:
         flag, so every rank drops the step: nothing is exported for it. The caller warns once.
         """
         self._drain(collectives=True)
+        self.sampled_step = step  # the packed signals' view of the step (distgrad.signals.weight_hash)
         device = self.source.device()
         self._loss_step = step_loss = self.loss.arrive()
         grad_flag = None
