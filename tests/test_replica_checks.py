@@ -33,7 +33,7 @@ def _brute(losses: np.ndarray, groups, k: int) -> list[list[list[int]]]:
     (mean, max) losses were equal to each other on each of their last k informative steps (a
     step on which the pair of a rank differs from its previous step's), recomputed per step
     from the whole history by brute force over subsets."""
-    T, W, _ = losses.shape
+    T = losses.shape[0]
     out = []
     for t in range(T):
         found = set()
@@ -114,7 +114,7 @@ def test_unsharded_loader_is_flagged_with_both_ranks_and_sharded_never(dup):
         assert all(same) if key == "dup-unsharded" else not any(same)
         want = [[[0, 1]] if key == "dup-unsharded" and s >= DUP_K - 1 else [] for s in range(DUP_STEPS)]
         assert [p["groups"] for p in r0["parts"]] == want
-        assert [p["ranks"] for p in r0["parts"]] == [sum(w, []) for w in want]
+        assert [p["ranks"] for p in r0["parts"]] == [[r for g in w for r in g] for w in want]
         if key == "dup-unsharded":
             assert {p["first_step"] for p in r0["parts"][DUP_K - 1:]} == {DUP_K - 1}
         # no collective or host copy of its own
@@ -128,7 +128,13 @@ def flip(tmp_path_factory):
 
 
 def test_weight_bit_flip_is_caught_at_the_next_hash_step_with_rank_and_parameter(flip):
-    from tests.dist.replica_cases import FLIP_AFTER, FLIP_PARAM, FLIP_RANK, FLIP_STEPS, HASH_EVERY
+    from tests.dist.replica_cases import (
+        FLIP_AFTER,
+        FLIP_PARAM,
+        FLIP_RANK,
+        FLIP_STEPS,
+        HASH_EVERY,
+    )
 
     ranks = flip["cases"]["flip"]["ranks"]
     assert all("error" not in r for r in ranks), ranks[0].get("traceback")

@@ -51,7 +51,8 @@ step W + 2 G P float64 more in the collectives.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch

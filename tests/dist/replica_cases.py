@@ -20,7 +20,13 @@ import torch
 import torch.distributed as dist
 
 import distgrad
-from tests.dist.common import BoundaryCounter, TinyModel, batch_for, driver_args, run_gathered_cases
+from tests.dist.common import (
+    BoundaryCounter,
+    TinyModel,
+    batch_for,
+    driver_args,
+    run_gathered_cases,
+)
 from tests.dist.engines import adamw, build_ddp
 
 DUP_STEPS, DUP_K, GAS = 6, 3, 2
