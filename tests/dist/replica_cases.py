@@ -25,7 +25,7 @@ from tests.dist.common import (
     TinyModel,
     batch_for,
     driver_args,
-    run_gathered_cases,
+    run_cases,
 )
 from tests.dist.engines import adamw, build_ddp
 
@@ -116,7 +116,7 @@ def main() -> None:
     stats.stats_table([torch.ones(3)], torch.device("cpu"))  # one-time kernel set-up
     jobs = [("dup-unsharded", lambda r, w: run_dup(False, r, w)), ("dup-sharded", lambda r, w: run_dup(True, r, w)),
             ("flip", lambda r, w: run_flip(r, w, args.frdir))]
-    run_gathered_cases(jobs, args.cases, args.out, rank, world, "replica_cases")
+    run_cases(jobs, args.cases, args.out, rank, world, "replica_cases")
     dist.destroy_process_group()
 
 
