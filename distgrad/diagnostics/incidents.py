@@ -39,7 +39,9 @@ With loss components (:mod:`distgrad.loss.components`) it also names the compone
 least ``component_share`` of the loss's rise (a weight raised 1000x by a schedule bug: its
 unweighted value does not move).
 
-fp16 overflow steps and non-finite values are not fed (non-finite training pages through the
+The divergence tests need a positive loss level and the bad-batch test positive per-rank
+losses (a loss that can be negative, e.g. a DPO margin, opens neither). fp16 overflow steps and
+non-finite values are not fed (non-finite training pages through the
 non-finite alerts). The source of the thresholds' defaults: the healthy and faulty runs of
 ``tests/test_causes.py`` and ``tests/test_incidents.py``, and the healthy corpus (docs/runbook.md,
 "Detection policy").
