@@ -33,6 +33,7 @@ from distgrad.config.sections import (
     TracerConfig,
 )
 from distgrad.config.sections import CurvatureConfig, LogitsConfig, NoiseScaleConfig
+from distgrad.config.sections import PLUGIN_SECTIONS, _LISTENERS
 from distgrad.config.sections import OptimizerSignalsConfig
 from distgrad.config.sections import IncidentsConfig
 from distgrad.config.sections import DuplicateDataConfig, ReplicaWeightsConfig
@@ -277,6 +278,19 @@ class DistgradConfig(BaseModel):
         return super().__getattr__(name)  # type: ignore[misc]
 
 
+def _add_section(cls: type[Section]) -> None:
+    """Add the plug-in section ``cls`` (see :func:`distgrad.config.sections.register_section`) as
+    the field ``cls.section_key`` of :class:`DistgradConfig`, after the built-in sections, with
+    its default and its docstring as description (pydantic rebuilds the model's validator)."""
+    from pydantic.fields import FieldInfo
+
+    key = cls.section_key
+    DistgradConfig.__annotations__[key] = cls
+    DistgradConfig.__pydantic_fields__[key] = FieldInfo.from_annotated_attribute(
+        cls, Field(default_factory=cls, description=cls.__doc__))
+    DistgradConfig.model_rebuild(force=True)
+
+
 _OLD_KEY = {new: old for old, new in FLAT_KEYS.items()}
 
 
@@ -294,3 +308,11 @@ __all__ = [
     "ActionConfig",
     "OptimizerSignalsConfig", "IncidentsConfig", "DuplicateDataConfig", "ReplicaWeightsConfig",
 ]
+
+# plug-in sections (a signal's nested Config): those registered so far, and every later one
+for _cls in PLUGIN_SECTIONS:
+    _add_section(_cls)
+_LISTENERS.append(_add_section)
+# the built-in signals: defining their classes registers their sections (and record parts and
+# metrics), so a DistgradConfig built after ``import distgrad.config`` has every section
+import distgrad.signals.builtin  # noqa: E402,F401

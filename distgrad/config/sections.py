@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Annotated, Any, ClassVar, Literal, Optional
+from typing import Annotated, Any, Callable, ClassVar, Literal, Optional
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
@@ -599,3 +599,31 @@ SECTIONS: dict[str, type[Section]] = {
     "optimizer_signals": OptimizerSignalsConfig, "duplicate_data": DuplicateDataConfig,
     "replica_weights": ReplicaWeightsConfig,
 }
+
+#: the sections declared by plug-ins (a signal's nested ``Config``, see :mod:`distgrad.signals`),
+#: in registration order; also in :data:`SECTIONS`, after the sections above
+PLUGIN_SECTIONS: list[type[Section]] = []
+#: called with each plug-in section as it is registered (:class:`distgrad.config.DistgradConfig`
+#: adds its field)
+_LISTENERS: list[Callable[[type[Section]], None]] = []
+
+
+def register_section(cls: type[Section]) -> None:
+    """Add a plug-in's section to the configuration under ``cls.section_key`` (done by defining
+    a :class:`~distgrad.signals.PackedSignal` with a nested ``Config``).
+
+    Raises:
+        ValueError: no ``section_key``, or another section already uses that key.
+    """
+    key = getattr(cls, "section_key", None)
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"{cls.__qualname__}: a configuration section needs a section_key")
+    if key in SECTIONS:
+        if SECTIONS[key] is cls:
+            return
+        raise ValueError(f"configuration section {key!r} declared twice ({SECTIONS[key].__qualname__}, "
+                         f"{cls.__qualname__})")
+    SECTIONS[key] = cls
+    PLUGIN_SECTIONS.append(cls)
+    for fn in _LISTENERS:
+        fn(cls)

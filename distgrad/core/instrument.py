@@ -27,7 +27,7 @@ import logging
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -38,8 +38,7 @@ from distgrad.export import metrics
 from distgrad.diagnostics.action import Action, Decision
 from distgrad.config import DistgradConfig
 from distgrad.engines.base import GradSource
-from distgrad.loss.tracker import LossTracker, StepLoss, split as split_loss
-from distgrad.signals import SignalPack
+from distgrad.loss.tracker import LossTracker, StepLoss
 from distgrad.signals.builtin import build as build_signals
 from distgrad.record import ScalerState, StepRecord, UnsampledNonfinite
 from distgrad.export.base import Sink, SinkError
@@ -50,6 +49,7 @@ from distgrad.diagnostics.culprit import LocalGradCheck, culprit_flags, decode, 
 from distgrad.stats import (RANK_COLS, SUM_COLS, HostCopy, Layout, error_blocks, global_norm, pack_local,
                             reduce_blocks, reduce_blocks_async, replica_checksum, replica_outliers, unpack)
 from distgrad.core.watch import UnsampledWatch, step_ranges
+from distgrad.stats.layout import pack_blocks, split_blocks
 
 log = logging.getLogger("distgrad")
 
@@ -57,6 +57,19 @@ log = logging.getLogger("distgrad")
 #: 2 + the index of the reason in the ``reason`` label's values, so that every rank learns why
 _REFUSED = 2.0
 REFUSAL_REASONS: tuple[str, ...] = metrics.LABELS["reason"].values or ()
+
+class ReducedBlocks(NamedTuple):
+    """A sampled step's reduced host array taken apart (:meth:`Instrument.split_reduced`), float64
+    views: ``core`` ``[core SUM, core MAX]`` (for :func:`~distgrad.stats.unpack`), the loss
+    block's and the packed signals' SUM and MAX parts, the unsampled steps' flags."""
+
+    core: np.ndarray
+    loss_sum: np.ndarray
+    loss_max: np.ndarray
+    signal_sum: np.ndarray
+    signal_max: np.ndarray
+    flags: np.ndarray
+
 
 class _Refused(Exception):
     """Internal: this rank refuses the step (see :meth:`Instrument.collect`)."""
@@ -254,18 +267,17 @@ class Instrument:
             count = step_loss.count if self.loss_reduction == "mean" else min(step_loss.count, 1)
             sum_block, max_block = pack_local(pieces, self.layout, self.rank, device, fingerprint,
                                               step_loss.sum, count, culprit_flags(step_loss.sum, grad_flag, device))
-            loss_sum, loss_max = self.loss.block(step_loss, self.rank, device, self.loss_reduction)
-            sig_sum, sig_max = self.signals.block(self, pieces, device)
-            sum_block = torch.cat([sum_block, loss_sum, sig_sum])
-            max_block = torch.cat([max_block, loss_max, sig_max])
+            blocks = [(sum_block, max_block),
+                      self.loss.block(step_loss, self.rank, device, self.loss_reduction),
+                      self.signals.block(self, pieces, device)]
         except _Refused:  # join the collectives with the "refused" flag: every rank drops the step
-            sum_block, max_block = self._error_blocks(device)
+            blocks = self._error_blocks(device)
             code = REFUSAL_REASONS.index(refuse) if refuse in REFUSAL_REASONS else 0
-            sum_block[self.layout.rank_offset + self.rank * len(RANK_COLS) + 2] = _REFUSED + code
+            blocks[0][0][self.layout.rank_offset + self.rank * len(RANK_COLS) + 2] = _REFUSED + code
         except Exception:  # noqa: BLE001 - join the collectives anyway, with the error flag set
             self._internal_error("local statistics")
-            sum_block, max_block = self._error_blocks(device)
-        self._local_nonfinite = sum_block[: self.layout.rank_offset].view(-1, len(SUM_COLS))[:, 3:5].clone()
+            blocks = self._error_blocks(device)
+        self._local_nonfinite = blocks[0][0][: self.layout.rank_offset].view(-1, len(SUM_COLS))[:, 3:5].clone()
         self._weights_before = None
         if self.config.statistics.update_ratio and refuse is None:
             try:
@@ -274,7 +286,8 @@ class Instrument:
                 self._internal_error("copying the weights for the update ratio")
         flags = self._watcher.take(device)  # the unsampled steps' flags ride in the MAX collective
         if flags is not None:
-            max_block = torch.cat([max_block, flags])
+            blocks.append((flags[:0], flags))
+        sum_block, max_block = pack_blocks(blocks)  # the order of block_sizes()
         try:
             if self.async_records:
                 return reduce_blocks_async(sum_block, max_block, self.group)
@@ -283,12 +296,34 @@ class Instrument:
             self._internal_error("cross-rank reduction")
             return None
 
-    def _error_blocks(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """:func:`error_blocks` plus the identities of the per-rank loss block and the signals."""
-        sum_block, max_block = error_blocks(self.layout, self.rank, device)
-        loss_sum, loss_max = self.loss.block(None, self.rank, device, self.loss_reduction)
-        sig_sum, sig_max = self.signals.block(self, None, device)
-        return torch.cat([sum_block, loss_sum, sig_sum]), torch.cat([max_block, loss_max, sig_max])
+    def _error_blocks(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:func:`error_blocks` plus the identities of the per-rank loss block and the signals
+        (the blocks of :meth:`block_sizes` but the unsampled-step flags)."""
+        return [error_blocks(self.layout, self.rank, device),
+                self.loss.block(None, self.rank, device, self.loss_reduction),
+                self.signals.block(self, None, device)]
+
+    def block_sizes(self) -> list[tuple[int, int]]:
+        """``(SUM elements, MAX elements)`` of each block of the step's packed tensors, in their
+        order: the core statistics (:class:`~distgrad.stats.layout.Layout`), the loss block
+        (:class:`~distgrad.loss.tracker.LossTracker`), the packed signals
+        (:class:`~distgrad.signals.SignalPack`), the unsampled steps' flags
+        (:class:`~distgrad.core.watch.UnsampledWatch`, MAX only). :meth:`collect` packs in this
+        order (:func:`~distgrad.stats.layout.pack_blocks`), :meth:`split_reduced` takes apart."""
+        return [(self.layout.sum_size, self.layout.max_size), (self.loss.sum_size, self.loss.max_size),
+                (self.signals.sum_size, self.signals.max_size), (0, self._watcher.max_size)]
+
+    def split_reduced(self, host: np.ndarray) -> "ReducedBlocks":
+        """The reduced host array of a sampled step taken apart by :meth:`block_sizes`
+        (:func:`~distgrad.stats.layout.split_blocks`): used by :meth:`_complete` and by the opt-in
+        action's decision (:mod:`distgrad.diagnostics.action`), which reads the same array before
+        the optimizer step. No state changes.
+
+        Raises:
+            ValueError: the array does not have the blocks' length.
+        """
+        (cs, cm), (ls, lm), (ss, sm), (_, flags) = split_blocks(host, self.block_sizes())
+        return ReducedBlocks(np.concatenate([cs, cm]), ls, lm, ss, sm, flags)
 
     def pieces(self, local: Any) -> list[torch.Tensor | None]:
         """The source's per-parameter pieces at the positions of :attr:`names` (the job view
@@ -314,9 +349,9 @@ class Instrument:
         except Exception:  # noqa: BLE001
             self._internal_error("non-finite check of an unsampled step")
 
-    def _fold_watch(self, step: int, host: np.ndarray) -> np.ndarray:
-        """Split the unsampled steps' flags off the reduced array, count them, return the rest."""
-        host, self._unsampled = self._watcher.fold(step, host)
+    def _fold_watch(self, step: int, flags: np.ndarray) -> None:
+        """Count the unsampled steps the reduced flags mark (sets ``self._unsampled``)."""
+        self._unsampled = self._watcher.flagged(step, flags)
         grad = self._unsampled["grad"] if self._unsampled else []
         self.counters["nonfinite_unsampled_steps"] += len(grad)
         self.counters["nonfinite_loss_steps"] += len(self._unsampled["loss"]) if self._unsampled else 0
@@ -325,7 +360,6 @@ class Instrument:
                         "counted in distgrad_nonfinite_unsampled_steps_total; set sampling.interval: 1 for per-parameter "
                         "detail on every step", step_ranges(grad), self.config.sampling.interval)
         self._unsampled_logged = bool(grad)
-        return host
 
     def finish(self, token: StepToken, outcome: StepOutcome) -> StepRecord | None:
         """Turn the sampled step's reduced array (``token.host``) into a record after the
@@ -379,11 +413,9 @@ class Instrument:
         sinks. ``ratio``: the update-ratio sums on their way to the host (asynchronous records),
         or None to make that all-reduce now (synchronous)."""
         grad_scale = outcome.grad_scale
-        host = self._fold_watch(step, host)  # sets self._unsampled for _build
-        host, sig_sum, sig_max = SignalPack.split(host, self.layout.sum_size + self.loss.sum_size,
-                                                  self.signals.sum_size, self.signals.max_size)
-        host, loss_sum, loss_max = split_loss(host, self.layout.sum_size, self.loss.sum_size, self.loss.max_size)
-        red = unpack(host, self.layout, self.names, grad_scale)
+        parts = self.split_reduced(host)
+        self._fold_watch(step, parts.flags)  # sets self._unsampled for _build
+        red = unpack(parts.core, self.layout, self.names, grad_scale)
         if red.rank_error.sum():
             # this rank counted its own failure already; learn of the others' from the flags.
             # A flag of _REFUSED is a rank that could not vouch for its gradients (not an error
@@ -399,9 +431,9 @@ class Instrument:
         rec = self._build(step, outcome, red, local_nonfinite if collectives else None)
         if self.replay is not None:
             self.replay.attach(rec)
-        rec.ranks, rec.loss_components, rec.token_loss = self.loss.unpack(loss_sum, loss_max)
+        rec.ranks, rec.loss_components, rec.token_loss = self.loss.unpack(parts.loss_sum, parts.loss_max)
         if self.signals:
-            self.signals.finish(self, rec, sig_sum, sig_max, grad_scale)
+            self.signals.finish(self, rec, parts.signal_sum, parts.signal_max, grad_scale)
         rec.action = self.action.part(step)
         if self.config.statistics.update_ratio:
             host_sums = (update_ratio_sums(self, len(rec.params.names)).cpu().numpy() if ratio is None

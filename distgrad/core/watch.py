@@ -96,15 +96,20 @@ class UnsampledWatch:
         self._taken_overflow, self._overflow = self._overflow, set()
         return flags.reshape(-1).to(device)
 
-    def fold(self, step: int, host: np.ndarray) -> tuple[np.ndarray, dict[str, list[int]] | None]:
-        """Split the reduced flags (of the last :meth:`take`) off the end of the reduced host
-        array of sampled step ``step``; return the rest of the array and ``{"grad": [steps], "loss": [steps]}`` (None
-        when nothing was flagged). fp16 overflow steps are left out of ``grad``."""
+    @property
+    def max_size(self) -> int:
+        """Elements :meth:`take` appends to the MAX block (``2 * (interval - 1)``)."""
+        return 2 * self.k
+
+    def flagged(self, step: int, flags: np.ndarray) -> dict[str, list[int]] | None:
+        """The steps the reduced flags (of the last :meth:`take`, :attr:`max_size` elements) of
+        sampled step ``step`` flag: ``{"grad": [steps], "loss": [steps]}``, None when nothing was
+        flagged. fp16 overflow steps are left out of ``grad``."""
         if self.k == 0:
-            return host, None
-        flags, rest = host[-2 * self.k:].reshape(2, self.k), host[: -2 * self.k]
+            return None
+        flags = flags.reshape(2, self.k)
         overflow = self._taken_overflow
         first = step - self.k  # the step of slot 0
         grad = [first + int(i) for i in np.nonzero(flags[0] > 0)[0] if int(i) not in overflow]
         loss = [first + int(i) for i in np.nonzero(flags[1] > 0)[0]]
-        return rest, ({"grad": grad, "loss": loss} if grad or loss else None)
+        return {"grad": grad, "loss": loss} if grad or loss else None

@@ -154,16 +154,11 @@ class Action:
         return d
 
     def _decide(self, token: Any, grad_scale: float, loss_scaler: bool) -> Decision | None:
-        from distgrad.loss.tracker import split as split_loss
-        from distgrad.signals import SignalPack
         from distgrad.stats import global_norm, unpack
 
         inst = self.inst
-        rest, _ = inst._watcher.fold(token.step, token.host)  # no state change; as Instrument._complete
-        rest, _, _ = SignalPack.split(rest, inst.layout.sum_size + inst.loss.sum_size, inst.signals.sum_size,
-                                      inst.signals.max_size)
-        core, _, _ = split_loss(rest, inst.layout.sum_size, inst.loss.sum_size, inst.loss.max_size)
-        red = unpack(core, inst.layout, inst.names, grad_scale)
+        parts = inst.split_reduced(token.host)  # no state change; the blocks Instrument._complete reads
+        red = unpack(parts.core, inst.layout, inst.names, grad_scale)
         if red.rank_error.sum():
             return None  # a rank could not vouch for its gradients: the step is not exported either
         gnorm = global_norm(red.params)

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-__all__ = ["Label", "Metric", "LABELS", "CONDITIONS", "CATALOGUE", "SCOPES", "by_name", "names",
-           "family", "series_per", "markdown"]
+__all__ = ["Label", "Metric", "LABELS", "CONDITIONS", "CATALOGUE", "SCOPES", "PLUGIN_SAMPLES", "condition",
+           "register", "by_name", "names", "family", "series_per", "markdown"]
 
 
 @dataclass(frozen=True)
@@ -533,6 +533,48 @@ for _m in CATALOGUE:
         _BY_NAME[_k] = _m
 
 
+#: the metrics declared by plug-ins (a signal's ``METRICS``, :mod:`distgrad.signals`):
+#: ``(record part attribute, part -> {metric name: value}, their names)``, in registration order;
+#: the Prometheus sink serves them generically
+PLUGIN_SAMPLES: list[tuple[str | None, Callable[[Any], dict[str, Any]], tuple[str, ...]]] = []
+
+
+def condition(key: str, text: str) -> str:
+    """Declare a plug-in's condition (a :attr:`Metric.when` key and its sentence for
+    ``docs/metrics.md``) and return ``key``, for its metrics' ``when`` (declare it before them:
+    a :class:`Metric` checks its ``when``).
+
+    Raises:
+        ValueError: ``key`` already declared with another text.
+    """
+    if CONDITIONS.get(key, text) != text:
+        raise ValueError(f"metric condition {key!r} declared twice")
+    CONDITIONS[key] = text
+    return key
+
+
+def register(entries: Iterable[Metric], part: str | None,
+             samples: Callable[[Any], dict[str, Any]]) -> None:
+    """Add a plug-in's metrics to :data:`CATALOGUE` (after the built-in ones) and its sampler
+    to :data:`PLUGIN_SAMPLES`: ``samples(record.<part>)`` gives ``{metric name: value}`` for a
+    record whose part is set.
+
+    Raises:
+        ValueError: a name already declared (or a bad entry, see :class:`Metric`).
+    """
+    global CATALOGUE
+    entries = tuple(entries)
+    for m in entries:
+        for k in {m.name, m.family}:
+            if k in _BY_NAME:
+                raise ValueError(f"metric {k} declared twice")
+    for m in entries:
+        for k in {m.name, m.family}:
+            _BY_NAME[k] = m
+    CATALOGUE = CATALOGUE + entries
+    PLUGIN_SAMPLES.append((part, samples, tuple(m.name for m in entries)))
+
+
 def by_name(name: str) -> Metric:
     """The declared metric called ``name`` (the queried name, or a counter's family name
     without ``_total``). Raises KeyError naming the metric when it is not declared."""
@@ -659,4 +701,8 @@ def _main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(_main())
+    # run as a script this file is the module ``__main__``; the plug-ins (imported with
+    # ``distgrad``) registered their metrics in ``distgrad.export.metrics``: print that catalogue
+    from distgrad.export import metrics as _registered  # noqa: PLW0406
+
+    raise SystemExit(_registered._main())

@@ -294,6 +294,7 @@ def _record_metrics(rec: StepRecord) -> Iterable[Metric]:
     yield from _rank_metrics(rec)
     yield from _loss_metrics(rec)
     yield from _incident_metrics(rec)
+    yield from _plugin_metrics(rec)
 
     selected = rec.aggregates.exported_params if rec.aggregates is not None else None
     # parameters without a gradient anywhere this step (unused; numel 0 after the reduction)
@@ -331,6 +332,30 @@ def _record_metrics(rec: StepRecord) -> Iterable[Metric]:
             if p.names[i] in ratios:
                 fam.add_metric([p.names[i]], float(ratios[p.names[i]]))
         yield fam
+
+
+def _plugin_metrics(rec: StepRecord) -> Iterable[Metric]:
+    """The metrics declared by plug-ins (a signal's ``METRICS`` and ``samples``,
+    :data:`distgrad.export.metrics.PLUGIN_SAMPLES`), from their record parts: a number is an
+    unlabelled sample, a ``{label value: number}`` dict the series of a one-label metric (empty:
+    none), None no series."""
+    for part_name, samples, declared in metrics.PLUGIN_SAMPLES:
+        part = getattr(rec, part_name) if part_name else rec
+        if part is None:
+            continue
+        for name, v in samples(part).items():
+            if name not in declared:
+                raise KeyError(f"{name} is not among the metrics its plug-in declares {list(declared)}")
+            if v is None:
+                continue
+            if isinstance(v, dict):
+                if v:
+                    fam = metrics.family(name)
+                    for label, x in v.items():
+                        fam.add_metric([str(label)], float(x))
+                    yield fam
+            else:
+                yield metrics.family(name, value=float(v))
 
 
 def _rank_metrics(rec: StepRecord) -> Iterable[Metric]:

@@ -365,13 +365,4 @@ def rank_stats(rows: np.ndarray) -> RankStats:
                      straggler_rank=straggler, straggler_ratio=ratio)
 
 
-def split(host: np.ndarray, core_sum: int, loss_sum: int, loss_max: int
-          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Split the reduced host array ``[core SUM, loss SUM, core MAX, loss MAX]`` into the core
-    array ``[core SUM, core MAX]`` and the loss parts ``(SUM, MAX)``."""
-    end = len(host) - loss_max
-    core = np.concatenate([host[:core_sum], host[core_sum + loss_sum:end]])
-    return core, host[core_sum:core_sum + loss_sum], host[end:]
-
-
-__all__: Sequence[str] = ["RANK_LOSS_COLS", "LossTracker", "StepLoss", "rank_stats", "split"]
+__all__: Sequence[str] = ["RANK_LOSS_COLS", "LossTracker", "StepLoss", "rank_stats"]

@@ -84,12 +84,12 @@ __all__ = [
     "GRANULARITIES",
     "DEFAULT_SERIES_BUDGET",
     "DEFAULT_TOP_K",
-    "PARAM_SERIES",
-    "LAYER_SERIES",
-    "KIND_SERIES",
-    "GLOBAL_SERIES",
+    "PARAM_SERIES",  # noqa: F822 - module __getattr__
+    "LAYER_SERIES",  # noqa: F822 - module __getattr__
+    "KIND_SERIES",  # noqa: F822 - module __getattr__
+    "GLOBAL_SERIES",  # noqa: F822 - module __getattr__
     "GLOBAL_RESERVE",
-    "UPDATE_RATIO_SERIES",
+    "UPDATE_RATIO_SERIES",  # noqa: F822 - module __getattr__
     "aggregate",
     "group_keys",
     "series_count",
@@ -103,18 +103,34 @@ GRANULARITIES = ("param", "module", "layer", "module_kind")
 DEFAULT_SERIES_BUDGET = 2000
 #: Default number of largest-norm parameters that get per-parameter series.
 DEFAULT_TOP_K = 100
-#: Series per selected parameter (see module docstring), from the catalogue.
-PARAM_SERIES = _metrics.series_per("param", exclude=["update_ratio"])
-#: Extra series per selected parameter with the update-ratio option.
-UPDATE_RATIO_SERIES = _metrics.series_per("param", when=["update_ratio"])
-#: Series per layer group.
-LAYER_SERIES = _metrics.series_per("layer")
-#: Series per module-kind group.
-KIND_SERIES = _metrics.series_per("module_kind")
 #: Series kept free in the global part for exporter extras and future metrics.
 GLOBAL_RESERVE = 5
-#: Series not proportional to parameters, layers or kinds (including GLOBAL_RESERVE).
-GLOBAL_SERIES = _metrics.series_per(None) + GLOBAL_RESERVE
+
+
+def _series_constants() -> dict[str, int]:
+    """The series per scope, counted from the catalogue when first asked for (module
+    ``__getattr__``), so that the metrics of plug-ins (:mod:`distgrad.signals`), registered after
+    this module is imported, are counted: ``PARAM_SERIES`` (per selected parameter),
+    ``UPDATE_RATIO_SERIES`` (extra per parameter with the update-ratio option), ``LAYER_SERIES``
+    (per layer group), ``KIND_SERIES`` (per module-kind group) and ``GLOBAL_SERIES`` (not
+    proportional to parameters, layers or kinds, including :data:`GLOBAL_RESERVE`)."""
+    return {
+        "PARAM_SERIES": _metrics.series_per("param", exclude=["update_ratio"]),
+        "UPDATE_RATIO_SERIES": _metrics.series_per("param", when=["update_ratio"]),
+        "LAYER_SERIES": _metrics.series_per("layer"),
+        "KIND_SERIES": _metrics.series_per("module_kind"),
+        "GLOBAL_SERIES": _metrics.series_per(None) + GLOBAL_RESERVE,
+    }
+
+
+def __getattr__(name: str) -> int:
+    """``PARAM_SERIES``, ``UPDATE_RATIO_SERIES``, ``LAYER_SERIES``, ``KIND_SERIES``,
+    ``GLOBAL_SERIES``: see :func:`_series_constants`."""
+    consts = _series_constants()
+    if name in consts:
+        return consts[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _SUMMED = ("numel", "sum", "sumsq", "nan", "inf", "zeros")
 
@@ -224,7 +240,7 @@ def series_count(
     selected: int | Sequence[int],
     *,
     update_ratio: bool = False,
-    global_series: int = GLOBAL_SERIES,
+    global_series: int | None = None,
 ) -> int:
     """Number of Prometheus series distgrad exports (formula in the module docstring).
 
@@ -244,13 +260,15 @@ def series_count(
     Raises:
         ValueError: a negative argument or ``k > n_params``.
     """
+    c = _series_constants()
+    global_series = c["GLOBAL_SERIES"] if global_series is None else global_series
     k = selected if isinstance(selected, (int, np.integer)) else len(selected)
     if min(n_params, n_layers, n_kinds, k, global_series) < 0:
         raise ValueError("series_count: arguments must be >= 0")
     if k > n_params:
         raise ValueError(f"series_count: {k} selected of {n_params} parameters")
-    per_param = PARAM_SERIES + (UPDATE_RATIO_SERIES if update_ratio else 0)
-    return int(per_param * k + LAYER_SERIES * n_layers + KIND_SERIES * n_kinds + global_series)
+    per_param = c["PARAM_SERIES"] + (c["UPDATE_RATIO_SERIES"] if update_ratio else 0)
+    return int(per_param * k + c["LAYER_SERIES"] * n_layers + c["KIND_SERIES"] * n_kinds + global_series)
 
 
 def series_capacity(
@@ -259,12 +277,14 @@ def series_capacity(
     n_kinds: int,
     *,
     update_ratio: bool = False,
-    global_series: int = GLOBAL_SERIES,
+    global_series: int | None = None,
 ) -> int:
     """Largest k with ``series_count(., n_layers, n_kinds, k) <= budget``; negative if even k = 0
     exceeds the budget."""
-    per_param = PARAM_SERIES + (UPDATE_RATIO_SERIES if update_ratio else 0)
-    fixed = LAYER_SERIES * n_layers + KIND_SERIES * n_kinds + global_series
+    c = _series_constants()
+    global_series = c["GLOBAL_SERIES"] if global_series is None else global_series
+    per_param = c["PARAM_SERIES"] + (c["UPDATE_RATIO_SERIES"] if update_ratio else 0)
+    fixed = c["LAYER_SERIES"] * n_layers + c["KIND_SERIES"] * n_kinds + global_series
     return (budget - fixed) // per_param
 
 
@@ -275,7 +295,7 @@ def select_series(
     *,
     rules: Sequence[tuple[str, str, str]] | None = None,
     update_ratio: bool = False,
-    global_series: int = GLOBAL_SERIES,
+    global_series: int | None = None,
 ) -> list[int]:
     """Choose the parameters that get per-parameter series this step.
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from distgrad.record.base import _Part, adapter
+from distgrad.record.base import PLUGIN_PARTS, _Part, adapter
 
 #: Sufficient statistics kept per parameter, all float64 numpy arrays of shape ``[P]``.
 STAT_FIELDS = ("numel", "sum", "sumsq", "nan", "inf", "zeros", "min", "max")
@@ -499,7 +499,17 @@ class StepRecord:
             elif isinstance(v, list) and v and isinstance(v[0], _Part):
                 v = [x.to_dict() for x in v]
             d[f.name] = v
+        for name in PLUGIN_PARTS:  # the plug-ins' parts (distgrad.signals), after the fields
+            v = self.__dict__.get(name)
+            d[name] = None if v is None else v.to_dict()
         return d
+
+    def __getattr__(self, name: str) -> Any:
+        """A plug-in's record part (a signal's ``Part``, :mod:`distgrad.signals`) that was not
+        set on this record: None. Raises AttributeError for any other unknown name."""
+        if name in PLUGIN_PARTS:
+            return None
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "StepRecord":
@@ -515,7 +525,11 @@ class StepRecord:
             if kw.get(k) is not None:
                 kw[k] = adapter(tp).validate_python(kw[k])
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in kw.items() if k in names})
+        rec = cls(**{k: v for k, v in kw.items() if k in names})
+        for k, tp in PLUGIN_PARTS.items():  # the plug-ins' parts, by their registered classes
+            if d.get(k) is not None:
+                setattr(rec, k, adapter(tp).validate_python(d[k]))
+        return rec
 
 
 # the parts defined in their own modules; StepRecord's annotations name them, and

@@ -3,7 +3,10 @@
 
 A part is a dataclass; its JSON form is :func:`dataclasses.asdict` and it is read back by
 pydantic (:func:`adapter`) from the dataclass's own annotations, nested parts included: a new
-part needs no registration."""
+part needs no registration. A plug-in's part (a signal's nested ``Part``, see
+:mod:`distgrad.signals`) is registered by :func:`register_part` when its class is defined and
+becomes an attribute of :class:`~distgrad.record.StepRecord` (None when absent) and a key of its
+JSON form."""
 
 from __future__ import annotations
 
@@ -42,3 +45,22 @@ class _Part:
                 type (each named).
         """
         return adapter(typing.cast(Any, cls)).validate_python(d)
+
+
+#: ``StepRecord`` attribute -> part class, for the parts declared by plug-ins (a signal's nested
+#: ``Part``), in registration order (the order of their keys in the JSON form, after the fields)
+PLUGIN_PARTS: dict[str, type[_Part]] = {}
+
+
+def register_part(name: str, cls: type[_Part]) -> None:
+    """Make ``cls`` (a dataclass on :class:`_Part`) the record part ``StepRecord.<name>``.
+
+    Raises:
+        ValueError: ``name`` already registered for another class, or ``cls`` not a ``_Part``
+            dataclass.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, _Part) and dataclasses.is_dataclass(cls)):
+        raise ValueError(f"record part {name!r}: {cls!r} is not a dataclass on distgrad.record.base._Part")
+    if PLUGIN_PARTS.get(name, cls) is not cls:
+        raise ValueError(f"record part {name!r} declared twice")
+    PLUGIN_PARTS[name] = cls

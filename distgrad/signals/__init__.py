@@ -13,9 +13,32 @@ Every rank must build the same signals with the same sizes (they are decided onc
 ``instrument()``, from the configuration and the parameter list, never from rank-local state),
 so the packed tensors have the same length on every rank.
 
-A signal registers a factory with :func:`register`; :func:`distgrad.signals.builtin.build` calls
-every factory at
-``instrument()`` time. A factory returns None when the signal is switched off, and raises
+**The contract** (one module per signal, OLMo-core callback / torchtitan ``Config`` style): a
+:class:`PackedSignal` subclass declares, next to its code,
+
+* ``Config``: its configuration section (a nested :class:`~distgrad.config.sections.Section`
+  subclass with ``section_key``), added to :class:`~distgrad.config.DistgradConfig` as the field
+  ``section_key`` (and to the generated ``docs/configuration.md`` / ``configs/distgrad.yaml``);
+* ``Part``: its record part (a nested dataclass on :class:`~distgrad.record.base._Part`), the
+  :class:`~distgrad.record.StepRecord` attribute ``part_name`` (default ``section_key``), written
+  to and read back from JSON Lines by pydantic like every part;
+* ``METRICS``: its Prometheus metrics (catalogue entries,
+  :class:`~distgrad.export.metrics.Metric`, whose ``when`` is a condition it declares with
+  :func:`distgrad.export.metrics.condition`), added to
+  :data:`distgrad.export.metrics.CATALOGUE` (and so to ``docs/metrics.md``, the series budget and
+  the catalogue test);
+* :meth:`PackedSignal.samples`: its part -> ``{metric name: value}``, which the Prometheus sink
+  serves (a number, or ``{label value: number}`` for a metric with one label);
+* :meth:`PackedSignal.build`: the factory, called at ``instrument()``;
+* its checkpointed state: :meth:`PackedSignal.state_dict` / :meth:`load_state_dict`.
+
+Defining the class registers all of it (``__init_subclass__``); the module is listed once in
+``distgrad/signals/builtin.py`` (the import order is the order in the packed tensors), which
+:mod:`distgrad.config` imports, so every contract is registered once ``distgrad`` is imported.
+No other file names the signal.
+
+Older signals register a factory with :func:`register`; :func:`distgrad.signals.builtin.build`
+calls every factory at ``instrument()`` time. A factory returns None when the signal is switched off, and raises
 :class:`~distgrad.config.ConfigError` (or ``ValueError``) naming the key for a configuration it
 cannot serve (this is the "clear error at instrument() time" path).
 
@@ -30,10 +53,14 @@ from __future__ import annotations
 
 import abc
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 import torch
+
+from distgrad.config.sections import Section, register_section
+from distgrad.export import metrics as _metrics
+from distgrad.record.base import _Part, register_part
 
 log = logging.getLogger("distgrad")
 
@@ -49,6 +76,61 @@ class PackedSignal(abc.ABC):
 
     #: short name, e.g. ``"grad_histogram"``
     name: str = "signal"
+
+    # --- the contract (see the module docstring); each is optional --------------------------
+    #: its configuration section: a nested :class:`~distgrad.config.sections.Section` subclass
+    #: with ``section_key`` (the config key), or None
+    Config: ClassVar[type[Section] | None] = None
+    #: its record part: a nested dataclass on :class:`~distgrad.record.base._Part`, or None
+    Part: ClassVar[type[_Part] | None] = None
+    #: the :class:`~distgrad.record.StepRecord` attribute holding :attr:`Part` (default: the
+    #: config's ``section_key``)
+    part_name: ClassVar[str | None] = None
+    #: its Prometheus metrics (:class:`~distgrad.export.metrics.Metric` entries; their ``when``
+    #: declared with :func:`distgrad.export.metrics.condition`)
+    METRICS: ClassVar[tuple[_metrics.Metric, ...]] = ()
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        """Register what the subclass declares (its own ``Config``, ``Part``, ``METRICS`` and
+        ``build``; inherited ones are not registered twice).
+
+        Raises:
+            ValueError: a config key, part name, metric or signal name declared twice.
+        """
+        super().__init_subclass__(**kw)
+        own = cls.__dict__
+        if own.get("Config") is not None:
+            register_section(own["Config"])
+        if own.get("Part") is not None:
+            name = cls.part_name or (cls.Config.section_key if cls.Config is not None else None)
+            if name is None:
+                raise ValueError(f"signal {cls.name}: a Part needs part_name or a Config")
+            cls.part_name = name
+            register_part(name, own["Part"])
+        if own.get("METRICS"):
+            _metrics.register(own["METRICS"], cls.part_name, cls.samples)
+        if "build" in own:
+            register(cls.name)(cls.build)
+
+    @classmethod
+    def build(cls, inst: Any) -> "PackedSignal | None":
+        """The factory, called once at ``instrument()`` on every rank with the
+        :class:`~distgrad.Instrument` (``inst.config.<section_key>`` is :attr:`Config`):
+        the signal, or None when it is off.
+
+        Raises:
+            distgrad.config.ConfigError (or ValueError): a configuration it cannot serve,
+                naming the key (``instrument()`` fails with it).
+        """
+        return None
+
+    @staticmethod
+    def samples(part: Any) -> dict[str, Any]:
+        """The Prometheus samples of the record part (:attr:`Part`, never None here):
+        ``{metric name: value}``, the value a number (an unlabelled metric), a ``{label value:
+        number}`` dict (a metric with one label; empty: no series) or None (no series). Every
+        name must be one of :attr:`METRICS`. Default: none."""
+        return {}
 
     @property
     @abc.abstractmethod
@@ -132,8 +214,8 @@ class SignalPack:
     """The signals of one :class:`~distgrad.Instrument`, and their place in the packed tensors.
 
     SUM part: for each signal ``[failure slot, sum part...]``; MAX part: each signal's max part.
-    The pack is appended after the loss block (see :meth:`Instrument.collect`); :meth:`split`
-    takes it off the reduced host array again.
+    The pack is appended after the loss block (see :meth:`Instrument.collect`); :func:`distgrad.stats.layout.split_blocks`
+    takes it off the reduced host array again (:meth:`Instrument.split_reduced`).
     """
 
     def __init__(self, signals: Sequence[PackedSignal]) -> None:
@@ -221,16 +303,6 @@ class SignalPack:
                 sig.finish(inst, rec, s, m, grad_scale)
             except Exception:  # noqa: BLE001
                 inst._internal_error(f"signal {sig.name} on the host")
-
-    @staticmethod
-    def split(host: np.ndarray, sum_before: int, sum_size: int, max_size: int
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Take the pack off the reduced host array ``[SUM before, pack SUM, MAX before, pack
-        MAX]`` (``sum_before``: length of the SUM elements before the pack): returns
-        ``([SUM before, MAX before], pack SUM, pack MAX)``."""
-        end = len(host) - max_size
-        rest = np.concatenate([host[:sum_before], host[sum_before + sum_size:end]])
-        return rest, host[sum_before:sum_before + sum_size], host[end:]
 
     def state_dict(self) -> dict:
         """Per signal name, its :meth:`PackedSignal.state_dict` (None entries omitted)."""

@@ -308,7 +308,7 @@ def _values(r: np.ndarray, clip: float = 1.0) -> dict[str, float]:
 def _factory(inst: Any) -> AdamSignal | None:
     """On for Adam-family optimizers whose state the adapter locates (``enabled: auto``); a
     ConfigError naming ``optimizer_signals.enabled`` when ``on`` and it cannot be served."""
-    from distgrad.config import ConfigError
+    from distgrad.config.errors import ConfigError
     from distgrad.naming.grouping import group_keys
 
     mode = inst.config.optimizer_signals.enabled

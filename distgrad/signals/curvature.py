@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from distgrad.config import ConfigError
+from distgrad.config.errors import ConfigError
 from distgrad.engines.base import GradSource
 from distgrad.naming.grouping import group_keys
 from distgrad.record.gns import Curvature as CurvaturePart

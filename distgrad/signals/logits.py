@@ -57,7 +57,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from distgrad.config import ConfigError
+from distgrad.config.errors import ConfigError
 from distgrad.naming.canonical import clean_name
 from distgrad.naming.grouping import group_keys
 from distgrad.record.logits import LogitStats

@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from distgrad.config import ConfigError
+from distgrad.config.errors import ConfigError
 from distgrad.diagnostics.culprit import LeafHooks, pre_reduction_leaves
 from distgrad.record.gns import NoiseScale
 from distgrad.signals import PackedSignal, register

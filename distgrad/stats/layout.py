@@ -1,9 +1,16 @@
 """Packed layout of the two reduced blocks: column names and :class:`Layout` (positions for P
-parameters and W ranks)."""
+parameters and W ranks); :func:`pack_blocks` / :func:`split_blocks`, the one place the step's
+blocks (core statistics, loss, packed signals, unsampled-step flags) are put together and taken
+apart."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 #: columns of the SUM-reduced per-parameter block
 SUM_COLS = ("numel", "sum", "sumsq", "nan", "inf", "zeros")
@@ -48,3 +55,34 @@ class Layout:
     @property
     def tail_offset(self) -> int:
         return self.rank_offset + self.world_size * len(RANK_COLS)
+
+
+def pack_blocks(blocks: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's two packed tensors from its blocks, in order: ``(SUM, MAX)`` = the
+    concatenation of every block's SUM part and of every block's MAX part (float64 1-D
+    tensors on one device; a block may have empty parts). :func:`split_blocks` takes them
+    apart again after the two all-reduces."""
+    import torch  # at run time only here (the layout is imported without torch)
+
+    return torch.cat([s for s, _ in blocks]), torch.cat([m for _, m in blocks])
+
+
+def split_blocks(host: np.ndarray, sizes: Sequence[tuple[int, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Inverse of :func:`pack_blocks` on the reduced host array ``[SUM parts..., MAX parts...]``
+    (float64, as the step's host copy holds them): per block of ``sizes`` (``(SUM elements, MAX
+    elements)`` each, in packing order), its reduced ``(SUM part, MAX part)`` (views).
+
+    Raises:
+        ValueError: ``len(host)`` is not the sum of the sizes (the blocks were packed otherwise).
+    """
+    n_sum = sum(s for s, _ in sizes)
+    n = n_sum + sum(m for _, m in sizes)
+    if len(host) != n:
+        raise ValueError(f"reduced array of {len(host)} elements, the blocks {list(sizes)} make {n}")
+    out = []
+    i, j = 0, n_sum
+    for s, m in sizes:
+        out.append((host[i:i + s], host[j:j + m]))
+        i += s
+        j += m
+    return out
