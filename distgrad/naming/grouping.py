@@ -44,19 +44,20 @@ metric; ``Metric.series()`` is the series of one metric per value of its scope l
   ``distgrad_param_grad_nonfinite{kind=nan|inf}`` (2); ``+UPDATE_RATIO_SERIES`` (1,
   ``distgrad_param_update_ratio``) when the update-ratio option is on;
 * ``L``: layer groups (layer-granularity keys, LoRA groups included);
-  ``LAYER_SERIES = 8``: ``distgrad_layer_grad_{norm, nonfinite, zero_ratio, headroom_ratio,
-  underflow_ratio}``, ``distgrad_layer_curvature`` and ``distgrad_layer_{update_rms,
-  adam_spike_fraction}`` (the underflow ratio, the curvature and the last two with
-  ``histogram.enabled`` / ``curvature.enabled`` / an Adam-family optimizer only; counted
-  always; the optimizer signals' other per-layer values are in the JSONL record only);
+  ``LAYER_SERIES = 8``: the catalogue's ``layer``-scoped metrics, today
+  ``distgrad_layer_grad_{norm, nonfinite, zero_ratio, headroom_ratio, underflow_ratio}``,
+  ``distgrad_layer_{update_rms, adam_spike_fraction}`` and the per-layer metrics the packed
+  signals declare (:mod:`distgrad.signals`; the curvature's ``distgrad_layer_curvature``);
+  those of opt-in features are counted always;
 * ``K``: module-kind groups (kind-granularity keys); ``KIND_SERIES = 1``
   (``distgrad_module_kind_grad_norm``);
-* ``GLOBAL_SERIES`` (about 180; the exact value is counted from the catalogue at import): the
+* ``GLOBAL_SERIES`` (about 180; the exact value is counted from the catalogue, the packed
+  signals' metrics included, when first read): the
   catalogue's metrics of a fixed or capped series count (
   unlabelled ones, the three-valued ``detector`` families, ``distgrad_sink_errors_total{sink}``
   for its 4 sinks, ``distgrad_refused_steps_total{reason}`` for its 3 reasons,
   ``distgrad_nonfinite_params`` capped at 20, ``distgrad_nonfinite_culprit`` capped at 8, the loss components (3 x 8, and 8 x 2 spike
-  counters), the token-loss bins (15), data sources (2 x 9), the gradient noise scale (5), the curvature (1), the opt-in action's
+  counters), the token-loss bins (15), data sources (2 x 9), the gradient noise scale (5), the packed signals' own (the curvature: 1), the opt-in action's
   counter (2 causes) and stop gauge, and the optimizer signals (4 + 2 moment norms)) plus :data:`GLOBAL_RESERVE`
   (5) for exporter-side extras and metrics still to come. (prometheus_client's ``*_created``
   samples and process collectors are not served by distgrad's exporter.)
