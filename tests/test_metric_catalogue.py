@@ -18,7 +18,8 @@ from distgrad.config import DistgradConfig
 from distgrad.diagnostics.detectors import DETECTOR_LABELS
 from distgrad.diagnostics import Diagnostics
 from distgrad.loss.tracker import rank_stats
-from distgrad.record.gns import Curvature, NoiseScale
+from distgrad.record.gns import NoiseScale
+from distgrad.signals.curvature import Curvature
 from distgrad.record.action import ActionPart
 from distgrad.record import Culprit, LossComponents, ParamStats, RankCount, ScalerState, StepRecord, TokenLossStats
 from distgrad.record.histogram import GradHistogram
@@ -96,7 +97,7 @@ def _sink(features: set[str]) -> PrometheusSink:
                                      grad_sq_big=1.0, true_grad_sq=0.7, noise_trace=10.0, ema_true_grad_sq=0.7,
                                      ema_noise_trace=10.0, noise_scale=10.0 / 0.7, ema_steps=1)
     if "curvature" in f:
-        rec.curvature = Curvature(layer={"0": 0.5, "1": -0.1}, total=0.3, update_sq=1e-4)
+        rec.curvature = Curvature.Part(layer={"0": 0.5, "1": -0.1}, total=0.3, update_sq=1e-4)
     if "adam" in f:
         rec.optimizer_signals = OptimizerSignals(
             optimizer="AdamW", spike_threshold=50.0, elements=8.0, update_rms=0.9, spike_fraction=0.0,

@@ -305,13 +305,13 @@ def test_curvature_rise_from_a_real_run(tmp_path):
 
 @pytest.mark.parametrize("after,fires", [(3.0, True), (2.99, False)])
 def test_rise_rule_threshold(after, fires):
-    from distgrad.record.gns import Curvature
+    from distgrad.signals.curvature import Curvature
 
     acc = sig.SignalsAccumulator(max_points=8)
     W = sig.WINDOW
     for s in range(2 * W):
         v = 1.0 if s < W else after
-        acc.add(SimpleNamespace(step=s, curvature=Curvature(layer={"a": 1.0, "b": v}, total=1.0)))
+        acc.add(SimpleNamespace(step=s, curvature=Curvature.Part(layer={"a": 1.0, "b": v}, total=1.0)))
     f = acc.result().findings
     assert bool(f) == fires
     if fires:

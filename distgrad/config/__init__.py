@@ -32,7 +32,7 @@ from distgrad.config.sections import (
     NamingRule, SamplingConfig, Section, SinksConfig, SpikesConfig, StatisticsConfig, TensorBoardConfig,
     TracerConfig,
 )
-from distgrad.config.sections import CurvatureConfig, LogitsConfig, NoiseScaleConfig
+from distgrad.config.sections import LogitsConfig, NoiseScaleConfig
 from distgrad.config.sections import PLUGIN_SECTIONS, _LISTENERS
 from distgrad.config.sections import OptimizerSignalsConfig
 from distgrad.config.sections import IncidentsConfig
@@ -176,7 +176,6 @@ class DistgradConfig(BaseModel):
     histogram: HistogramConfig = Field(default_factory=HistogramConfig, description=HistogramConfig.__doc__)
     noise_scale: NoiseScaleConfig = Field(default_factory=NoiseScaleConfig, description=NoiseScaleConfig.__doc__)
     action: ActionConfig = Field(default_factory=ActionConfig, description=ActionConfig.__doc__)
-    curvature: CurvatureConfig = Field(default_factory=CurvatureConfig, description=CurvatureConfig.__doc__)
     logits: LogitsConfig = Field(default_factory=LogitsConfig, description=LogitsConfig.__doc__)
     optimizer_signals: OptimizerSignalsConfig = Field(default_factory=OptimizerSignalsConfig,
                                                       description=OptimizerSignalsConfig.__doc__)
@@ -304,7 +303,7 @@ __all__ = [
     "ConfigError", "DistgradConfig", "FLAT_KEYS", "key_label", "SECTIONS", "Section", "SamplingConfig",
     "ExporterConfig", "StatisticsConfig", "SpikesConfig", "HealthConfig", "ClipConfig", "FlightRecorderConfig", "TracerConfig",
     "SinksConfig", "JsonlConfig", "TensorBoardConfig", "NamingConfig", "NamingRule", "LossConfig",
-    "NoiseScaleConfig", "CurvatureConfig", "LogitsConfig",
+    "NoiseScaleConfig", "LogitsConfig",
     "ActionConfig",
     "OptimizerSignalsConfig", "IncidentsConfig", "DuplicateDataConfig", "ReplicaWeightsConfig",
 ]

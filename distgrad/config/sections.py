@@ -393,17 +393,6 @@ class NoiseScaleConfig(Section):
         "the exported noise scale, per sampled step."))
 
 
-class CurvatureConfig(Section):
-    """Curvature along the last update, per layer: (g_t - g_{t-1}) . dtheta / |dtheta|^2 (see
-    docs/signals.md, "Curvature along the last update")."""
-
-    section_key: ClassVar[str] = "curvature"
-    enabled: bool = Field(False, description=(
-        "Estimate the curvature along the last update per layer. Keeps two float32 copies of "
-        "this rank's owned shard (the last gradient and the last update); two numbers per "
-        "parameter ride in the SUM collective. Needs sampling.interval: 1 (consecutive steps)."))
-
-
 class LogitsConfig(Section):
     """Logit precursors at sampled steps: the maximum pre-softmax attention logit per layer (and
     head) and the output head's max |logit| and log-sum-exp (z) statistics (see docs/signals.md,
@@ -594,7 +583,7 @@ SECTIONS: dict[str, type[Section]] = {
     "spikes": SpikesConfig, "incidents": IncidentsConfig, "health": HealthConfig, "loss_scale": LossScaleConfig, "clip": ClipConfig,
     "flight_recorder": FlightRecorderConfig, "tracer": TracerConfig, "sinks": SinksConfig,
     "naming": NamingConfig, "loss": LossConfig, "histogram": HistogramConfig,
-    "noise_scale": NoiseScaleConfig, "action": ActionConfig, "curvature": CurvatureConfig,
+    "noise_scale": NoiseScaleConfig, "action": ActionConfig,
     "logits": LogitsConfig,
     "optimizer_signals": OptimizerSignalsConfig, "duplicate_data": DuplicateDataConfig,
     "replica_weights": ReplicaWeightsConfig,

@@ -110,7 +110,6 @@ CONDITIONS: dict[str, str] = {
                    "step; see docs/signals.md)",
     "action": "with an opt-in action configured (`action.on_nonfinite` / `action.on_spike`): the counter from "
               "`instrument()` on, at 0 for each cause; the gauge after the first sampled step",
-    "curvature": "`curvature.enabled: true`, from the second sampled step on (see docs/signals.md)",
     "logits": "`logits.attention: true` (attention series) / `logits.output: true` (output series), after a "
               "sampled step whose forward passes were observed on every rank (see docs/signals.md)",
     "adam": "an Adam-family optimizer (`optimizer_signals.enabled: auto`, the default), after a sampled step "
@@ -499,15 +498,6 @@ CATALOGUE: tuple[Metric, ...] = (
        "big batch of the noise-scale estimate.", "noise_scale"),
     _g("distgrad_gradient_noise_micro_batch_size", "samples", "Samples per micro-batch: the small batch of the "
        "noise-scale estimate.", "noise_scale"),
-    # --- curvature along the last update (distgrad/signals/curvature.py, docs/signals.md) ---------
-    _g("distgrad_curvature", "loss/param^2", "(g_t - g_{t-1}) . dtheta / |dtheta|^2 over all parameters: the "
-       "curvature along the last update.", "curvature",
-       doc="curvature along the last update over all parameters, `(g_t - g_{t-1}) . dtheta / |dtheta|^2` with "
-           "`dtheta` the update of the previous step (for a quadratic loss exactly `dtheta^T H dtheta / "
-           "|dtheta|^2`); negative: the loss curves down along the step. Absent when nothing moved"),
-    _g("distgrad_layer_curvature", "loss/param^2", "Curvature along the last update over the layer's parameters.",
-       "curvature", ("layer",), doc="`distgrad_curvature` over the layer's parameters (layers that did not move: "
-                                   "no series)"),
     # --- logit precursors (distgrad/signals/logits.py, docs/signals.md) -----------------------------
     _g("distgrad_layer_attention_logit_max", "1", "Maximum pre-softmax attention logit q.k*scale of the layer "
        "over heads and the sampled step's micro-batches of all ranks (masked positions left out).", "logits",

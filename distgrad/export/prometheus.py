@@ -83,7 +83,6 @@ _PART_GAUGES: dict[str, Callable[[StepRecord], Any]] = {
     "distgrad_gradient_noise_batch_size": lambda r: r.noise_scale.big_batch if r.noise_scale else None,
     "distgrad_gradient_noise_micro_batch_size": lambda r: r.noise_scale.small_batch if r.noise_scale else None,
     "distgrad_action_stop_requested": lambda r: int(r.action.stop_requested) if r.action else None,
-    "distgrad_curvature": lambda r: r.curvature.total if r.curvature else None,
     "distgrad_output_logit_abs_max": lambda r: r.logits.output_abs_max if r.logits else None,
     "distgrad_output_logsumexp_mean": lambda r: r.logits.z_mean if r.logits else None,
     "distgrad_output_logsumexp_sq_mean": lambda r: r.logits.z_sq_mean if r.logits else None,
@@ -107,7 +106,6 @@ _PART_MAPS: dict[str, Callable[[StepRecord], Any]] = {
     "distgrad_layer_grad_zero_ratio": lambda r: r.aggregates.layer_zero_ratio if r.aggregates else None,
     "distgrad_layer_grad_headroom_ratio": lambda r: r.aggregates.layer_headroom if r.aggregates else None,
     "distgrad_layer_grad_underflow_ratio": lambda r: r.grad_histogram.underflow_ratio() if r.grad_histogram else None,
-    "distgrad_layer_curvature": lambda r: r.curvature.layer if r.curvature else None,
     "distgrad_layer_attention_logit_max": lambda r: r.logits.attention_max if r.logits else None,
     "distgrad_layer_update_rms": lambda r: r.optimizer_signals.layer_update_rms if r.optimizer_signals else None,
     "distgrad_layer_adam_spike_fraction": lambda r: (r.optimizer_signals.layer_spike_fraction

@@ -421,8 +421,6 @@ class StepRecord:
         noise_scale: :class:`~distgrad.record.gns.NoiseScale`, None unless
             ``noise_scale.enabled`` (and on steps without an estimate).
         action: :class:`~distgrad.record.action.ActionPart` with an opt-in action configured, else None.
-        curvature: :class:`~distgrad.record.gns.Curvature`, None unless ``curvature.enabled``
-            (and on steps without an estimate).
         culprit_module: the first step of a non-finite streak replayed: the module whose forward
             output first went NaN/Inf on the culprit rank, or why none is named
             (:class:`~distgrad.record.culprit.CulpritModule`, :mod:`distgrad.diagnostics.replay`).
@@ -475,7 +473,6 @@ class StepRecord:
     grad_histogram: GradHistogram | None = None
     noise_scale: NoiseScale | None = None
     action: ActionPart | None = None
-    curvature: Curvature | None = None
     culprit_module: "CulpritModule | None" = None
     optimizer_signals: OptimizerSignals | None = None
     incidents: "Incidents | None" = None
@@ -536,7 +533,7 @@ class StepRecord:
 # _part_fields() resolves those names on first use
 from distgrad.record.loss import LossComponents, LossTrend, RankStats, TokenLossStats  # noqa: E402,F401
 from distgrad.record.histogram import GradHistogram  # noqa: E402,F401
-from distgrad.record.gns import Curvature, NoiseScale  # noqa: E402,F401
+from distgrad.record.gns import NoiseScale  # noqa: E402,F401
 from distgrad.record.action import ActionPart  # noqa: E402,F401
 from distgrad.record.culprit import CulpritModule  # noqa: E402,F401
 from distgrad.record.optimizer import OptimizerSignals  # noqa: E402,F401

@@ -1,10 +1,9 @@
-"""The record parts of the gradient noise scale (:mod:`distgrad.signals.noise_scale`) and of
-the curvature along the last update (:mod:`distgrad.signals.curvature`): typed parts of
-:class:`distgrad.record.StepRecord` (fields ``noise_scale`` and ``curvature``)."""
+"""The record part of the gradient noise scale (:mod:`distgrad.signals.noise_scale`): a typed part
+of :class:`distgrad.record.StepRecord` (field ``noise_scale``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from distgrad.record.base import _Part
 
@@ -49,23 +48,3 @@ class NoiseScale(_Part):
     ema_noise_trace: float = 0.0
     noise_scale: float | None = None
     ema_steps: int = 0
-
-
-@dataclass
-class Curvature(_Part):
-    """Curvature along the last update, ``(g_t - g_{t-1}) . dtheta / |dtheta|^2`` with
-    ``dtheta = theta_t - theta_{t-1}`` the update the optimizer applied at the previous step
-    (for a quadratic loss with Hessian H exactly ``dtheta^T H dtheta / |dtheta|^2``).
-    Unit: gradient per parameter unit (1/parameter^2 times the loss unit).
-
-    Attributes:
-        layer: ``{layer: curvature}`` over the layer's parameters (sums of the dot products over
-            the sums of the squared update norms; layers of :func:`distgrad.naming.grouping.group_keys`
-            ``"layer"``); a layer whose parameters did not move is left out.
-        total: the same over all parameters, or None when nothing moved.
-        update_sq: |dtheta|^2 over all parameters (parameter^2).
-    """
-
-    layer: dict[str, float] = field(default_factory=dict)
-    total: float | None = None
-    update_sq: float = 0.0

@@ -8,7 +8,7 @@ Signals read from the records (a signal absent from every record is simply not r
   zero ratio, global and per layer.
 * ``noise_scale`` (:class:`~distgrad.record.gns.NoiseScale`): ``B_simple`` with the step's batch,
   and the two moving averages it is the ratio of.
-* ``curvature`` (:class:`~distgrad.record.gns.Curvature`): curvature along the last update,
+* ``curvature`` (:class:`distgrad.signals.curvature.Curvature.Part`): curvature along the last update,
   global and per layer.
 * ``optimizer_signals`` (:class:`~distgrad.record.optimizer.OptimizerSignals`): Adam's update
   RMS, spike fraction, gradient-momentum cosine, moment norms and diagonal Fisher trace, global

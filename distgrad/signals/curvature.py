@@ -32,20 +32,29 @@ need unscaling first); a layer that did not move (skipped step, frozen) is left 
 
 Collectives: ``1 + 2 P`` float64 in the SUM part (a per-rank "have the copies" count and, per
 parameter, the dot product and the squared update norm); nothing in the MAX part.
+
+Everything the signal adds lives in this module (the contract of :mod:`distgrad.signals`): its
+configuration section ``curvature`` (:class:`Curvature.Config`), its record part
+``StepRecord.curvature`` (:class:`Curvature.Part`), its metrics ``distgrad_curvature`` and
+``distgrad_layer_curvature{layer}`` (:attr:`Curvature.METRICS`, :meth:`Curvature.samples`), its factory (:meth:`Curvature.build`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from distgrad.config.errors import ConfigError
+from distgrad.config.sections import Section
 from distgrad.engines.base import GradSource
+from distgrad.export.metrics import Metric, condition
 from distgrad.naming.grouping import group_keys
-from distgrad.record.gns import Curvature as CurvaturePart
-from distgrad.signals import PackedSignal, register
+from distgrad.record.base import _Part
+from distgrad.signals import PackedSignal
 from distgrad.stats.eager import sum_of_squares
 
 _CHUNK = 1 << 16
@@ -70,11 +79,78 @@ class Curvature(PackedSignal):
 
     SUM part (float64 ``[1 + 2P]``): ``[1 if this rank held the copies of the previous step,
     then per parameter (g_t - g_{t-1}) . dtheta and |dtheta|^2]`` over this rank's owned
-    elements, the gradients still carrying the loss scale. Record part:
-    :class:`~distgrad.record.gns.Curvature` (``StepRecord.curvature``).
+    elements, the gradients still carrying the loss scale. Record part: :class:`Curvature.Part`
+    (``StepRecord.curvature``).
     """
 
     name = "curvature"
+
+    class Config(Section):
+        """Curvature along the last update, per layer: (g_t - g_{t-1}) . dtheta / |dtheta|^2 (see
+        docs/signals.md, "Curvature along the last update")."""
+
+        section_key: ClassVar[str] = "curvature"
+        enabled: bool = Field(False, description=(
+            "Estimate the curvature along the last update per layer. Keeps two float32 copies of "
+            "this rank's owned shard (the last gradient and the last update); two numbers per "
+            "parameter ride in the SUM collective. Needs sampling.interval: 1 (consecutive steps)."))
+
+    @dataclass
+    class Part(_Part):
+        """Curvature along the last update, ``(g_t - g_{t-1}) . dtheta / |dtheta|^2`` with
+        ``dtheta = theta_t - theta_{t-1}`` the update the optimizer applied at the previous step
+        (for a quadratic loss with Hessian H exactly ``dtheta^T H dtheta / |dtheta|^2``).
+        Unit: gradient per parameter unit (1/parameter^2 times the loss unit).
+
+        Attributes:
+            layer: ``{layer: curvature}`` over the layer's parameters (sums of the dot products over
+                the sums of the squared update norms; layers of
+                :func:`distgrad.naming.grouping.group_keys` ``"layer"``); a layer whose parameters
+                did not move is left out.
+            total: the same over all parameters, or None when nothing moved.
+            update_sq: |dtheta|^2 over all parameters (parameter^2).
+        """
+
+        layer: dict[str, float] = field(default_factory=dict)
+        total: float | None = None
+        update_sq: float = 0.0
+
+    _when = condition("curvature", "`curvature.enabled: true`, from the second sampled step on (see docs/signals.md)")
+    METRICS = (
+        Metric("distgrad_curvature", "gauge", (), "loss/param^2", "(g_t - g_{t-1}) . dtheta / |dtheta|^2 over all "
+               "parameters: the curvature along the last update.", _when,
+               doc="curvature along the last update over all parameters, `(g_t - g_{t-1}) . dtheta / |dtheta|^2` "
+                   "with `dtheta` the update of the previous step (for a quadratic loss exactly `dtheta^T H dtheta / "
+                   "|dtheta|^2`); negative: the loss curves down along the step. Absent when nothing moved"),
+        Metric("distgrad_layer_curvature", "gauge", ("layer",), "loss/param^2",
+               "Curvature along the last update over the layer's parameters.", _when,
+               doc="`distgrad_curvature` over the layer's parameters (layers that did not move: no series)"),
+    )
+
+    @staticmethod
+    def samples(part: "Curvature.Part") -> dict[str, Any]:
+        """``distgrad_curvature`` (absent when nothing moved) and ``distgrad_layer_curvature``
+        per layer."""
+        return {"distgrad_curvature": part.total, "distgrad_layer_curvature": part.layer}
+
+    @classmethod
+    def build(cls, inst: Any) -> "Curvature | None":
+        """``curvature.enabled``: the signal, or None when off.
+
+        Raises:
+            ConfigError: ``sampling.interval`` is not 1, or the engine does not locate its
+                weight shards.
+        """
+        cfg = inst.config
+        if not cfg.curvature.enabled:
+            return None
+        if cfg.sampling.interval != 1:
+            raise ConfigError(f"distgrad config: 'curvature.enabled' needs sampling.interval: 1 (got "
+                              f"{cfg.sampling.interval}): the curvature compares the gradients of consecutive steps")
+        if type(inst.source).local_param_pieces is GradSource.local_param_pieces:
+            raise ConfigError(f"distgrad config: 'curvature.enabled' is not supported on engine "
+                              f"{inst.source.engine_name!r}: its weight shards are not located")
+        return cls(inst.names, group_keys(inst.names, "layer", cfg.naming.tuples))
 
     def __init__(self, names: Sequence[str], layer_keys: Sequence[str]) -> None:
         self.n = len(names)
@@ -140,21 +216,7 @@ class Curvature(PackedSignal):
         ldot = np.bincount(self._inv, weights=dots, minlength=g)
         lsq = np.bincount(self._inv, weights=sq, minlength=g)
         total_sq = float(sq.sum())
-        rec.curvature = CurvaturePart(
+        rec.curvature = Curvature.Part(
             layer={k: float(d / s) for k, d, s in zip(self._layers, ldot, lsq) if s > 0},
             total=(float(dots.sum() / total_sq) if total_sq > 0 else None), update_sq=total_sq)
 
-
-@register("curvature")
-def _factory(inst: Any) -> Curvature | None:
-    """``curvature.enabled``: the signal, or a ConfigError naming the key."""
-    cfg = inst.config
-    if not cfg.curvature.enabled:
-        return None
-    if cfg.sampling.interval != 1:
-        raise ConfigError(f"distgrad config: 'curvature.enabled' needs sampling.interval: 1 (got "
-                          f"{cfg.sampling.interval}): the curvature compares the gradients of consecutive steps")
-    if type(inst.source).local_param_pieces is GradSource.local_param_pieces:
-        raise ConfigError(f"distgrad config: 'curvature.enabled' is not supported on engine "
-                          f"{inst.source.engine_name!r}: its weight shards are not located")
-    return Curvature(inst.names, group_keys(inst.names, "layer", cfg.naming.tuples))

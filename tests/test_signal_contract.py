@@ -1,0 +1,120 @@
+"""The contract of a packed signal (distgrad/signals/__init__.py): what a signal class declares
+(its nested Config, Part, METRICS and samples) reaches the configuration, the record, the
+catalogue and the Prometheus sink without being named there; and the one pack/split routine of
+the step's blocks (distgrad/stats/layout.py) against slices computed by hand.
+
+The curvature signal (distgrad/signals/curvature.py) is the worked example: it is declared only
+in its module. Nothing here defines a new signal class (that would register it for the whole
+test process)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from distgrad.config import DistgradConfig
+from distgrad.config.sections import SECTIONS, Section, register_section
+from distgrad.export import metrics
+from distgrad.naming import grouping
+from distgrad.record import StepRecord
+from distgrad.record.base import PLUGIN_PARTS, register_part
+from distgrad.signals import FACTORIES
+from distgrad.signals.curvature import Curvature
+from distgrad.stats.layout import pack_blocks, split_blocks
+from distgrad.export.prometheus import PrometheusSink
+from distgrad.record import ParamStats
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def test_pack_and_split_blocks_are_inverse():
+    rng = np.random.default_rng(0)
+    sizes = [(7, 3), (4, 0), (0, 0), (5, 2), (0, 6)]
+    blocks = [(torch.from_numpy(rng.normal(size=s)), torch.from_numpy(rng.normal(size=m))) for s, m in sizes]
+    s, m = pack_blocks(blocks)
+    host = torch.cat([s, m]).numpy()
+    # reference: the SUM parts one after the other, then the MAX parts, sliced by hand
+    off_s, off_m = 0, sum(a for a, _ in sizes)
+    for (bs, bm), (a, b), (gs, gm) in zip(blocks, sizes, split_blocks(host, sizes)):
+        np.testing.assert_array_equal(gs, host[off_s:off_s + a])
+        np.testing.assert_array_equal(gm, host[off_m:off_m + b])
+        np.testing.assert_array_equal(gs, bs.numpy())
+        np.testing.assert_array_equal(gm, bm.numpy())
+        off_s, off_m = off_s + a, off_m + b
+    with pytest.raises(ValueError, match="blocks"):
+        split_blocks(host[:-1], sizes)
+
+
+def test_curvature_is_declared_only_in_its_module():
+    # configuration: the section and its key, default off, validated like every section
+    assert SECTIONS["curvature"] is Curvature.Config
+    assert DistgradConfig.model_fields["curvature"].annotation is Curvature.Config
+    assert DistgradConfig().curvature.enabled is False
+    assert DistgradConfig(curvature={"enabled": True}).curvature.enabled is True
+    assert DistgradConfig.from_dict({"curvature.enabled": True}).to_dict()["curvature"] == {"enabled": True}
+    # record part: the StepRecord attribute, None when not set, read back as its class
+    assert PLUGIN_PARTS["curvature"] is Curvature.Part
+    # catalogue: its metrics and their condition; the per-layer one counts in the layer budget
+    assert {m.name for m in Curvature.METRICS} <= set(metrics.names(["curvature"]))
+    assert grouping.LAYER_SERIES == sum(m.series() for m in metrics.CATALOGUE if m.scope == "layer")
+    # factory
+    assert ("curvature", Curvature.build) in FACTORIES
+
+
+NAMES = ["blocks.0.attn.qkv.weight", "blocks.1.mlp.fc.weight"]
+
+
+def _record() -> StepRecord:
+    p = ParamStats(NAMES, numel=[4, 4], sum=[0.0, 1.0], sumsq=[4.0, 2.0], nan=[0, 0], inf=[0, 0], zeros=[0, 1],
+                   min=[-1.0, 0.0], max=[1.0, 1.0])
+    return StepRecord(3, 3, 1.0, 2, p, float(np.sqrt(6.0)))
+
+
+def _served(rec: StepRecord) -> dict[str, dict[tuple, float]]:
+    sink = PrometheusSink("127.0.0.1", 0, {"engine": "local", "version": "0"}, 1, serve=False,
+                          has_loss_scaler=False, has_samples=False)
+    sink.write(rec)
+    out: dict[str, dict[tuple, float]] = {}
+    for fam in text_string_to_metric_families(generate_latest(sink.registry).decode()):
+        for smp in fam.samples:
+            out.setdefault(smp.name, {})[tuple(sorted(smp.labels.items()))] = smp.value
+    return out
+
+
+def test_curvature_part_round_trips_and_is_served():
+    part = Curvature.Part(layer={"0": 0.5, "1": -0.1}, total=0.3, update_sq=1e-4)
+    rec = _record()
+    assert rec.curvature is None and rec.to_dict()["curvature"] is None
+    served = _served(rec)  # no part: no series
+    assert "distgrad_curvature" not in served and "distgrad_layer_curvature" not in served
+    rec.curvature = part
+    # JSON round trip through the record: the part comes back as its class, equal
+    back = StepRecord.from_dict(json.loads(json.dumps(rec.to_dict())))
+    assert isinstance(back.curvature, Curvature.Part) and back.curvature == part
+    # the Prometheus sink serves samples() of the part: the values written, one series per layer
+    served = _served(back)
+    assert served["distgrad_curvature"] == {(): pytest.approx(0.3)}
+    assert served["distgrad_layer_curvature"] == {(("layer", "0"),): pytest.approx(0.5),
+                                                  (("layer", "1"),): pytest.approx(-0.1)}
+    # nothing moved: the global value is absent, the layers that moved stay
+    back.curvature = Curvature.Part(layer={"0": 0.5}, total=None, update_sq=0.0)
+    served = _served(back)
+    assert "distgrad_curvature" not in served and set(served["distgrad_layer_curvature"]) == {(("layer", "0"),)}
+
+
+def test_a_second_declaration_is_refused_without_changing_the_registries():
+    class Other(Section):
+        section_key = "curvature"
+
+    n_sections, n_parts, n_cat = len(SECTIONS), len(PLUGIN_PARTS), len(metrics.CATALOGUE)
+    with pytest.raises(ValueError, match="declared twice"):
+        register_section(Other)
+    with pytest.raises(ValueError, match="declared twice"):
+        register_part("curvature", type("P", (Curvature.Part,), {"__annotations__": {}}))
+    with pytest.raises(ValueError, match="declared twice"):
+        metrics.register(Curvature.METRICS, "curvature", Curvature.samples)
+    assert (len(SECTIONS), len(PLUGIN_PARTS), len(metrics.CATALOGUE)) == (n_sections, n_parts, n_cat)
+    assert SECTIONS["curvature"] is Curvature.Config
