@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from distgrad.config import ConfigError
+from distgrad.config.errors import ConfigError
 from distgrad.record.replica import ReplicaWeights
 from distgrad.signals import PackedSignal, register
 from distgrad.stats.checksum import replica_checksum
