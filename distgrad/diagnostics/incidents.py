@@ -197,7 +197,7 @@ class IncidentPolicy:
                                     if comp else ""))
             opened.append(Incident("divergence", exc["step"], exc["value"], "loss", step, level=exc["level"],
                                    level_step=exc["level_step"], component=comp,
-                                   grad_norm=_NAN if exc["gn"] is None else exc["gn"], detail=detail))
+                                   grad_norm=exc["gn"], detail=detail))
 
     def _drift_rule(self, step: int, loss: float, gn: float | None, opened: list[Incident]) -> None:
         c = self.cfg
@@ -220,7 +220,7 @@ class IncidentPolicy:
         detail = (f"the loss diverged: the median of the last {len(self._drift)} sampled losses {med:.4g} at step "
                   f"{step}, up from its minimum {best:.4g} (step {bstep}), more than {c.drift_factor:g}x")
         opened.append(Incident("divergence", step, med, "loss", step, level=best, level_step=bstep,
-                               grad_norm=_NAN if gn is None else gn, detail=detail))
+                               grad_norm=gn, detail=detail))
 
     # ---- bad batch on one rank ---------------------------------------------------------------
     def _bad_batch(self, step: int, loss: float | None, gn: float | None, rank_losses: list[float] | None,
@@ -263,7 +263,7 @@ class IncidentPolicy:
                   f"(steps {first} to {step}; at step {step} the {series.replace('_', ' ')} was "
                   f"{_NAN if value is None else value:.4g})")
         opened.append(Incident("spike_burst", step, _NAN if value is None else value, series, step,
-                               first_step=first, grad_norm=_NAN if _finite(gn) is None else float(gn), detail=detail))
+                               first_step=first, grad_norm=_finite(gn), detail=detail))
         self._spikes.clear()
 
     # ---- checkpointing -------------------------------------------------------------------------

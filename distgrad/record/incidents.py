@@ -30,14 +30,14 @@ class Incident(_Part):
             ``step`` plus the sampled steps it waited for the loss to come back).
         level: the reference ``value`` is compared with (divergence: the pre-spike loss level, the
             median of the losses before the excursion; bad_batch: the median loss of the other
-            ranks; spike_burst: NaN).
+            ranks; spike_burst: None).
         level_step: the last step of the reference (divergence), else None.
         rank: the rank whose loss was the outlier (bad_batch), else None.
         component: the loss component whose *weighted* contribution (weight x value) rose the
             most, when it explains at least ``incidents.component_share`` of the loss's rise;
             None without components or when none does.
         first_step: spike_burst: the step of the burst's first spike; else None.
-        grad_norm: the global gradient norm at ``step`` (gradient units).
+        grad_norm: the global gradient norm at ``step`` (gradient units), None when not finite.
         detail: one sentence naming the event, as the verdict and the logs print it.
     """
 
@@ -46,12 +46,12 @@ class Incident(_Part):
     value: float
     series: str
     decided: int
-    level: float = float("nan")
+    level: float | None = None
     level_step: int | None = None
     rank: int | None = None
     component: str | None = None
     first_step: int | None = None
-    grad_norm: float = float("nan")
+    grad_norm: float | None = None
     detail: str = ""
 
 
