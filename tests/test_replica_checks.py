@@ -157,3 +157,37 @@ def test_weight_bit_flip_is_caught_at_the_next_hash_step_with_rank_and_parameter
     assert [s for s, p in enumerate(r0["reports"]) if p] == [caught]
     assert r0["files"] == [f"flightrec-step{caught}-replica_weights.json", f"flightrec-step{caught}-replica_weights.txt"]
     assert r0["counts"] == [{"collectives": 2, "syncs": 1}] * FLIP_STEPS
+
+
+def _record(step: int, **parts):
+    from distgrad.record import ParamStats, StepRecord
+
+    p = ParamStats(["w"], numel=[2], sum=[0.0], sumsq=[2.0], nan=[0], inf=[0], zeros=[0], min=[-1.0], max=[1.0])
+    return StepRecord(step, step, 0.0, 3, p, float(np.sqrt(2.0)), **parts)
+
+
+def test_report_findings_name_the_ranks_and_parameters():
+    """distgrad summary's FINDINGS: the first flagged step of each check, from the records alone."""
+    from distgrad.record.replica import DuplicateData, ReplicaWeights
+    from distgrad.report.signals import SignalsAccumulator, summary_lines
+
+    acc = SignalsAccumulator()
+    ok = ReplicaWeights(interval=5, hash_step=0, checked_ranks=[0, 1, 2])
+    bad = ReplicaWeights(interval=5, hash_step=10, checked_ranks=[0, 1, 2], mismatch_ranks=[2],
+                         mismatch_params=["blocks.1.1.weight"], n_mismatch_params=1, mismatch_rank=2)
+    for s in range(15):
+        dup = DuplicateData(streak=3, groups=[[0, 1]] if s >= 7 else [], ranks=[0, 1] if s >= 7 else [],
+                            first_step=7 if s >= 7 else None)
+        acc.add(_record(s, duplicate_data=dup, replica_weights=bad if s >= 10 else ok))
+    rep = acc.result()
+    found = {f.kind: f for f in rep.findings}
+    assert set(found) == {"duplicate_data", "replica_weights"}
+    assert found["duplicate_data"].step == 7 and "ranks 0, 1 " in found["duplicate_data"].detail
+    assert found["replica_weights"].step == 10 and "rank(s) 2 " in found["replica_weights"].detail
+    assert "blocks.1.1.weight" in found["replica_weights"].detail
+    lines = summary_lines(rep)
+    assert lines[0].startswith("FINDINGS (2;")
+    healthy = SignalsAccumulator()
+    for s in range(15):
+        healthy.add(_record(s, duplicate_data=DuplicateData(streak=3), replica_weights=ok))
+    assert healthy.result().findings == [] and summary_lines(healthy.result()) == []

@@ -35,6 +35,14 @@ Findings (rules; ``W`` = :data:`WINDOW` sampled steps):
   :data:`RISE_FACTOR` (3) times the median of the ``W`` before them, both positive, globally or in
   a layer (sharpening); named at the first step it held, with the layer of largest rise then.
 
+* ``duplicate_data``: a record whose ``duplicate_data`` part names data-parallel ranks with
+  bit-identical losses (:mod:`distgrad.signals.duplicate_data`); named at the first such step,
+  with the ranks.
+* ``replica_weights``: a record whose ``replica_weights`` part found weights differing across
+  data-parallel replicas at a hash step (:mod:`distgrad.signals.weight_hash`); named at that
+  hash step, with the rank outside the majority and the parameters. (Both also alert:
+  DistgradDuplicateData, DistgradReplicaWeightsDiverged.)
+
 Findings are advice, not problems: they do not change the verdict (``HEALTHY`` / ``PROBLEM``)
 nor ``--fail-on-problem``. Memory: the downsampled series (``O(max_points x layers)`` per metric)
 plus the last ``2 W`` values of each layer per rule.
@@ -227,9 +235,15 @@ class SignalsAccumulator:
         self._adam: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (update RMS, spike fraction)
         self._excursion: list | None = None  # step, worst layer, rms, fraction, its rms, steps held
         self._rises: dict[tuple[str, str], list] = {}  # first firing: step, layer, ratio, before, after, steps held
+        self._dup: SignalFinding | None = None  # first step data-parallel ranks shared their data
+        self._rw: SignalFinding | None = None  # first hash step whose replica weights differed
 
     def add(self, r: StepRecord) -> None:
         step = int(r.step)
+        for fld in ("duplicate_data", "replica_weights"):  # findings only, no series
+            part = getattr(r, fld, None)
+            if part is not None:
+                getattr(self, f"_see_{fld}")(step, part)
         for fld, metrics in SPECS.items():
             part = getattr(r, fld, None)
             if part is None:
@@ -289,6 +303,23 @@ class SignalsAccumulator:
         b = getattr(n, "noise_scale", None)
         if b is not None and int(getattr(n, "ema_steps", 0)) >= NOISE_MIN_STEPS:
             self._noise.append((step, _f(b), _f(n.big_batch)))
+
+    def _see_duplicate_data(self, step: int, d: Any) -> None:
+        if self._dup is None and getattr(d, "groups", None):
+            self._dup = SignalFinding("duplicate_data", step, None, (
+                f"data-parallel ranks {'; '.join(', '.join(str(r) for r in g) for g in d.groups)} had bit-identical "
+                f"losses on {d.streak} consecutive sampled steps: they train on the same data (a loader that does "
+                f"not shard by rank, a sampler without set_epoch); what to do: shard the data by rank "
+                f"({RUNBOOK}#signal-duplicate-data)"))
+
+    def _see_replica_weights(self, step: int, w: Any) -> None:
+        if self._rw is None and (w.mismatch_ranks or w.n_mismatch_params) and w.hash_step is not None:
+            names = ", ".join(w.mismatch_params[:4]) + (" ..." if w.n_mismatch_params > 4 else "")
+            self._rw = SignalFinding("replica_weights", int(w.hash_step), None, (
+                f"weights differ across data-parallel replicas at the hash step {w.hash_step}: rank(s) "
+                f"{', '.join(str(r) for r in w.mismatch_ranks) or '?'} outside the majority, {w.n_mismatch_params} "
+                f"parameter(s) ({names}); what to do: stop, check that rank's device, resume from a checkpoint "
+                f"before it ({RUNBOOK}#signal-replica-weights)"))
 
     def _see_optimizer_signals(self, step: int, o: Any) -> None:
         self._adam.append((_f(o.update_rms), _f(o.spike_fraction)))
@@ -391,7 +422,8 @@ class SignalsAccumulator:
                     continue
                 rep.series.append(SignalSeries(fld, metric, label, log, m.glob.result() if m.glob else None,
                                                list(m.names), m.lay.result() if m.lay else None))
-        rep.findings = self._underflow() + self._noise_finding() + self._excursion_finding() + self._rise_findings()
+        rep.findings = (self._underflow() + self._noise_finding() + self._excursion_finding() + self._rise_findings()
+                        + [f for f in (self._dup, self._rw) if f is not None])
         rep.findings.sort(key=lambda f: f.step)
         return rep
 
@@ -399,14 +431,15 @@ class SignalsAccumulator:
 def summary_lines(rep: SignalsReport | None) -> list[str]:
     """The summary's ``FINDINGS`` block and the last value of each signal (empty when the run
     has no signal)."""
-    if rep is None or not rep.series:
+    if rep is None or not (rep.series or rep.findings):
         return []
-    out = ["signals (last sampled value, global):"]
+    out = ["signals (last sampled value, global):"] if rep.series else []
     for s in rep.series:
         if s.glob is not None and s.glob.last.size:
             v = float(s.glob.last[-1, 0])
             out.append(f"  {TITLES.get(s.signal, s.signal)}: {s.metric} = {v:.6g}")
-    out.append("")
+    if out:
+        out.append("")
     if rep.findings:
         out.append(f"FINDINGS ({len(rep.findings)}; advice, not problems):")
         out += [f"  - step {f.step}: {f.detail}" for f in rep.findings]

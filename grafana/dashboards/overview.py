@@ -109,6 +109,10 @@ def build() -> Dashboard:
            queries((f"increase(distgrad_sampled_steps_total{{{S}}}[{RATE}])", "sampled {{instance}}"),
                    (f"increase(distgrad_refused_steps_total{{{S}}}[{RATE}])", "refused {{reason}} {{instance}}")),
            12, 8, bars=True, min_=0),
+        ts("Ranks training on the same data", "Data-parallel ranks whose per-rank losses were bit-identical to another "
+           "replica's on duplicate_data.steps consecutive sampled steps (a loader that does not shard by rank; "
+           "DistgradDuplicateData). 0 when healthy; the log and the JSONL record name the ranks.",
+           queries((f"distgrad_duplicate_data_ranks{{{S}}}", "{{instance}}")), 24, 8, unit="short", min_=0),
         # features a default run does not have: collapsed, titled with how to turn them on
         opt_in_row("fp16 loss scaling", ["loss_scaler"], [
             ts("fp16 loss scale", "Log2 scale.",
@@ -142,6 +146,16 @@ def build() -> Dashboard:
                "Layers dashboard.",
                queries((f"distgrad_grad_underflow_ratio{{{S}}}", "underflow {{instance}}"),
                        (f"distgrad_grad_zero_ratio{{{S}}}", "zero {{instance}}")), 24, 8, min_=0, max_=1),
+        ]),
+        opt_in_row("Replica weight hashes", ["replica_weights"], [
+            ts("Replica weight hashes", "At each hash step (replica_weights.hash_interval), the parameters whose exact "
+               "weight checksum differs across data-parallel replicas (DistgradReplicaWeightsDiverged: 0 when healthy), "
+               "the rank outside its replica group's majority (-1: none) and the step of the last comparison.",
+               queries((f"distgrad_replica_weights_mismatch_params{{{S}}}", "differing params {{instance}}"),
+                       (f"distgrad_replica_weights_mismatch_rank{{{S}}}", "rank {{instance}}")), 16, 8, unit="short"),
+            ts("Last weight-hash step", "Optimizer step of the last replica weight-hash comparison: it advances every "
+               "replica_weights.hash_interval steps while the check runs.",
+               queries((f"distgrad_replica_weights_hash_step{{{S}}}", "{{instance}}")), 8, 8, unit="short"),
         ]),
         opt_in_row("Opt-in action", ["action"], [
             ts("Updates skipped by distgrad", "Optimizer updates distgrad's opt-in action skipped on every rank, per "
