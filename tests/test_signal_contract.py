@@ -118,3 +118,107 @@ def test_a_second_declaration_is_refused_without_changing_the_registries():
         metrics.register(Curvature.METRICS, "curvature", Curvature.samples)
     assert (len(SECTIONS), len(PLUGIN_PARTS), len(metrics.CATALOGUE)) == (n_sections, n_parts, n_cat)
     assert SECTIONS["curvature"] is Curvature.Config
+
+
+_DIAGNOSTIC = r'''
+import json, math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+from pydantic import Field
+
+from distgrad.config import DistgradConfig
+from distgrad.config.sections import Section
+from distgrad.diagnostics import Diagnostics
+from distgrad.diagnostics.base import Diagnostic, register
+from distgrad.export import metrics
+from distgrad.export.metrics import Metric, condition
+from distgrad.record import ParamStats, StepRecord
+from distgrad.record.base import _Part
+
+
+@register
+class NormRatio(Diagnostic):
+    """A toy diagnostic: the grad norm over its running maximum."""
+
+    name = "norm_ratio"
+
+    class Config(Section):
+        """Norm over running maximum."""
+
+        section_key: ClassVar[str] = "norm_ratio"
+        enabled: bool = Field(False, description="Compute it.")
+
+    @dataclass
+    class Part(_Part):
+        ratio: float = 0.0
+        peak: float = 0.0
+
+    _when = condition("norm_ratio", "`norm_ratio.enabled: true`")
+    METRICS = (Metric("distgrad_norm_ratio", "gauge", (), "ratio", "Grad norm over its running maximum.", _when),)
+
+    @staticmethod
+    def samples(part):
+        return {"distgrad_norm_ratio": part.ratio}
+
+    @classmethod
+    def create(cls, ctx):
+        return cls(ctx) if ctx.config.norm_ratio.enabled else None
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.peak = 0.0
+
+    def on_record(self, rec):
+        self.peak = max(self.peak, rec.grad_norm)
+        rec.norm_ratio = NormRatio.Part(ratio=rec.grad_norm / self.peak, peak=self.peak)
+
+    def state_dict(self):
+        return {"peak": self.peak}
+
+
+names = ["a.weight", "b.weight"]
+cfg = DistgradConfig(norm_ratio={"enabled": True})
+assert DistgradConfig().norm_ratio.enabled is False
+diag = Diagnostics(cfg, names)
+out = []
+for step, norm in enumerate([2.0, 4.0, 1.0], 1):
+    p = ParamStats(names, numel=[1, 1], sum=[norm, 0.0], sumsq=[norm * norm, 0.0], nan=[0, 0], inf=[0, 0],
+                   zeros=[0, 1], min=[norm, 0.0], max=[norm, 0.0])
+    rec = StepRecord(step, step, 0.0, 1, p, norm)
+    diag.on_record(rec)
+    back = StepRecord.from_dict(json.loads(json.dumps(rec.to_dict())))
+    out.append([back.norm_ratio.ratio, back.norm_ratio.peak, type(back.norm_ratio).__qualname__])
+
+from distgrad.export.prometheus import PrometheusSink
+from prometheus_client import generate_latest
+sink = PrometheusSink("127.0.0.1", 0, {"engine": "local", "version": "0"}, 1, serve=False,
+                      has_loss_scaler=False, has_samples=False)
+sink.write(back)
+text = generate_latest(sink.registry).decode()
+served = [float(l.split()[-1]) for l in text.splitlines() if l.startswith("distgrad_norm_ratio ")]
+print(json.dumps({"records": out, "served": served, "state": diag.state_dict()["plugins"]["norm_ratio"],
+                  "in_catalogue": "distgrad_norm_ratio" in metrics.names(["norm_ratio"]),
+                  "in_docs": "norm_ratio:" in __import__("distgrad.config.generate", fromlist=["x"]).render_yaml()}))
+'''
+
+
+def test_a_diagnostic_declares_its_section_part_and_metrics_in_its_module(tmp_path):
+    """A diagnostic defined in one file (a fresh process, so that its registration does not
+    reach the other tests) gets its config key, its record part and its served metric."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "norm_ratio.py"
+    script.write_text(_DIAGNOSTIC)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ))
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    # reference: the running maximum of 2, 4, 1 and each norm over it, by hand
+    assert got["records"] == [[1.0, 2.0, "NormRatio.Part"], [1.0, 4.0, "NormRatio.Part"], [0.25, 4.0, "NormRatio.Part"]]
+    assert got["served"] == [0.25]
+    assert got["state"] == {"peak": 4.0}
+    assert got["in_catalogue"] and got["in_docs"]

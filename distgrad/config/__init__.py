@@ -312,6 +312,8 @@ __all__ = [
 for _cls in PLUGIN_SECTIONS:
     _add_section(_cls)
 _LISTENERS.append(_add_section)
-# the built-in signals: defining their classes registers their sections (and record parts and
-# metrics), so a DistgradConfig built after ``import distgrad.config`` has every section
+# the built-in signals and diagnostics: defining their classes registers their sections (and
+# record parts and metrics, distgrad.config.contract), so a DistgradConfig built after
+# ``import distgrad.config`` has every section
 import distgrad.signals.builtin  # noqa: E402,F401
+import distgrad.diagnostics  # noqa: E402,F401

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from distgrad.config import DistgradConfig
 from distgrad.diagnostics.spike_monitor import SpikeMonitor
 from distgrad.diagnostics.base import REGISTRY, Diagnostic, DiagnosticContext, register
 from distgrad.diagnostics.builtin import (AggregatesDiagnostic, ClipDiagnostic, HealthDiagnostic,
@@ -37,6 +36,9 @@ from distgrad.diagnostics.loss_scale import LossScaleDiagnostic
 from distgrad.diagnostics.incidents import IncidentDiagnostic  # noqa: F401  (registers it: runs last)
 from distgrad.record import StepRecord
 from distgrad.export.base import SinkError
+
+if TYPE_CHECKING:  # distgrad.config imports the diagnostics (their declared sections)
+    from distgrad.config import DistgradConfig
 
 __all__ = ["Diagnostics", "Diagnostic", "DiagnosticContext", "REGISTRY", "register", "STATE_VERSION",
            "SpikeDiagnostic", "HealthDiagnostic", "ClipDiagnostic", "AggregatesDiagnostic",

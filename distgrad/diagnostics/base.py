@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from distgrad.config import DistgradConfig
+from distgrad.config.contract import Declares
 from distgrad.record import StepRecord
+
+if TYPE_CHECKING:  # distgrad.config imports the diagnostics (their declared sections)
+    from distgrad.config import DistgradConfig
 
 
 @dataclass
@@ -41,13 +44,17 @@ class DiagnosticContext:
         return self.config.naming.tuples
 
 
-class Diagnostic:
+class Diagnostic(Declares):
     """Base class of a diagnostic plug-in.
 
     Subclasses set :attr:`name` (unique, the key of their state in a checkpoint), implement
     :meth:`on_record`, and override :meth:`state_dict` / :meth:`load_state_dict` when they keep
     state across steps. ``__init__`` takes the :class:`DiagnosticContext`; :meth:`create`
     returns None when the run's config disables the diagnostic.
+
+    Like a packed signal, a diagnostic may declare on its class its configuration section
+    (nested ``Config``), its record part (nested ``Part``, set in :meth:`on_record`) and its
+    metrics (``METRICS`` and ``samples``): :class:`~distgrad.config.contract.Declares`.
     """
 
     name: ClassVar[str] = ""

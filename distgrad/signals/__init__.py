@@ -13,8 +13,9 @@ Every rank must build the same signals with the same sizes (they are decided onc
 ``instrument()``, from the configuration and the parameter list, never from rank-local state),
 so the packed tensors have the same length on every rank.
 
-**The contract** (one module per signal, OLMo-core callback / torchtitan ``Config`` style): a
-:class:`PackedSignal` subclass declares, next to its code,
+**The contract** (one module per signal, OLMo-core callback / torchtitan ``Config`` style,
+:class:`distgrad.config.contract.Declares`): a :class:`PackedSignal` subclass declares, next to
+its code,
 
 * ``Config``: its configuration section (a nested :class:`~distgrad.config.sections.Section`
   subclass with ``section_key``), added to :class:`~distgrad.config.DistgradConfig` as the field
@@ -53,21 +54,19 @@ from __future__ import annotations
 
 import abc
 import logging
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from distgrad.config.sections import Section, register_section
-from distgrad.export import metrics as _metrics
-from distgrad.record.base import _Part, register_part
+from distgrad.config.contract import Declares
 
 log = logging.getLogger("distgrad")
 
 __all__ = ["PackedSignal", "SignalPack", "register", "FACTORIES"]
 
 
-class PackedSignal(abc.ABC):
+class PackedSignal(Declares, abc.ABC):
     """One statistic carried in the sampled step's two collectives.
 
     Subclasses set :attr:`name` (short, snake_case; used in error messages and the
@@ -77,39 +76,15 @@ class PackedSignal(abc.ABC):
     #: short name, e.g. ``"grad_histogram"``
     name: str = "signal"
 
-    # --- the contract (see the module docstring); each is optional --------------------------
-    #: its configuration section: a nested :class:`~distgrad.config.sections.Section` subclass
-    #: with ``section_key`` (the config key), or None
-    Config: ClassVar[type[Section] | None] = None
-    #: its record part: a nested dataclass on :class:`~distgrad.record.base._Part`, or None
-    Part: ClassVar[type[_Part] | None] = None
-    #: the :class:`~distgrad.record.StepRecord` attribute holding :attr:`Part` (default: the
-    #: config's ``section_key``)
-    part_name: ClassVar[str | None] = None
-    #: its Prometheus metrics (:class:`~distgrad.export.metrics.Metric` entries; their ``when``
-    #: declared with :func:`distgrad.export.metrics.condition`)
-    METRICS: ClassVar[tuple[_metrics.Metric, ...]] = ()
-
     def __init_subclass__(cls, **kw: Any) -> None:
-        """Register what the subclass declares (its own ``Config``, ``Part``, ``METRICS`` and
-        ``build``; inherited ones are not registered twice).
+        """Register what the subclass declares (:class:`~distgrad.config.contract.Declares`:
+        ``Config``, ``Part``, ``METRICS``) and its own ``build`` as its factory.
 
         Raises:
             ValueError: a config key, part name, metric or signal name declared twice.
         """
         super().__init_subclass__(**kw)
-        own = cls.__dict__
-        if own.get("Config") is not None:
-            register_section(own["Config"])
-        if own.get("Part") is not None:
-            name = cls.part_name or (cls.Config.section_key if cls.Config is not None else None)
-            if name is None:
-                raise ValueError(f"signal {cls.name}: a Part needs part_name or a Config")
-            cls.part_name = name
-            register_part(name, own["Part"])
-        if own.get("METRICS"):
-            _metrics.register(own["METRICS"], cls.part_name, cls.samples)
-        if "build" in own:
+        if "build" in cls.__dict__:
             register(cls.name)(cls.build)
 
     @classmethod
@@ -123,14 +98,6 @@ class PackedSignal(abc.ABC):
                 naming the key (``instrument()`` fails with it).
         """
         return None
-
-    @staticmethod
-    def samples(part: Any) -> dict[str, Any]:
-        """The Prometheus samples of the record part (:attr:`Part`, never None here):
-        ``{metric name: value}``, the value a number (an unlabelled metric), a ``{label value:
-        number}`` dict (a metric with one label; empty: no series) or None (no series). Every
-        name must be one of :attr:`METRICS`. Default: none."""
-        return {}
 
     @property
     @abc.abstractmethod
