@@ -16,7 +16,6 @@ which writes the JSON. The one-process cases run in the pytest process (``run_ca
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import traceback
@@ -24,6 +23,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from tests.dist.common import driver_args
+from tests.dist.engines import init_distributed
 from tests.dist.hf_cases import dataset, make_state, reset_accelerate, tiny_llama
 
 STEPS, CUT, BATCH = 8, 4, 2
@@ -201,14 +202,8 @@ CASES = {"trainer_ddp": "ddp", "trainer_ds": "deepspeed", "accelerate_ddp": "ddp
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--only", default="")
-    a, _ = ap.parse_known_args()
-    import deepspeed
-
-    deepspeed.init_distributed("gloo")
-    rank = dist.get_rank()
+    a = driver_args(only="")
+    rank, _ = init_distributed()
     directory = os.path.join(os.path.dirname(os.path.abspath(a.out)), "ckpt")
     results: dict = {}
     for name, kind in CASES.items():

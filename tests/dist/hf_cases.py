@@ -27,7 +27,6 @@ DDP); bf16 and fp16 need the two CPU refusals lifted (:func:`allow_half_precisio
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import logging
@@ -37,7 +36,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from tests.dist.common import full_stats
+from tests.dist.engines import init_distributed
+from tests.dist.common import driver_args, full_stats
 
 SEQ, VOCAB, BATCH, GA = 16, 256, 2, 2
 
@@ -323,14 +323,8 @@ CASES = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--only", default="")
-    a, _ = ap.parse_known_args()
-    import deepspeed
-
-    deepspeed.init_distributed("gloo")
-    rank = dist.get_rank()
+    a = driver_args(only="")
+    rank, _ = init_distributed()
     results: dict = {}
     for name, kw in CASES.items():
         if a.only and name not in a.only.split(","):

@@ -22,7 +22,6 @@ subclasses that skip the CUDA-only checks and use gloo. Writes JSON to --out.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import logging
@@ -32,7 +31,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from tests.dist.common import full_stats
+from tests.dist.common import driver_args, full_stats
 from tests.dist.hf_cases import dataset, gns_reference, tiny_llama
 
 BATCH = 2
@@ -209,10 +208,7 @@ CASES = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--only", default="")
-    a, _ = ap.parse_known_args()
+    a = driver_args(only="")
     results: dict = {}
     for name, kw in CASES.items():
         if a.only and name not in a.only.split(","):
