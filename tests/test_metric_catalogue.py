@@ -26,7 +26,8 @@ from distgrad.record.histogram import GradHistogram
 from distgrad.record.culprit import CulpritModule
 from distgrad.record.optimizer import OptimizerSignals
 from distgrad.record.logits import LogitStats
-from distgrad.record.replica import DuplicateData, ReplicaWeights
+from distgrad.signals.duplicate_data import DuplicateDataSignal
+from distgrad.signals.weight_hash import WeightHash
 from distgrad.loss.token import EDGES
 from distgrad.export.prometheus import PrometheusSink
 from distgrad.record.incidents import KINDS, Incident
@@ -108,9 +109,9 @@ def _sink(features: set[str]) -> PrometheusSink:
         rec.logits = LogitStats(attention_max={"0": 12.0, "1": 30.0}, attention_head_max={"0": [12.0, 3.0]},
                                 output_abs_max=9.0, z_mean=4.5, z_sq_mean=20.5, z_max=6.0, positions=16)
     if "duplicate_data" in f:
-        rec.duplicate_data = DuplicateData(streak=3, groups=[[0, 1]], ranks=[0, 1], first_step=3)
+        rec.duplicate_data = DuplicateDataSignal.Part(streak=3, groups=[[0, 1]], ranks=[0, 1], first_step=3)
     if "replica_weights" in f:
-        rec.replica_weights = ReplicaWeights(interval=10, hash_step=0, checked_ranks=[0, 1])
+        rec.replica_weights = WeightHash.Part(interval=10, hash_step=0, checked_ranks=[0, 1])
     diag.on_record(rec)
     if "incident" in f:  # the policy opened one (a bad batch naming its rank and a component)
         rec.incidents.total["bad_batch"] = 1

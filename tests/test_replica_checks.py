@@ -163,20 +163,24 @@ def _record(step: int, **parts):
     from distgrad.record import ParamStats, StepRecord
 
     p = ParamStats(["w"], numel=[2], sum=[0.0], sumsq=[2.0], nan=[0], inf=[0], zeros=[0], min=[-1.0], max=[1.0])
-    return StepRecord(step, step, 0.0, 3, p, float(np.sqrt(2.0)), **parts)
+    rec = StepRecord(step, step, 0.0, 3, p, float(np.sqrt(2.0)))
+    for k, v in parts.items():  # the signals' parts (the signal contract: attributes, not fields)
+        setattr(rec, k, v)
+    return rec
 
 
 def test_report_findings_name_the_ranks_and_parameters():
     """distgrad summary's FINDINGS: the first flagged step of each check, from the records alone."""
-    from distgrad.record.replica import DuplicateData, ReplicaWeights
     from distgrad.report.signals import SignalsAccumulator, summary_lines
+    from distgrad.signals.duplicate_data import DuplicateDataSignal
+    from distgrad.signals.weight_hash import WeightHash
 
     acc = SignalsAccumulator()
-    ok = ReplicaWeights(interval=5, hash_step=0, checked_ranks=[0, 1, 2])
-    bad = ReplicaWeights(interval=5, hash_step=10, checked_ranks=[0, 1, 2], mismatch_ranks=[2],
+    ok = WeightHash.Part(interval=5, hash_step=0, checked_ranks=[0, 1, 2])
+    bad = WeightHash.Part(interval=5, hash_step=10, checked_ranks=[0, 1, 2], mismatch_ranks=[2],
                          mismatch_params=["blocks.1.1.weight"], n_mismatch_params=1, mismatch_rank=2)
     for s in range(15):
-        dup = DuplicateData(streak=3, groups=[[0, 1]] if s >= 7 else [], ranks=[0, 1] if s >= 7 else [],
+        dup = DuplicateDataSignal.Part(streak=3, groups=[[0, 1]] if s >= 7 else [], ranks=[0, 1] if s >= 7 else [],
                             first_step=7 if s >= 7 else None)
         acc.add(_record(s, duplicate_data=dup, replica_weights=bad if s >= 10 else ok))
     rep = acc.result()
@@ -189,5 +193,5 @@ def test_report_findings_name_the_ranks_and_parameters():
     assert lines[0].startswith("FINDINGS (2;")
     healthy = SignalsAccumulator()
     for s in range(15):
-        healthy.add(_record(s, duplicate_data=DuplicateData(streak=3), replica_weights=ok))
+        healthy.add(_record(s, duplicate_data=DuplicateDataSignal.Part(streak=3), replica_weights=ok))
     assert healthy.result().findings == [] and summary_lines(healthy.result()) == []

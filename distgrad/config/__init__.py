@@ -36,7 +36,6 @@ from distgrad.config.sections import LogitsConfig, NoiseScaleConfig
 from distgrad.config.sections import PLUGIN_SECTIONS, _LISTENERS
 from distgrad.config.sections import OptimizerSignalsConfig
 from distgrad.config.sections import IncidentsConfig
-from distgrad.config.sections import DuplicateDataConfig, ReplicaWeightsConfig
 
 #: top-level keys that mark a DeepSpeed config (whose "distgrad" section holds distgrad's settings)
 _DEEPSPEED_KEYS = frozenset({
@@ -179,10 +178,6 @@ class DistgradConfig(BaseModel):
     logits: LogitsConfig = Field(default_factory=LogitsConfig, description=LogitsConfig.__doc__)
     optimizer_signals: OptimizerSignalsConfig = Field(default_factory=OptimizerSignalsConfig,
                                                       description=OptimizerSignalsConfig.__doc__)
-    duplicate_data: DuplicateDataConfig = Field(default_factory=DuplicateDataConfig,
-                                                description=DuplicateDataConfig.__doc__)
-    replica_weights: ReplicaWeightsConfig = Field(default_factory=ReplicaWeightsConfig,
-                                                  description=ReplicaWeightsConfig.__doc__)
 
     def __init__(self, **data: Any) -> None:
         nested, legacy = _normalise(data) if data else ({}, {})
@@ -305,7 +300,7 @@ __all__ = [
     "SinksConfig", "JsonlConfig", "TensorBoardConfig", "NamingConfig", "NamingRule", "LossConfig",
     "NoiseScaleConfig", "LogitsConfig",
     "ActionConfig",
-    "OptimizerSignalsConfig", "IncidentsConfig", "DuplicateDataConfig", "ReplicaWeightsConfig",
+    "OptimizerSignalsConfig", "IncidentsConfig",
 ]
 
 # plug-in sections (a signal's nested Config): those registered so far, and every later one

@@ -540,43 +540,6 @@ class OptimizerSignalsConfig(Section):
         "Layers named in the record's fisher_top_layers (largest diagonal Fisher trace first)."))
 
 
-class DuplicateDataConfig(Section):
-    """Data-parallel ranks that train on the same data (a loader that does not shard by rank, a
-    sampler without ``set_epoch``): their per-rank losses, already in the sampled step's SUM
-    collective, are bit-identical step after step (see docs/signals.md, "Ranks training on the
-    same data"). Decided on the host from the reduced values (no extra collective)."""
-
-    section_key: ClassVar[str] = "duplicate_data"
-    steps: int = Field(3, ge=0, description=(
-        "Flag a set of data-parallel ranks whose per-rank losses (mean and largest micro-batch "
-        "loss of the step) are bit-identical on this many consecutive sampled steps on which the "
-        "shared loss changed (a loss that does not move, e.g. a zero-initialised head's log V, "
-        "says nothing); 0 turns the check off. Needs the loop's losses (observe_loss or automatic "
-        "capture) and a layout whose data-parallel ranks distgrad knows (DDP, DeepSpeed, FSDP1, "
-        "FSDP2 on a 1-D mesh or a mesh whose dimensions are all named data-parallel); elsewhere "
-        "the check is skipped with one log line."))
-
-
-class ReplicaWeightsConfig(Section):
-    """Replica weight hashes: an exact integer checksum of each data-parallel replica's weights
-    compared across the replicas of the same shard on an interval, riding in the sampled step's
-    existing collectives (see docs/signals.md, "Replica weight hashes"). As Megatron-LM's
-    ``--check-weight-hash-across-dp-replicas-interval`` (a section of its own: the flat key
-    ``replica_check`` is the gradient fingerprint's ``statistics.replica_check``)."""
-
-    section_key: ClassVar[str] = "replica_weights"
-    hash_interval: int = Field(0, ge=0, description=(
-        "Every this many optimizer steps (at the first sampled step of each window of this many "
-        "steps), hash each rank's replicated weights (its full copy under DDP / ZeRO-0, its shard "
-        "under HSDP's replicate dimension) per parameter with the exact checksum of the replica "
-        "fingerprint and compare the replicas: a mismatch names the rank (majority of its replica "
-        "group) and the parameters, pages (DistgradReplicaWeightsDiverged) and writes a "
-        "flight-recorder report. Costs one pass over the local weights (about a dozen integer "
-        "operations per element) on hash steps, and 2 x groups x P + W float64 in every sampled "
-        "step's collectives. 0: off. Layouts without replicated weights (pure sharding: FSDP, "
-        "ZeRO-3) have nothing to compare and are refused with a clear error."))
-
-
 #: the sections of DistgradConfig, in the order of the generated files
 SECTIONS: dict[str, type[Section]] = {
     "sampling": SamplingConfig, "exporter": ExporterConfig, "statistics": StatisticsConfig,
@@ -585,8 +548,7 @@ SECTIONS: dict[str, type[Section]] = {
     "naming": NamingConfig, "loss": LossConfig, "histogram": HistogramConfig,
     "noise_scale": NoiseScaleConfig, "action": ActionConfig,
     "logits": LogitsConfig,
-    "optimizer_signals": OptimizerSignalsConfig, "duplicate_data": DuplicateDataConfig,
-    "replica_weights": ReplicaWeightsConfig,
+    "optimizer_signals": OptimizerSignalsConfig,
 }
 
 #: the sections declared by plug-ins (a signal's nested ``Config``, see :mod:`distgrad.signals`),

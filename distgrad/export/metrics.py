@@ -117,10 +117,6 @@ CONDITIONS: dict[str, str] = {
     "incident": "after the detection policy opened an incident of that kind (`incidents.enabled`, the default); "
                 "`distgrad_incident_rank` only for incidents that name a rank (`bad_batch`), "
                 "`distgrad_incident_component` only for incidents that name a loss component",
-    "duplicate_data": "`duplicate_data.steps` > 0 (default) with world size > 1 on a layout whose data-parallel ranks "
-                      "distgrad knows (see docs/signals.md), after a sampled step with a loss observed",
-    "replica_weights": "`replica_weights.hash_interval` > 0 with replicated weights (DDP, ZeRO-0, HSDP), world size "
-                       "> 1, after the first sampled step",
     "data_time": "after a sampled step whose data time is known on some rank (the boundary sees the forward: "
                  "PyTorch models with `optimizer=`, DeepSpeed engines; or the loop calls `observe_data_time`)",
 }
@@ -468,21 +464,6 @@ CATALOGUE: tuple[Metric, ...] = (
            "zeros instead (DeepSpeed ZeRO 0-3; FSDP1 when the unit has used parameters) show the same bug as exact zeros: "
            "both are fed to the vanishing test (`distgrad_vanishing_params`) as a zero gradient"),
     _g("distgrad_exploding_params", "params", "Parameters currently flagged as exploding."),
-    _g("distgrad_duplicate_data_ranks", "ranks", "Data-parallel ranks whose losses were bit-identical to another "
-       "replica's on the last duplicate_data.steps informative sampled steps (0: none).", "duplicate_data",
-       doc="data-parallel ranks training on the same data: ranks whose per-rank loss (mean and largest micro-batch "
-           "loss, float64, bit for bit) equalled another data-parallel replica's on `duplicate_data.steps` "
-           "consecutive sampled steps on which it moved (0 healthy; the record's `duplicate_data` names the ranks; "
-           "distgrad/signals/duplicate_data.py)"),
-    _g("distgrad_replica_weights_mismatch_rank", "rank", "Rank whose weight hash disagreed with its replica group's "
-       "majority at the last hash step, -1 if none.", "replica_weights"),
-    _g("distgrad_replica_weights_mismatch_params", "params", "Parameters whose weight hash differed across "
-       "data-parallel replicas at the last hash step (0: replicas agree).", "replica_weights",
-       doc="parameters whose exact weight checksum differed within a replica group at the last hash step "
-           "(`replica_weights.hash_interval`; 0 when the replicas agree; the record's `replica_weights` names "
-           "them; distgrad/signals/weight_hash.py)"),
-    _g("distgrad_replica_weights_hash_step", "steps", "Optimizer step of the last replica weight-hash comparison.",
-       "replica_weights"),
     # --- gradient noise scale (distgrad/signals/noise_scale.py, docs/signals.md) ------------------
     _g("distgrad_gradient_noise_scale", "samples", "Gradient noise scale B_simple = tr(Sigma) / |G|^2 (ratio of the "
        "two EMAs): the critical batch size it implies.", "noise_scale",

@@ -93,11 +93,6 @@ _PART_GAUGES: dict[str, Callable[[StepRecord], Any]] = {
                                                and r.optimizer_signals.clip_ratio >= SPIKE_CLIP_MIN else None),
     "distgrad_grad_momentum_cosine": lambda r: r.optimizer_signals.grad_momentum_cosine if r.optimizer_signals else None,
     "distgrad_fisher_trace": lambda r: r.optimizer_signals.fisher_trace if r.optimizer_signals else None,
-    "distgrad_duplicate_data_ranks": lambda r: len(r.duplicate_data.ranks) if r.duplicate_data else None,
-    "distgrad_replica_weights_mismatch_rank": lambda r: r.replica_weights.mismatch_rank if r.replica_weights else None,
-    "distgrad_replica_weights_mismatch_params": lambda r: (r.replica_weights.n_mismatch_params
-                                                          if r.replica_weights else None),
-    "distgrad_replica_weights_hash_step": lambda r: r.replica_weights.hash_step if r.replica_weights else None,
 }
 #: ``{label value: number}`` dicts of the record's typed parts with one label
 _PART_MAPS: dict[str, Callable[[StepRecord], Any]] = {

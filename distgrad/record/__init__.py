@@ -428,12 +428,6 @@ class StepRecord:
             None when off, on the first optimizer step (no moment yet) and on overflow steps.
         incidents: the detection policy's state (:class:`~distgrad.record.incidents.Incidents`: incidents
             opened so far, the one opened on this step), None when ``incidents.enabled`` is false.
-        duplicate_data: data-parallel ranks training on the same data
-            (:class:`~distgrad.record.replica.DuplicateData`), None when ``duplicate_data.steps``
-            is 0 or distgrad cannot tell which ranks are data-parallel replicas.
-        replica_weights: the last replica weight-hash comparison
-            (:class:`~distgrad.record.replica.ReplicaWeights`), None unless
-            ``replica_weights.hash_interval`` > 0 with replicated weights.
     """
 
     step: int
@@ -477,8 +471,6 @@ class StepRecord:
     optimizer_signals: OptimizerSignals | None = None
     incidents: "Incidents | None" = None
     logits: LogitStats | None = None
-    duplicate_data: DuplicateData | None = None
-    replica_weights: ReplicaWeights | None = None
 
     @property
     def nonfinite(self) -> bool:
@@ -539,4 +531,3 @@ from distgrad.record.culprit import CulpritModule  # noqa: E402,F401
 from distgrad.record.optimizer import OptimizerSignals  # noqa: E402,F401
 from distgrad.record.incidents import Incidents  # noqa: E402,F401
 from distgrad.record.logits import LogitStats  # noqa: E402,F401
-from distgrad.record.replica import DuplicateData, ReplicaWeights  # noqa: E402,F401

@@ -38,13 +38,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from pydantic import Field
 
-from distgrad.record.replica import DuplicateData
-from distgrad.signals import PackedSignal, register
+from distgrad.config.sections import Section
+from distgrad.export.metrics import Metric, condition
+from distgrad.record.base import _Part
+from distgrad.signals import PackedSignal
 
 log = logging.getLogger("distgrad")
 
@@ -134,6 +138,75 @@ class DuplicateDataSignal(PackedSignal):
 
     name = "duplicate_data"
 
+    class Config(Section):
+        """Data-parallel ranks that train on the same data (a loader that does not shard by rank, a
+        sampler without ``set_epoch``): their per-rank losses, already in the sampled step's SUM
+        collective, are bit-identical step after step (see docs/signals.md, "Ranks training on the
+        same data"). Decided on the host from the reduced values (no extra collective)."""
+
+        section_key: ClassVar[str] = "duplicate_data"
+        steps: int = Field(3, ge=0, description=(
+            "Flag a set of data-parallel ranks whose per-rank losses (mean and largest micro-batch "
+            "loss of the step) are bit-identical on this many consecutive sampled steps on which the "
+            "shared loss changed (a loss that does not move, e.g. a zero-initialised head's log V, "
+            "says nothing); 0 turns the check off. Needs the loop's losses (observe_loss or automatic "
+            "capture) and a layout whose data-parallel ranks distgrad knows (DDP, DeepSpeed, FSDP1, "
+            "FSDP2 on a 1-D mesh or a mesh whose dimensions are all named data-parallel); elsewhere "
+            "the check is skipped with one log line."))
+
+    @dataclass
+    class Part(_Part):
+        """Data-parallel ranks whose per-rank losses were bit-identical, step after step
+        (``StepRecord.duplicate_data``).
+
+        Attributes:
+            streak: ``duplicate_data.steps``, K: consecutive sampled steps (on which the shared loss
+                moved) a set of ranks must agree on for it to be flagged.
+            groups: the flagged sets of ranks (instrument-group ranks, ascending; each of 2 or more
+                data-parallel replicas whose losses were bit-identical on the last K informative
+                sampled steps); empty when none.
+            ranks: the union of ``groups``, ascending (``distgrad_duplicate_data_ranks`` is its length).
+            first_step: the optimizer step at which the current flag was first raised, None when none.
+        """
+
+        streak: int
+        groups: list[list[int]] = field(default_factory=list)
+        ranks: list[int] = field(default_factory=list)
+        first_step: int | None = None
+
+    _when = condition("duplicate_data", "`duplicate_data.steps` > 0 (default) with world size > 1 on a layout whose "
+                      "data-parallel ranks distgrad knows (see docs/signals.md), after a sampled step with a loss "
+                      "observed")
+    METRICS = (
+        Metric("distgrad_duplicate_data_ranks", "gauge", (), "ranks", "Data-parallel ranks whose losses were "
+               "bit-identical to another replica's on the last duplicate_data.steps informative sampled steps "
+               "(0: none).", _when,
+               doc="data-parallel ranks training on the same data: ranks whose per-rank loss (mean and largest "
+                   "micro-batch loss, float64, bit for bit) equalled another data-parallel replica's on "
+                   "`duplicate_data.steps` consecutive sampled steps on which it moved (0 healthy; the record's "
+                   "`duplicate_data` names the ranks; distgrad/signals/duplicate_data.py)"),
+    )
+
+    @staticmethod
+    def samples(part: DuplicateDataSignal.Part) -> dict[str, Any]:
+        """``distgrad_duplicate_data_ranks``: the number of flagged ranks."""
+        return {"distgrad_duplicate_data_ranks": len(part.ranks)}
+
+    @classmethod
+    def build(cls, inst: Any) -> DuplicateDataSignal | None:
+        """``duplicate_data.steps`` > 0 on a layout whose data-parallel ranks are known (else None,
+        with one log line from rank 0 naming why, except on one rank)."""
+        k = inst.config.duplicate_data.steps
+        if not k:
+            return None
+        groups, why = data_parallel_groups(inst)
+        if groups is None:
+            if inst.world_size > 1 and getattr(inst, "global_rank", 0) == 0:
+                log.info("distgrad: duplicate_data: not checked with %s: distgrad cannot tell which ranks are "
+                         "data-parallel replicas", why)
+            return None
+        return cls(groups, inst.world_size, k)
+
     def __init__(self, groups: list[list[int]], world: int, k: int) -> None:
         self.k = k
         self.streaks = SameDataStreaks(groups, world, k)
@@ -153,7 +226,7 @@ class DuplicateDataSignal(PackedSignal):
             return
         groups = self.streaks.observe(rec.step, ranks.loss_mean, ranks.loss_max)
         flat = sorted({r for g in groups for r in g})
-        rec.duplicate_data = DuplicateData(self.k, groups, flat, self.streaks.first_step)
+        rec.duplicate_data = DuplicateDataSignal.Part(self.k, groups, flat, self.streaks.first_step)
         key = tuple(tuple(g) for g in groups)
         if groups and key not in self._logged:
             self._logged.add(key)
@@ -164,18 +237,3 @@ class DuplicateDataSignal(PackedSignal):
                     "without set_epoch?); distgrad_duplicate_data_ranks = %d",
                     rec.step, "; ".join(", ".join(inst.own.name(r) for r in g) for g in groups), self.k, len(flat))
 
-
-@register("duplicate_data")
-def _factory(inst: Any) -> DuplicateDataSignal | None:
-    """``duplicate_data.steps`` > 0 on a layout whose data-parallel ranks are known (else None,
-    with one log line from rank 0 naming why, except on one rank)."""
-    k = inst.config.duplicate_data.steps
-    if not k:
-        return None
-    groups, why = data_parallel_groups(inst)
-    if groups is None:
-        if inst.world_size > 1 and getattr(inst, "global_rank", 0) == 0:
-            log.info("distgrad: duplicate_data: not checked with %s: distgrad cannot tell which ranks are "
-                     "data-parallel replicas", why)
-        return None
-    return DuplicateDataSignal(groups, inst.world_size, k)

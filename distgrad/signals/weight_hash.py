@@ -37,7 +37,7 @@ shard has one owner, there is no replica to compare, and a configured interval i
 ``instrument()`` with a clear error (ZeRO-1/2's replicated low-precision module weights are not
 read: ``local_param_pieces`` is the master partition there).
 
-Result (every rank alike): :class:`~distgrad.record.replica.ReplicaWeights` on every sampled
+Result (every rank alike): :class:`WeightHash.Part` (``StepRecord.replica_weights``) on every sampled
 record (the last comparison), the gauges ``distgrad_replica_weights_mismatch_rank`` /
 ``..._mismatch_params`` / ``..._hash_step``, one WARNING line from global rank 0 per new
 mismatch naming the ranks and parameters, and a flight-recorder report
@@ -52,14 +52,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from distgrad.config.errors import ConfigError
-from distgrad.record.replica import ReplicaWeights
-from distgrad.signals import PackedSignal, register
+from distgrad.config.sections import Section
+from distgrad.export.metrics import Metric, condition
+from distgrad.record.base import _Part
+from distgrad.signals import PackedSignal
 from distgrad.stats.checksum import replica_checksum
 from distgrad.stats.core import replica_outliers
 
@@ -91,6 +95,94 @@ class WeightHash(PackedSignal):
 
     name = "replica_weights"
 
+    class Config(Section):
+        """Replica weight hashes: an exact integer checksum of each data-parallel replica's weights
+        compared across the replicas of the same shard on an interval, riding in the sampled step's
+        existing collectives (see docs/signals.md, "Replica weight hashes"). As Megatron-LM's
+        ``--check-weight-hash-across-dp-replicas-interval`` (a section of its own: the flat key
+        ``replica_check`` is the gradient fingerprint's ``statistics.replica_check``)."""
+
+        section_key: ClassVar[str] = "replica_weights"
+        hash_interval: int = Field(0, ge=0, description=(
+            "Every this many optimizer steps (at the first sampled step of each window of this many "
+            "steps), hash each rank's replicated weights (its full copy under DDP / ZeRO-0, its shard "
+            "under HSDP's replicate dimension) per parameter with the exact checksum of the replica "
+            "fingerprint and compare the replicas: a mismatch names the rank (majority of its replica "
+            "group) and the parameters, pages (DistgradReplicaWeightsDiverged) and writes a "
+            "flight-recorder report. Costs one pass over the local weights (about a dozen integer "
+            "operations per element) on hash steps, and 2 x groups x P + W float64 in every sampled "
+            "step's collectives. 0: off. Layouts without replicated weights (pure sharding: FSDP, "
+            "ZeRO-3) have nothing to compare and are refused with a clear error."))
+
+    @dataclass
+    class Part(_Part):
+        """The replica weight-hash comparison of the last hash step, kept on the records in between
+        (``StepRecord.replica_weights``).
+
+        Attributes:
+            interval: ``replica_weights.hash_interval`` in optimizer steps.
+            hash_step: optimizer step of the last comparison (the weights as they were at that
+                step's boundary, before its optimizer step); None before the first.
+            checked_ranks: ranks that took part (the replica groups' members).
+            mismatch_ranks: ranks whose checksum disagreed with the majority of their replica group
+                (ties: the group containing the lowest rank is the reference), ascending; empty when
+                the replicas agree.
+            mismatch_params: parameter names whose per-parameter checksum differed within a replica
+                group, in parameter order (at most 32 listed; ``n_mismatch_params`` counts all).
+            n_mismatch_params: number of such parameters.
+            mismatch_rank: the first of ``mismatch_ranks``, -1 when none.
+        """
+
+        interval: int
+        hash_step: int | None = None
+        checked_ranks: list[int] = field(default_factory=list)
+        mismatch_ranks: list[int] = field(default_factory=list)
+        mismatch_params: list[str] = field(default_factory=list)
+        n_mismatch_params: int = 0
+        mismatch_rank: int = -1
+
+    _when = condition("replica_weights", "`replica_weights.hash_interval` > 0 with replicated weights (DDP, ZeRO-0, "
+                      "HSDP), world size > 1, after the first sampled step")
+    METRICS = (
+        Metric("distgrad_replica_weights_mismatch_rank", "gauge", (), "rank", "Rank whose weight hash disagreed with "
+               "its replica group's majority at the last hash step, -1 if none.", _when),
+        Metric("distgrad_replica_weights_mismatch_params", "gauge", (), "params", "Parameters whose weight hash "
+               "differed across data-parallel replicas at the last hash step (0: replicas agree).", _when,
+               doc="parameters whose exact weight checksum differed within a replica group at the last hash step "
+                   "(`replica_weights.hash_interval`; 0 when the replicas agree; the record's `replica_weights` "
+                   "names them; distgrad/signals/weight_hash.py)"),
+        Metric("distgrad_replica_weights_hash_step", "gauge", (), "steps", "Optimizer step of the last replica "
+               "weight-hash comparison.", _when),
+    )
+
+    @staticmethod
+    def samples(part: WeightHash.Part) -> dict[str, Any]:
+        """The three gauges of the last comparison."""
+        return {"distgrad_replica_weights_mismatch_rank": part.mismatch_rank,
+                "distgrad_replica_weights_mismatch_params": part.n_mismatch_params,
+                "distgrad_replica_weights_hash_step": part.hash_step}
+
+    @classmethod
+    def build(cls, inst: Any) -> WeightHash | None:
+        """``replica_weights.hash_interval`` > 0: the signal (None on one rank or with the
+        interval 0).
+
+        Raises:
+            ConfigError: a layout without replicated weights (the key named)."""
+        n = inst.config.replica_weights.hash_interval
+        if not n or inst.world_size < 2:
+            return None
+        own = inst.own
+        if not own.groups or not any(own.check):
+            raise ConfigError(
+                "distgrad config: 'replica_weights.hash_interval' needs replicated weights, and this layout "
+                f"(engine {inst.source.engine_name!r}, ZeRO stage {inst.source.zero_stage}) shards every parameter "
+                "with one owner per shard, so there is no replica to compare; set replica_weights.hash_interval: 0 "
+                "(HSDP / DDP / ZeRO-0 have replicas)")
+        sig = cls(n, inst.config.sampling.interval, own.groups, own.check, inst.names, inst.world_size, inst.rank)
+        inst.add_hook(lambda rec: sig.report(inst, rec))
+        return sig
+
     def __init__(self, interval: int, sampling_interval: int, groups: list[list[int]], check: list[bool],
                  names: list[str], world: int, rank: int) -> None:
         self.interval, self.sampling = int(interval), int(sampling_interval)
@@ -99,7 +191,7 @@ class WeightHash(PackedSignal):
         self.names = list(names)
         self.world, self.rank = world, rank
         self.my_group = next((i for i, g in enumerate(self.groups) if rank in g), None)
-        self.last: ReplicaWeights | None = None
+        self.last: WeightHash.Part | None = None
         self._reported: set[tuple[int, ...]] = set()
         self._step: int | None = None
 
@@ -137,7 +229,7 @@ class WeightHash(PackedSignal):
     def finish(self, inst: Any, rec: Any, sum_part: np.ndarray, max_part: np.ndarray, grad_scale: float) -> None:
         if not is_hash_step(rec.step, self.interval, self.sampling):
             if self.last is not None:
-                rec.replica_weights = ReplicaWeights.from_dict(self.last.to_dict())
+                rec.replica_weights = WeightHash.Part.from_dict(self.last.to_dict())
             return
         m = max_part.reshape(len(self.groups), len(self.names), 2)
         ranks: list[int] = []
@@ -149,7 +241,7 @@ class WeightHash(PackedSignal):
                 params |= np.isfinite(hi) & np.isfinite(lo) & (hi != lo)
         ranks.sort()
         bad = [self.names[i] for i in np.flatnonzero(params)]
-        rw = ReplicaWeights(self.interval, int(rec.step), sorted(r for g in self.groups for r in g), ranks,
+        rw = WeightHash.Part(self.interval, int(rec.step), sorted(r for g in self.groups for r in g), ranks,
                             bad[:MAX_LISTED], len(bad), ranks[0] if ranks else -1)
         self.last = rec.replica_weights = rw
         if (ranks or bad) and inst.global_rank == 0:
@@ -189,24 +281,5 @@ class WeightHash(PackedSignal):
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("last") is not None:
-            self.last = ReplicaWeights.from_dict(state["last"])
+            self.last = WeightHash.Part.from_dict(state["last"])
 
-
-@register("replica_weights")
-def _factory(inst: Any) -> WeightHash | None:
-    """``replica_weights.hash_interval`` > 0: the signal (None on one rank or with the interval
-    0); ConfigError naming the key for a layout without replicated weights."""
-    n = inst.config.replica_weights.hash_interval
-    if not n or inst.world_size < 2:
-        return None
-    own = inst.own
-    if not own.groups or not any(own.check):
-        raise ConfigError(
-            "distgrad config: 'replica_weights.hash_interval' needs replicated weights, and this layout "
-            f"(engine {inst.source.engine_name!r}, ZeRO stage {inst.source.zero_stage}) shards every parameter "
-            "with one owner per shard, so there is no replica to compare; set replica_weights.hash_interval: 0 "
-            "(HSDP / DDP / ZeRO-0 have replicas)")
-    sig = WeightHash(n, inst.config.sampling.interval, own.groups, own.check, inst.names, inst.world_size,
-                     inst.rank)
-    inst.add_hook(lambda rec: sig.report(inst, rec))
-    return sig
