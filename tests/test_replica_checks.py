@@ -1,7 +1,7 @@
 """The data-parallel replica checks (issue #26 items 5 and 2): ranks training on the same data
 (distgrad/signals/duplicate_data.py) and replica weight hashes (distgrad/signals/weight_hash.py).
 
-Multi-rank (tests/dist/replica_cases.py, DDP on gloo; one 2-rank and one 3-rank launch): a loader
+Multi-rank (tests/dist/replica_cases.py on gloo: a 2-rank and a 3-rank DDP launch, a 4-rank HSDP one): a loader
 that does not shard is flagged after ``duplicate_data.steps`` sampled steps with both ranks named,
 a sharded one never is, each against the per-rank losses the ranks saw; a bit flipped in one
 weight on rank 2 after an optimizer step is caught at the next hash step with that rank and that
@@ -195,3 +195,40 @@ def test_report_findings_name_the_ranks_and_parameters():
     for s in range(15):
         healthy.add(_record(s, duplicate_data=DuplicateDataSignal.Part(streak=3), replica_weights=ok))
     assert healthy.result().findings == [] and summary_lines(healthy.result()) == []
+
+
+@pytest.fixture(scope="module")
+def hsdp(tmp_path_factory):
+    return launch("replica_cases.py", tmp_path_factory.mktemp("hsdp") / "hsdp.json", "--cases", "hsdp", nproc=4)
+
+
+def test_hsdp_compares_the_replicas_of_the_same_shard(hsdp):
+    """HSDP on a ("replicate", "shard") 2 x 2 mesh: each rank hashes its own shard and is compared
+    with the rank holding the same shard (groups [0, 2] and [1, 3]), never with the other shard
+    (which differs: comparing it would flag every healthy step). A bit flipped in rank 3's shard is
+    caught at the next hash step with that parameter; with two replicas per shard there is no
+    majority, so the higher rank of the pair is named (here the one that flipped). The data is
+    sharded over both dimensions: the duplicate-data check, which covers this all-data-parallel
+    mesh, stays silent."""
+    from tests.dist.replica_cases import (
+        FLIP_AFTER,
+        FLIP_PARAM,
+        FLIP_RANK_HSDP,
+        FLIP_STEPS,
+        HASH_EVERY,
+    )
+
+    ranks = hsdp["cases"]["hsdp"]["ranks"]
+    assert all("error" not in r for r in ranks), ranks[0].get("traceback")
+    r0 = ranks[0]
+    assert hsdp["world_size"] == 4 and r0["internal_errors"] == 0 and r0["groups"] == [[0, 2], [1, 3]]
+    assert all(r["parts"] == r0["parts"] for r in ranks)
+    # reference: the local shards all-gathered and compared within each replica group
+    assert r0["differ"] == [[] if s <= FLIP_AFTER else [FLIP_PARAM] for s in range(FLIP_STEPS)]
+    caught = next(s for s in range(FLIP_AFTER + 1, FLIP_STEPS) if s % HASH_EVERY == 0)
+    for s, part in enumerate(r0["parts"]):
+        rw = part["replica_weights"]
+        assert rw["hash_step"] == s - s % HASH_EVERY and rw["checked_ranks"] == [0, 1, 2, 3]
+        want = ([], []) if s < caught else ([FLIP_RANK_HSDP], r0["differ"][caught])
+        assert (rw["mismatch_ranks"], rw["mismatch_params"]) == want, s
+        assert part["duplicate_data"]["groups"] == []

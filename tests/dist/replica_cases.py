@@ -32,6 +32,7 @@ from tests.dist.engines import adamw, build_ddp
 DUP_STEPS, DUP_K, GAS = 6, 3, 2
 HASH_EVERY, FLIP_AFTER, FLIP_RANK, FLIP_PARAM, FLIP_INDEX, FLIP_BIT = 3, 4, 2, "blocks.1.1.weight", 3, 20
 FLIP_STEPS = 9
+FLIP_RANK_HSDP = 3
 
 
 def _config(**extra) -> dict:
@@ -107,6 +108,58 @@ def run_flip(rank: int, world: int, out_dir: str) -> dict:
             "counts": counter.counts, "internal_errors": inst.counters["internal_errors"]}
 
 
+def run_hsdp(rank: int, world: int) -> dict:
+    """HSDP (FSDP2 on a ("replicate", "shard") 2 x 2 mesh): each rank holds one shard of each
+    parameter; the replicas of a shard are the ranks with the same "shard" coordinate. Rank
+    FLIP_RANK_HSDP flips a bit in its local shard of FLIP_PARAM after the optimizer step of
+    FLIP_AFTER. Returns the records' parts, the replica groups and, per step, which parameters'
+    local shards differ from those of the rank's replica (the reference: the local shards
+    all-gathered and compared within each replica group), the loader unsharded along "replicate"
+    (every rank its own data: the duplicate-data check must stay silent)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.dist.engines import build_fsdp2
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = TinyModel()
+    model, opt = build_fsdp2(model, model.blocks, optim=adamw(1e-2), mesh=mesh)
+    inst = distgrad.instrument(model, _config(replica_weights={"hash_interval": HASH_EVERY}), optimizer=opt)
+    names = list(inst.names)
+    params = {n: p for n, p in model.named_parameters()}
+    by_clean = {n: params[k] for n in names for k in params if k.endswith(n)}
+    parts, differ = [], []
+    try:
+        for s in range(FLIP_STEPS):
+            here = []
+            for n in names:
+                w = by_clean[n].to_local().detach().reshape(-1).clone()
+                every = [None] * world
+                dist.all_gather_object(every, w.view(torch.int32).tolist())
+                groups = inst.own.groups
+                if any(every[a] != every[b] for g in groups for a in g for b in g):
+                    here.append(n)
+            differ.append(here)
+            for micro in range(GAS):
+                x, y = batch_for(s, micro, rank)
+                loss = model(x, y)
+                inst.observe_loss(loss)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if s == FLIP_AFTER and rank == FLIP_RANK_HSDP:
+                with torch.no_grad():
+                    local = by_clean[FLIP_PARAM].to_local()
+                    local.view(-1).view(torch.int32)[0] ^= 1 << FLIP_BIT
+            rec = inst.last_record
+            parts.append(None if rec is None else {
+                "replica_weights": None if rec.replica_weights is None else rec.replica_weights.to_dict(),
+                "duplicate_data": None if rec.duplicate_data is None else rec.duplicate_data.to_dict()})
+    finally:
+        inst.close()
+    return {"parts": parts, "differ": differ, "groups": inst.own.groups, "internal_errors": inst.counters["internal_errors"]}
+
+
 def main() -> None:
     args = driver_args(cases="all", frdir="")
     dist.init_process_group("gloo")
@@ -115,7 +168,7 @@ def main() -> None:
 
     stats.stats_table([torch.ones(3)], torch.device("cpu"))  # one-time kernel set-up
     jobs = [("dup-unsharded", lambda r, w: run_dup(False, r, w)), ("dup-sharded", lambda r, w: run_dup(True, r, w)),
-            ("flip", lambda r, w: run_flip(r, w, args.frdir))]
+            ("flip", lambda r, w: run_flip(r, w, args.frdir)), ("hsdp", run_hsdp)]
     run_cases(jobs, args.cases, args.out, rank, world, "replica_cases")
     dist.destroy_process_group()
 
