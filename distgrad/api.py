@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from distgrad.config import ConfigError, DistgradConfig
 from distgrad.core.instrument import Instrument
@@ -12,7 +13,7 @@ from distgrad.core.instrument import Instrument
 log = logging.getLogger("distgrad")
 
 
-def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | os.PathLike | None" = None,
+def instrument(engine: Any, config: DistgradConfig | Mapping[str, Any] | str | os.PathLike | None = None,
                *, optimizer: Any = None, scaler: Any = None, **overrides: Any) -> Instrument:
     """Attach distgrad to a training engine and return the :class:`Instrument`.
 
@@ -55,9 +56,9 @@ def instrument(engine: Any, config: "DistgradConfig | Mapping[str, Any] | str | 
     """
     import torch
 
+    from distgrad.diagnostics.replay import attach_replay
     from distgrad.engines.deepspeed import DeepSpeedSource, attach_deepspeed, is_deepspeed_engine
     from distgrad.engines.torch_native import attach_torch
-    from distgrad.diagnostics.replay import attach_replay
 
     optimizer = unwrap_optimizer(optimizer)
     if isinstance(config, torch.optim.Optimizer):
@@ -159,7 +160,7 @@ def _mark(inst: Instrument, *objs: Any) -> None:
     would sample and serve twice)."""
     for o in objs:
         try:
-            setattr(o, "_distgrad_instrument", inst)
+            o._distgrad_instrument = inst
             inst.on_close(lambda o=o: setattr(o, "_distgrad_instrument", None))
         except (AttributeError, TypeError):
             pass

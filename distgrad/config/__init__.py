@@ -20,22 +20,40 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from distgrad.config.errors import ConfigError, describe
 from distgrad.config.sections import (
-    SECTIONS, ActionConfig, ClipConfig, ExporterConfig, FlightRecorderConfig, HealthConfig, HistogramConfig, JsonlConfig, LossConfig,
-    LossScaleConfig, NamingConfig,
-    NamingRule, SamplingConfig, Section, SinksConfig, SpikesConfig, StatisticsConfig, TensorBoardConfig,
+    _LISTENERS,
+    PLUGIN_SECTIONS,
+    SECTIONS,
+    ActionConfig,
+    ClipConfig,
+    ExporterConfig,
+    FlightRecorderConfig,
+    HealthConfig,
+    HistogramConfig,
+    IncidentsConfig,
+    JsonlConfig,
+    LogitsConfig,
+    LossConfig,
+    LossScaleConfig,
+    NamingConfig,
+    NamingRule,
+    NoiseScaleConfig,
+    OptimizerSignalsConfig,
+    SamplingConfig,
+    Section,
+    SinksConfig,
+    SpikesConfig,
+    StatisticsConfig,
+    TensorBoardConfig,
     TracerConfig,
 )
-from distgrad.config.sections import LogitsConfig, NoiseScaleConfig
-from distgrad.config.sections import PLUGIN_SECTIONS, _LISTENERS
-from distgrad.config.sections import OptimizerSignalsConfig
-from distgrad.config.sections import IncidentsConfig
 
 #: top-level keys that mark a DeepSpeed config (whose "distgrad" section holds distgrad's settings)
 _DEEPSPEED_KEYS = frozenset({
@@ -191,7 +209,7 @@ class DistgradConfig(BaseModel):
 
     # ----------------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "DistgradConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> DistgradConfig:
         """Build from a mapping (sections as nested mappings, dotted keys such as
         ``"exporter.port"``, or old flat keys). A whole DeepSpeed config dict is accepted: its
         ``"distgrad"`` section is used.
@@ -212,7 +230,7 @@ class DistgradConfig(BaseModel):
         return cls(**{str(k): v for k, v in d.items()})
 
     @classmethod
-    def load(cls, source: "DistgradConfig | Mapping[str, Any] | str | os.PathLike | None") -> "DistgradConfig":
+    def load(cls, source: DistgradConfig | Mapping[str, Any] | str | os.PathLike | None) -> DistgradConfig:
         """Accepts a DistgradConfig, a dict, a path to a YAML file, a path to a DeepSpeed JSON
         config (its ``"distgrad"`` section is used), or None (defaults).
 
@@ -246,7 +264,7 @@ class DistgradConfig(BaseModel):
         raise ConfigError(
             f"distgrad config must be a DistgradConfig, a dict or a file path, got {type(source).__name__}")
 
-    def with_overrides(self, overrides: Mapping[str, Any]) -> "DistgradConfig":
+    def with_overrides(self, overrides: Mapping[str, Any]) -> DistgradConfig:
         """A copy with ``overrides`` applied on top: sections given as mappings are merged key by
         key into this configuration's (``exporter={"port": 0}`` keeps the exporter's host); dotted
         keys and old flat keys are accepted as in :meth:`from_dict`.
@@ -296,7 +314,8 @@ def key_label(path: str) -> str:
 
 __all__ = [
     "ConfigError", "DistgradConfig", "FLAT_KEYS", "key_label", "SECTIONS", "Section", "SamplingConfig",
-    "ExporterConfig", "StatisticsConfig", "SpikesConfig", "HealthConfig", "ClipConfig", "FlightRecorderConfig", "TracerConfig",
+    "ExporterConfig", "StatisticsConfig", "SpikesConfig", "HealthConfig", "ClipConfig", "FlightRecorderConfig",
+    "TracerConfig",
     "SinksConfig", "JsonlConfig", "TensorBoardConfig", "NamingConfig", "NamingRule", "LossConfig",
     "NoiseScaleConfig", "LogitsConfig",
     "ActionConfig",
@@ -310,5 +329,5 @@ _LISTENERS.append(_add_section)
 # the built-in signals and diagnostics: defining their classes registers their sections (and
 # record parts and metrics, distgrad.config.contract), so a DistgradConfig built after
 # ``import distgrad.config`` has every section
-import distgrad.signals.builtin  # noqa: E402,F401
 import distgrad.diagnostics  # noqa: E402,F401
+import distgrad.signals.builtin  # noqa: E402,F401

@@ -4,7 +4,8 @@ the key as the user writes it (``distgrad config: 'spikes.window' must be >= 2 (
 from __future__ import annotations
 
 import difflib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 
 class ConfigError(ValueError):

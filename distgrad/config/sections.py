@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Annotated, Any, Callable, ClassVar, Literal, Optional
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
@@ -49,9 +50,9 @@ def _nonempty(v: Any) -> Any:
 
 
 #: an optional file-system path: a string or ``os.PathLike`` (stored as ``str``), never empty
-OptPath = Annotated[Optional[str], BeforeValidator(_nonempty), BeforeValidator(_fspath)]
+OptPath = Annotated[str | None, BeforeValidator(_nonempty), BeforeValidator(_fspath)]
 #: an optional non-empty string
-OptName = Annotated[Optional[str], BeforeValidator(_nonempty)]
+OptName = Annotated[str | None, BeforeValidator(_nonempty)]
 
 
 class Section(BaseModel):
@@ -173,7 +174,7 @@ class SpikesConfig(Section):
         "prediction (healthy gradient norms are heavier-tailed than the loss)."))
 
     @model_validator(mode="after")
-    def _robust_warmup(self) -> "SpikesConfig":
+    def _robust_warmup(self) -> SpikesConfig:
         if self.robust_warmup > self.robust_window:
             raise SettingError("robust_warmup", f"must be at most spikes.robust_window ({self.robust_window})",
                                self.robust_warmup)
@@ -228,7 +229,7 @@ class IncidentsConfig(Section):
         "value) rose the most over its level, if that rise is at least this fraction of the loss's rise."))
 
     @model_validator(mode="after")
-    def _level_min(self) -> "IncidentsConfig":
+    def _level_min(self) -> IncidentsConfig:
         if self.level_min > self.level_window:
             raise SettingError("level_min", f"must be at most incidents.level_window ({self.level_window})",
                                self.level_min)
@@ -272,7 +273,7 @@ class HealthConfig(Section):
     patience: int = Field(3, ge=1, description="Consecutive samples before a parameter is flagged.")
 
     @model_validator(mode="after")
-    def _ordered(self) -> "HealthConfig":
+    def _ordered(self) -> HealthConfig:
         if self.vanish_threshold >= self.explode_threshold:
             raise SettingError("vanish_threshold", f"must be below health.explode_threshold "
                                f"({self.explode_threshold})", self.vanish_threshold)
@@ -297,7 +298,7 @@ class ClipConfig(Section):
     """Gradient clipping, as seen by the clip ratio."""
 
     section_key: ClassVar[str] = "clip"
-    max_grad_norm: "float | None" = Field(None, gt=0, description=(
+    max_grad_norm: float | None = Field(None, gt=0, description=(
         "Clip threshold used for the clip ratio and the post-clip norm when the engine does not "
         "clip itself (PyTorch loops that call clip_grad_norm_); null: the engine's own "
         "(DeepSpeed gradient_clipping), or none."))
@@ -363,7 +364,7 @@ class HistogramConfig(Section):
         "torch.autocast, whose dtype distgrad cannot see."))
 
     @model_validator(mode="after")
-    def _range(self) -> "HistogramConfig":
+    def _range(self) -> HistogramConfig:
         if self.max_exponent <= self.min_exponent:
             raise SettingError("max_exponent", f"must be greater than min_exponent ({self.min_exponent})",
                                self.max_exponent)
@@ -381,7 +382,7 @@ class NoiseScaleConfig(Section):
         "collective and one in its MAX. A plain module, DDP, DeepSpeed (ZeRO 0-3), FSDP1 (not "
         "hybrid) and FSDP2 (1-D mesh); needs several micro-batches per step (gradient accumulation "
         "or several ranks)."))
-    micro_batch_size: Optional[int] = Field(None, ge=1, description=(
+    micro_batch_size: int | None = Field(None, ge=1, description=(
         "Samples per micro-batch on each rank (the small batch B_small; the step's batch is it "
         "times the micro-batches of all ranks). DeepSpeed: read from "
         "train_micro_batch_size_per_gpu when unset; PyTorch engines: required with enabled, except "
@@ -405,7 +406,7 @@ class LogitsConfig(Section):
         "the rotary embedding) automatically, other attention code where it calls "
         "distgrad.signals.logits.observe_attention. Recomputes q.k^T once per layer on the "
         "sampled step's micro-batches (the cost of one eager attention score matrix)."))
-    attention_modules: Optional[str] = Field(None, description=(
+    attention_modules: str | None = Field(None, description=(
         "Regular expression (re.search) on module names selecting the attention modules (one "
         "layer each, named by the layer of the module name); default: the modules with both a "
         "q_proj and a k_proj child (Hugging Face decoders). A module that is not a Hugging Face "
@@ -413,7 +414,7 @@ class LogitsConfig(Section):
     output: bool = Field(False, description=(
         "Observe the output head's logits on the sampled step's micro-batches: max |logit| and "
         "the log-sum-exp z per position (mean, mean of z^2, max)."))
-    output_module: Optional[str] = Field(None, description=(
+    output_module: str | None = Field(None, description=(
         "Name of the module whose output are the logits (e.g. lm_head); default: the model's "
         "get_output_embeddings() (Hugging Face), else a module named lm_head."))
 
@@ -485,7 +486,7 @@ class NamingRule(Section):
     module_kind: str = Field(min_length=1, description="module_kind label, used verbatim.")
 
     @model_validator(mode="after")
-    def _compiles(self) -> "NamingRule":
+    def _compiles(self) -> NamingRule:
         try:
             rx = re.compile(self.pattern)
         except re.error as e:
@@ -543,7 +544,8 @@ class OptimizerSignalsConfig(Section):
 #: the sections of DistgradConfig, in the order of the generated files
 SECTIONS: dict[str, type[Section]] = {
     "sampling": SamplingConfig, "exporter": ExporterConfig, "statistics": StatisticsConfig,
-    "spikes": SpikesConfig, "incidents": IncidentsConfig, "health": HealthConfig, "loss_scale": LossScaleConfig, "clip": ClipConfig,
+    "spikes": SpikesConfig, "incidents": IncidentsConfig, "health": HealthConfig, "loss_scale": LossScaleConfig,
+    "clip": ClipConfig,
     "flight_recorder": FlightRecorderConfig, "tracer": TracerConfig, "sinks": SinksConfig,
     "naming": NamingConfig, "loss": LossConfig, "histogram": HistogramConfig,
     "noise_scale": NoiseScaleConfig, "action": ActionConfig,

@@ -43,7 +43,7 @@ FORMAT = "distgrad-instrument"
 VERSION = 1
 
 
-def instrument_state(inst: "Instrument") -> dict[str, Any]:
+def instrument_state(inst: Instrument) -> dict[str, Any]:
     """The state of ``inst`` for a checkpoint.
 
     Returns:
@@ -70,7 +70,7 @@ def instrument_state(inst: "Instrument") -> dict[str, Any]:
             "boundary": counters}
 
 
-def load_instrument_state(inst: "Instrument", state: dict[str, Any]) -> None:
+def load_instrument_state(inst: Instrument, state: dict[str, Any]) -> None:
     """Restore :func:`instrument_state`'s output into ``inst`` (its config is kept: thresholds
     and windows of this run apply from now on) and publish the restored counters.
 

@@ -27,28 +27,41 @@ import logging
 import sys
 import time
 import traceback
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from distgrad._version import __version__
-from distgrad.export import metrics
-from distgrad.diagnostics.action import Action, Decision
 from distgrad.config import DistgradConfig
-from distgrad.engines.base import GradSource
-from distgrad.loss.tracker import LossTracker, StepLoss
-from distgrad.signals.builtin import build as build_signals
-from distgrad.record import ScalerState, StepRecord, UnsampledNonfinite
-from distgrad.export.base import Sink, SinkError
 from distgrad.core.dist import DTYPE_NAMES, dist_ready
 from distgrad.core.step import StepOutcome, StepToken
 from distgrad.core.step_collectives import provenance, update_ratio_sums, update_ratio_values, weight_pieces
-from distgrad.diagnostics.culprit import LocalGradCheck, culprit_flags, decode, pre_reduction_leaves
-from distgrad.stats import (RANK_COLS, SUM_COLS, HostCopy, Layout, error_blocks, global_norm, pack_local,
-                            reduce_blocks, reduce_blocks_async, replica_checksum, replica_outliers, unpack)
 from distgrad.core.watch import UnsampledWatch, step_ranges
+from distgrad.diagnostics.action import Action, Decision
+from distgrad.diagnostics.culprit import LocalGradCheck, culprit_flags, decode, pre_reduction_leaves
+from distgrad.engines.base import GradSource
+from distgrad.export import metrics
+from distgrad.export.base import Sink, SinkError
+from distgrad.loss.tracker import LossTracker, StepLoss
+from distgrad.record import ScalerState, StepRecord, UnsampledNonfinite
+from distgrad.signals.builtin import build as build_signals
+from distgrad.stats import (
+    RANK_COLS,
+    SUM_COLS,
+    HostCopy,
+    Layout,
+    error_blocks,
+    global_norm,
+    pack_local,
+    reduce_blocks,
+    reduce_blocks_async,
+    replica_checksum,
+    replica_outliers,
+    unpack,
+)
 from distgrad.stats.layout import pack_blocks, split_blocks
 
 log = logging.getLogger("distgrad")
@@ -236,7 +249,7 @@ class Instrument:
             if self.action.active:
                 self.action.after_step(token.step)
 
-    def collect(self, step: int, refuse: str | None = None) -> "np.ndarray | HostCopy | None":
+    def collect(self, step: int, refuse: str | None = None) -> np.ndarray | HostCopy | None:
         """Local statistics + the two collectives + one host copy, for a sampled step.
 
         Must be called on every rank at the same boundary. Returns the reduced host array (or,
@@ -313,7 +326,7 @@ class Instrument:
         return [(self.layout.sum_size, self.layout.max_size), (self.loss.sum_size, self.loss.max_size),
                 (self.signals.sum_size, self.signals.max_size), (0, self._watcher.max_size)]
 
-    def split_reduced(self, host: np.ndarray) -> "ReducedBlocks":
+    def split_reduced(self, host: np.ndarray) -> ReducedBlocks:
         """The reduced host array of a sampled step taken apart by :meth:`block_sizes`
         (:func:`~distgrad.stats.layout.split_blocks`): used by :meth:`_complete` and by the opt-in
         action's decision (:mod:`distgrad.diagnostics.action`), which reads the same array before
@@ -357,8 +370,8 @@ class Instrument:
         self.counters["nonfinite_loss_steps"] += len(self._unsampled["loss"]) if self._unsampled else 0
         if grad and not self._unsampled_logged and self.global_rank == 0:
             log.warning("distgrad: non-finite gradients on unsampled optimizer step(s) %s (interval %d): "
-                        "counted in distgrad_nonfinite_unsampled_steps_total; set sampling.interval: 1 for per-parameter "
-                        "detail on every step", step_ranges(grad), self.config.sampling.interval)
+                        "counted in distgrad_nonfinite_unsampled_steps_total; set sampling.interval: 1 for "
+                        "per-parameter detail on every step", step_ranges(grad), self.config.sampling.interval)
         self._unsampled_logged = bool(grad)
 
     def finish(self, token: StepToken, outcome: StepOutcome) -> StepRecord | None:
@@ -379,8 +392,8 @@ class Instrument:
                 ratio = None
                 if self.config.statistics.update_ratio:
                     ratio = HostCopy(update_ratio_sums(self, self.layout.n_params))
-                self._parked = {"step": step, "outcome": outcome, "host": host, "ratio": ratio, "local_nonfinite": self._local_nonfinite,
-                                "loss": self._loss_step}
+                self._parked = {"step": step, "outcome": outcome, "host": host, "ratio": ratio,
+                                "local_nonfinite": self._local_nonfinite, "loss": self._loss_step}
                 self._publish_counters()
                 return None
             return self._complete(host, step, outcome, self._local_nonfinite, ratio=None, collectives=True,
@@ -408,7 +421,7 @@ class Instrument:
             return None
 
     def _complete(self, host: np.ndarray, step: int, outcome: StepOutcome, local_nonfinite: torch.Tensor,
-                  ratio: "HostCopy | None", collectives: bool, step_loss: StepLoss | None = None) -> StepRecord | None:
+                  ratio: HostCopy | None, collectives: bool, step_loss: StepLoss | None = None) -> StepRecord | None:
         """The record of sampled step ``step`` from its reduced host array: diagnostics, hooks,
         sinks. ``ratio``: the update-ratio sums on their way to the host (asynchronous records),
         or None to make that all-reduce now (synchronous)."""
@@ -626,11 +639,11 @@ class Instrument:
 
         agree(self)
 
-    def observe_loss(self, loss: "torch.Tensor | float", *, automatic: bool = False, samples: Any = None,
-                     components: "dict[str, Any] | None" = None, weights: "dict[str, float] | None" = None,
-                     token_losses: "torch.Tensor | None" = None, token_mask: "torch.Tensor | None" = None,
-                     logits: "torch.Tensor | None" = None, labels: "torch.Tensor | None" = None,
-                     ignore_index: int = -100, sources: "list[Any] | None" = None) -> None:
+    def observe_loss(self, loss: torch.Tensor | float, *, automatic: bool = False, samples: Any = None,
+                     components: dict[str, Any] | None = None, weights: dict[str, float] | None = None,
+                     token_losses: torch.Tensor | None = None, token_mask: torch.Tensor | None = None,
+                     logits: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                     ignore_index: int = -100, sources: list[Any] | None = None) -> None:
         """Record one micro-batch's training loss on this rank (no host sync, no collective).
 
         The losses observed since the last optimizer-step boundary are summed on the device and

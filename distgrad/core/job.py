@@ -14,7 +14,7 @@ across pipeline stages) is refused: their gradients are separate tensors that di
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

@@ -10,14 +10,14 @@ import torch
 import torch.distributed as dist
 
 from distgrad._version import __version__
-from distgrad.export import metrics
 from distgrad.core.dist import DTYPE_NAMES, dist_ready
+from distgrad.export import metrics
 
 if TYPE_CHECKING:
     from distgrad.core.instrument import Instrument
 
 
-def start(inst: "Instrument") -> None:
+def start(inst: Instrument) -> None:
     """:meth:`Instrument.start` (documented there)."""
     err: BaseException | None = None
     ex = inst.config.exporter
@@ -42,8 +42,8 @@ def start(inst: "Instrument") -> None:
                     from distgrad.config import ConfigError
 
                     err = ConfigError(f"distgrad config: 'exporter.file_sd_path' (formerly 'file_sd_path') = "
-                                      f"{ex.file_sd_path!r} cannot be written: {type(e).__name__}: {e}; choose a writable path (a "
-                                      "directory Prometheus reads) or set it to null")
+                                      f"{ex.file_sd_path!r} cannot be written: {type(e).__name__}: {e}; "
+                                      "choose a writable path (a directory Prometheus reads) or set it to null")
                     err.__cause__ = e
         except OSError as e:
             err = e
@@ -61,12 +61,13 @@ def start(inst: "Instrument") -> None:
     agree(inst, err)
 
 
-def agree(inst: "Instrument", err: BaseException | None = None) -> None:
+def agree(inst: Instrument, err: BaseException | None = None) -> None:
     """The set-up agreement: one small MAX all-reduce at ``instrument()`` time, made by every
     rank -- a rank with ``enabled: false`` too, before it returns its inert instrument -- so that
     set-up failing on one rank (``err``), a different number of trainable parameters, or
     different settings that decide the collectives (``enabled``, ``interval``,
-    ``replica_check``, ``update_ratio``, the packed signals and their sizes) raise on every rank instead of a deadlock later.
+    ``replica_check``, ``update_ratio``, the packed signals and their sizes) raise on every rank instead of a
+    deadlock later.
 
     Raises:
         ``err`` or RuntimeError naming the disagreement (after ``inst.close()``)."""
@@ -98,7 +99,7 @@ def agree(inst: "Instrument", err: BaseException | None = None) -> None:
         raise err
 
 
-def collective_settings_hash(inst: "Instrument") -> int:
+def collective_settings_hash(inst: Instrument) -> int:
     """Settings that decide which collectives a rank makes, hashed to an integer exactly
     representable in float64 (for the set-up agreement all-reduce)."""
     import hashlib
@@ -152,7 +153,7 @@ def reachable_host() -> str:
         return socket.gethostname()
 
 
-def write_file_sd(inst: "Instrument") -> None:
+def write_file_sd(inst: Instrument) -> None:
     """Write rank 0's exporter as a Prometheus file_sd target (atomically: write + rename) at
     :func:`file_sd_file` of ``exporter.file_sd_path``: ``[{"targets": ["<host>:<port>"],
     "labels": {"run": run_name}}]`` with host ``exporter.advertise_host``, else the bound
@@ -176,7 +177,7 @@ def write_file_sd(inst: "Instrument") -> None:
     inst.prometheus.file_sd_path = path
 
 
-def start_file_sinks(inst: "Instrument") -> BaseException | None:
+def start_file_sinks(inst: Instrument) -> BaseException | None:
     """Open rank 0's file outputs now, so that an unwritable path fails at ``instrument()``
     time with the config key named."""
     from distgrad.config import ConfigError, key_label

@@ -26,7 +26,7 @@ class StepToken:
 
     step: int
     sampled: bool
-    host: "np.ndarray | HostCopy | None" = None
+    host: np.ndarray | HostCopy | None = None
 
 
 @dataclasses.dataclass

@@ -19,13 +19,13 @@ if TYPE_CHECKING:
     from distgrad.core.instrument import Instrument
 
 
-def weight_pieces(inst: "Instrument") -> list[torch.Tensor | None]:
+def weight_pieces(inst: Instrument) -> list[torch.Tensor | None]:
     """This rank's pieces of the (master) weights, aligned with the gradient pieces: per
     parameter a 1-D tensor or None (replicated pieces: this rank's share, ``inst.own``)."""
     return inst.own.take(inst.pieces(inst.source.local_param_pieces()))
 
 
-def update_ratio_sums(inst: "Instrument", n_params: int) -> torch.Tensor:
+def update_ratio_sums(inst: Instrument, n_params: int) -> torch.Tensor:
     """Update-to-weight ratio ``||w_after - w_before|| / ||w_before||`` per parameter, step 1 of
     2: from the weight pieces ``inst._weights_before`` copied in ``Instrument.collect`` and the
     current ones, the all-reduced float64 ``[P + 1, 2]`` sums (last row: the failure flag, set
@@ -64,7 +64,7 @@ def update_ratio_values(host: np.ndarray, names: list[str], step_applied: bool) 
     return {n: (float(r) if step_applied else 0.0) for n, r in zip(names, ratios)}
 
 
-def provenance(inst: "Instrument", names: list[str], local_nonfinite: torch.Tensor) -> list[RankCount]:
+def provenance(inst: Instrument, names: list[str], local_nonfinite: torch.Tensor) -> list[RankCount]:
     """Per-rank non-finite counts per parameter: one all-gather of every rank's float64
     ``[P, 2]`` NaN/Inf counts of the step (``local_nonfinite``) and one host read; one
     :class:`~distgrad.record.RankCount` per non-zero (rank, parameter)."""

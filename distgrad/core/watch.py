@@ -21,7 +21,7 @@ overflow steps. A NaN on the steps after the last sampled step of a run is not s
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -24,18 +24,25 @@ typed part it writes in :mod:`distgrad.record`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from distgrad.diagnostics.spike_monitor import SpikeMonitor
 from distgrad.diagnostics.base import REGISTRY, Diagnostic, DiagnosticContext, register
-from distgrad.diagnostics.builtin import (AggregatesDiagnostic, ClipDiagnostic, HealthDiagnostic,
-                                          ProvenanceDiagnostic, SpikeDiagnostic, TracerDiagnostic)
+from distgrad.diagnostics.builtin import (
+    AggregatesDiagnostic,
+    ClipDiagnostic,
+    HealthDiagnostic,
+    ProvenanceDiagnostic,
+    SpikeDiagnostic,
+    TracerDiagnostic,
+)
+from distgrad.diagnostics.incidents import IncidentDiagnostic  # noqa: F401  (registers it: runs last)
 from distgrad.diagnostics.loss import ComponentSpikeDiagnostic, LossTrendDiagnostic  # noqa: F401  (registers them)
 from distgrad.diagnostics.loss_scale import LossScaleDiagnostic
-from distgrad.diagnostics.incidents import IncidentDiagnostic  # noqa: F401  (registers it: runs last)
-from distgrad.record import StepRecord
+from distgrad.diagnostics.spike_monitor import SpikeMonitor
 from distgrad.export.base import SinkError
+from distgrad.record import StepRecord
 
 if TYPE_CHECKING:  # distgrad.config imports the diagnostics (their declared sections)
     from distgrad.config import DistgradConfig
@@ -139,7 +146,8 @@ class Diagnostics:
                 (the plug-in's name is given).
         """
         if not isinstance(sd, dict) or sd.get("version") != STATE_VERSION:
-            raise ValueError(f"distgrad diagnostics state: version {sd.get('version') if isinstance(sd, dict) else sd!r}"
+            version = sd.get("version") if isinstance(sd, dict) else sd
+            raise ValueError(f"distgrad diagnostics state: version {version!r}"
                              f" is not {STATE_VERSION} (the state must come from Instrument.state_dict())")
         states = sd.get("plugins", {})
         for p in self.plugins:

@@ -31,9 +31,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -183,7 +184,8 @@ class Action:
             r = det.test(value)
             if r.is_spike:
                 return Decision(token.step, "spike", self.modes["spike"],
-                                f"{series} {value:.4g} robust z={r.score:.1f} (threshold {r.threshold:.4g})", loss, gnorm)
+                                f"{series} {value:.4g} robust z={r.score:.1f} (threshold {r.threshold:.4g})",
+                                loss, gnorm)
         return None
 
     def _take(self, d: Decision) -> None:

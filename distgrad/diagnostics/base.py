@@ -66,7 +66,7 @@ class Diagnostic(Declares):
         self.ctx = ctx
 
     @classmethod
-    def create(cls, ctx: DiagnosticContext) -> "Diagnostic | None":
+    def create(cls, ctx: DiagnosticContext) -> Diagnostic | None:
         """The plug-in for this run, or None when it does not apply."""
         return cls(ctx)
 

@@ -10,15 +10,15 @@ from typing import Any
 
 import numpy as np
 
-from distgrad.diagnostics.detectors import EmaZScoreDetector, WindowSpikeDetector
-from distgrad.diagnostics.spike_monitor import SpikeMonitor
-from distgrad.diagnostics.robust_spike import RobustJumpDetector
 from distgrad.diagnostics.base import Diagnostic, DiagnosticContext, register
+from distgrad.diagnostics.detectors import EmaZScoreDetector, WindowSpikeDetector
 from distgrad.diagnostics.flight_recorder import FlightRecorder, provenance_from
-from distgrad.naming.grouping import aggregate, group_keys, select_series, series_count
 from distgrad.diagnostics.health import LayerHealth, clip_ratio, post_clip_norm
-from distgrad.naming.classify import classify, forward_order_key
+from distgrad.diagnostics.robust_spike import RobustJumpDetector
+from distgrad.diagnostics.spike_monitor import SpikeMonitor
 from distgrad.export.base import SinkError
+from distgrad.naming.classify import classify, forward_order_key
+from distgrad.naming.grouping import aggregate, group_keys, select_series, series_count
 from distgrad.record import Aggregates, Clip, Health, NonfiniteEvent, Provenance, Spikes, StepRecord
 
 log = logging.getLogger("distgrad")
@@ -133,7 +133,7 @@ class ClipDiagnostic(Diagnostic):
     name = "clip"
 
     @classmethod
-    def create(cls, ctx: DiagnosticContext) -> "Diagnostic | None":
+    def create(cls, ctx: DiagnosticContext) -> Diagnostic | None:
         return cls(ctx) if ctx.max_norm is not None else None
 
     def on_record(self, rec: StepRecord) -> None:
@@ -305,7 +305,7 @@ class TracerDiagnostic(Diagnostic):
     name = "tracer"
 
     @classmethod
-    def create(cls, ctx: DiagnosticContext) -> "Diagnostic | None":
+    def create(cls, ctx: DiagnosticContext) -> Diagnostic | None:
         return cls(ctx) if ctx.model is not None and ctx.config.tracer.micro_batches > 0 else None
 
     def __init__(self, ctx: DiagnosticContext) -> None:

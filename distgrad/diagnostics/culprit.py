@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -162,7 +163,7 @@ def culprit_flags(loss_sum: torch.Tensor | None, grad_flag: torch.Tensor | None,
     return flags
 
 
-def decode(rank_culprit: "Iterable[float]") -> list[Culprit]:
+def decode(rank_culprit: Iterable[float]) -> list[Culprit]:
     """The reduced per-rank flags (host floats, one per rank) as one
     :class:`~distgrad.record.Culprit` per rank with any flag, ascending."""
     out: list[Culprit] = []

@@ -13,7 +13,8 @@ float64 arithmetic, no randomness) and NaN-safe:
   ``window`` values by more than ``k_sigma`` population standard deviations; the "spike score"
   is the fraction of spikes among recent samples.
 
-:class:`~distgrad.diagnostics.spike_monitor.SpikeMonitor` (in its own module) runs both on one named series and keeps spike counters per detector
+:class:`~distgrad.diagnostics.spike_monitor.SpikeMonitor` (in its own module) runs both on one
+named series and keeps spike counters per detector
 (the ``detector`` label of ``distgrad_{loss,grad_norm}_spikes_total`` /
 ``distgrad_{loss,grad_norm}_zscore``, values in :data:`DETECTOR_LABELS`), with a third, paging
 detector, :class:`distgrad.diagnostics.robust_spike.RobustJumpDetector` (``robust``: Theil-Sen detrended,
@@ -43,7 +44,6 @@ __all__ = [
     "DetectorResult",
     "EmaZScoreDetector",
     "WindowSpikeDetector",
-    "SpikeMonitor",
 ]
 
 #: Values of the ``detector`` metric label, in the order :class:`SpikeMonitor` runs them.

@@ -21,8 +21,9 @@ Host-side, single-process and deterministic; nothing here calls ``torch.distribu
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -151,7 +152,7 @@ class LayerHealth:
         self.reset()
 
     @classmethod
-    def from_config(cls, cfg: HealthConfig) -> "LayerHealth":
+    def from_config(cls, cfg: HealthConfig) -> LayerHealth:
         """From the ``health`` section of :class:`~distgrad.config.DistgradConfig`, which was
         validated when the configuration was built (so it is not checked again here)."""
         self = cls.__new__(cls)

@@ -56,9 +56,9 @@ from collections import deque
 from typing import Any
 
 from distgrad.diagnostics.base import Diagnostic, DiagnosticContext, register
+from distgrad.diagnostics.robust_spike import RobustJumpDetector
 from distgrad.record import StepRecord
 from distgrad.record.incidents import KINDS, Incident, Incidents
-from distgrad.diagnostics.robust_spike import RobustJumpDetector
 
 __all__ = ["IncidentPolicy", "IncidentDiagnostic"]
 
@@ -321,7 +321,7 @@ class IncidentDiagnostic(Diagnostic):
     name = "incidents"
 
     @classmethod
-    def create(cls, ctx: DiagnosticContext) -> "Diagnostic | None":
+    def create(cls, ctx: DiagnosticContext) -> Diagnostic | None:
         return cls(ctx) if ctx.config.incidents.enabled else None
 
     def __init__(self, ctx: DiagnosticContext) -> None:

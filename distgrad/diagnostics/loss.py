@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from distgrad.diagnostics.base import Diagnostic, DiagnosticContext, register
 from distgrad.diagnostics.detectors import EmaZScoreDetector, WindowSpikeDetector
 from distgrad.diagnostics.spike_monitor import SpikeMonitor
-from distgrad.diagnostics.base import Diagnostic, DiagnosticContext, register
 from distgrad.loss.trend import TrendTracker
 from distgrad.record import StepRecord
 

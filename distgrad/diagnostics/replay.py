@@ -61,10 +61,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distgrad.diagnostics.tracer import OverflowTracer
 from distgrad.naming.canonical import clean_name
 from distgrad.record.culprit import OUTCOMES, CulpritModule
 from distgrad.stats.layout import CULPRIT_LOSS, RANK_COLS, SUM_COLS
-from distgrad.diagnostics.tracer import OverflowTracer
 
 log = logging.getLogger("distgrad")
 
@@ -444,7 +444,7 @@ class _autocast:
             c.__exit__(*exc)
 
 
-def attach_replay(inst: Any, root: Any, engine_name: str, zero_stage: int | None) -> "ForwardReplay | None":
+def attach_replay(inst: Any, root: Any, engine_name: str, zero_stage: int | None) -> ForwardReplay | None:
     """Install :class:`ForwardReplay` on ``root`` for ``inst`` (removed at ``close()``); None when
     ``root`` is not a module. Sharded: FSDP1, FSDP2, DeepSpeed ZeRO-3. Impossible for the whole run
     when this rank holds part of the model (pipeline stages, experts elsewhere: ``inst.job``)."""

@@ -8,7 +8,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from distgrad.diagnostics.detectors import DETECTOR_LABELS, DetectorResult, EmaZScoreDetector, WindowSpikeDetector, _as_float
+from distgrad.diagnostics.detectors import (
+    DETECTOR_LABELS,
+    DetectorResult,
+    EmaZScoreDetector,
+    WindowSpikeDetector,
+    _as_float,
+)
 
 _NAN = float("nan")
 

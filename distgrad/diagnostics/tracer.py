@@ -120,7 +120,7 @@ class OverflowTracer:
         """True while hooks are registered."""
         return bool(self._handles)
 
-    def arm(self, max_micro_batches: int | None = None) -> "OverflowTracer":
+    def arm(self, max_micro_batches: int | None = None) -> OverflowTracer:
         """Register the hooks and start a fresh trace (previous frames and event discarded).
 
         Args:
@@ -156,7 +156,7 @@ class OverflowTracer:
         self._pending = []
         self._depth = 0
 
-    def __enter__(self) -> "OverflowTracer":
+    def __enter__(self) -> OverflowTracer:
         return self.arm()
 
     def __exit__(self, *exc: Any) -> None:

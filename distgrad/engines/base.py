@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+
 
 class GradSource(abc.ABC):
     """Finds, on this rank, the local piece of each parameter's *reduced* gradient.
@@ -37,7 +39,7 @@ class GradSource(abc.ABC):
     compute_dtype: torch.dtype = torch.float32
     group: Any = None
 
-    def ownership(self, rank: int, world: int) -> "Ownership":
+    def ownership(self, rank: int, world: int) -> Ownership:
         """Which part of each local piece this rank counts, so that every element of every
         gradient is counted by exactly one rank of the job (``rank``/``world`` in the
         instrument's process group). The default follows :attr:`replicated`: every rank holds
@@ -64,7 +66,7 @@ class GradSource(abc.ABC):
         NotImplementedError (the option is then refused at ``instrument()`` time)."""
         raise NotImplementedError(f"{self.engine_name}: master weights are not located")
 
-    def optimizer_slots(self) -> "list[Any] | None":
+    def optimizer_slots(self) -> list[Any] | None:
         """Per parameter (length P, laid out like :meth:`local_pieces`), the
         :class:`~distgrad.engines.optimizer_state.OptimizerSlot` of the optimizer entry that holds
         this rank's piece (None where the rank holds none or the optimizer does not step it), or
@@ -72,7 +74,7 @@ class GradSource(abc.ABC):
         before the optimizer step: the state is then that of the previous step."""
         return None
 
-    def local_state_pieces(self, key: str) -> "list[torch.Tensor | None] | None":
+    def local_state_pieces(self, key: str) -> list[torch.Tensor | None] | None:
         """Length-P list of 1-D views of this rank's piece of optimizer state ``key`` (e.g.
         ``"exp_avg"``, ``"exp_avg_sq"``), element-aligned with :meth:`local_pieces` (the fp32
         state of a DeepSpeed partition, an FSDP shard, a DDP replica's full state); None per

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
 
+from distgrad.engines.torch_base import TorchSource, _comm_device, _first_float_dtype, _unwrap_compiled
 from distgrad.naming.canonical import clean_name
-from distgrad.engines.torch_base import (TorchSource, _comm_device, _first_float_dtype, _unwrap_compiled)
 
 
 class DDPSource(TorchSource):

@@ -21,13 +21,14 @@ reduce-scatter (stage 2/3) has completed (also in unmanaged accumulation mode, w
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from distgrad.naming.canonical import clean_name
-from distgrad.engines.base import GradSource
 from distgrad.core.step import StepOutcome
+from distgrad.engines.base import GradSource
+from distgrad.naming.canonical import clean_name
 
 
 def is_deepspeed_engine(obj: object) -> bool:

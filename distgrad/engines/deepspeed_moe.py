@@ -21,7 +21,8 @@ tests/test_deepspeed_layouts.py):
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 

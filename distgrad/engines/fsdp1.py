@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from distgrad.naming.canonical import clean_name
 from distgrad.engines.base import Ownership
-from distgrad.engines.torch_base import (TorchSource, _comm_device, _first_float_dtype, _unwrap_compiled)
+from distgrad.engines.torch_base import TorchSource, _comm_device, _first_float_dtype, _unwrap_compiled
+from distgrad.naming.canonical import clean_name
 
 
 def _check_flat_layout(fp: Any, where: str) -> None:
@@ -79,7 +80,8 @@ class FSDP1Source(TorchSource):
     engine_name = "fsdp1"
 
     def __init__(self, model: Any) -> None:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardingStrategy
 
         root = _unwrap_compiled(model)
         units = [m for m in root.modules() if isinstance(m, FSDP)]

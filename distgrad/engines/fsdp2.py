@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from distgrad.naming.canonical import clean_name
 from distgrad.engines.base import Ownership
-from distgrad.engines.torch_base import (TorchSource, _comm_device, _first_float_dtype, _fsdp2_module_type,
-    _unwrap_compiled, is_fsdp2)
+from distgrad.engines.torch_base import (
+    TorchSource,
+    _comm_device,
+    _first_float_dtype,
+    _fsdp2_module_type,
+    _unwrap_compiled,
+    is_fsdp2,
+)
+from distgrad.naming.canonical import clean_name
 
 
 class FSDP2Source(TorchSource):

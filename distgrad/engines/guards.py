@@ -31,7 +31,8 @@ import functools
 import logging
 import threading
 import weakref
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -98,7 +99,7 @@ class GradSignature:
         """No parameter has a gradient."""
         return all(r is None for r in self.refs)
 
-    def same_as(self, prev: "GradSignature | None") -> bool:
+    def same_as(self, prev: GradSignature | None) -> bool:
         if prev is None or len(prev.refs) != len(self.refs) or self.empty:
             return False
         for a, b in zip(self.refs, prev.refs):
@@ -117,7 +118,7 @@ class ClipWatch:
     of ``id()`` of the parameters passed to the clipping function, before it clips."""
 
     _lock = threading.Lock()
-    _listeners: "weakref.WeakSet[Any]" = weakref.WeakSet()
+    _listeners: weakref.WeakSet[Any] = weakref.WeakSet()
     _originals: dict[tuple[Any, str], Callable] = {}
 
     @classmethod

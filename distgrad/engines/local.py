@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distgrad.naming.canonical import clean_name
 from distgrad.engines.torch_base import TorchSource, _first_float_dtype, _unwrap_compiled
+from distgrad.naming.canonical import clean_name
 
 
 class LocalSource(TorchSource):

@@ -24,7 +24,8 @@ replica check).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 

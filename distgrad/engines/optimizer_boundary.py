@@ -4,13 +4,14 @@ a ``GradScaler``, ``scaler.step`` (facts: :mod:`distgrad.engines.torch_native`).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from distgrad.engines.torch_base import TorchSource, _unwrap_compiled
 from distgrad.core.step import StepOutcome, StepToken
+from distgrad.engines.torch_base import TorchSource, _unwrap_compiled
 
 log = logging.getLogger("distgrad")
 

@@ -29,7 +29,8 @@ the multi-rank driver ``tests/dist/adam_cases.py``):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -5,7 +5,8 @@ unwrapping, the communication device and :class:`TorchSource` (see
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -35,12 +35,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from distgrad.engines.torch_base import SUPPORTED, TorchSource, is_ddp, is_fsdp1, is_fsdp2, is_torch_module
 from distgrad.engines.ddp import DDPSource
 from distgrad.engines.fsdp1 import FSDP1Source
 from distgrad.engines.fsdp2 import FSDP2Source
 from distgrad.engines.local import LocalSource
 from distgrad.engines.optimizer_boundary import OptimizerBoundary, attach_torch, check_boundary_args
+from distgrad.engines.torch_base import SUPPORTED, TorchSource, is_ddp, is_fsdp1, is_fsdp2, is_torch_module
 
 
 def torch_source(model: Any) -> TorchSource:

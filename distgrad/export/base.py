@@ -24,7 +24,7 @@ class Sink(abc.ABC):
     def write(self, record: StepRecord) -> None:
         """Publish one sampled step."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (optional: a sink with nothing to release keeps it)
         """Flush and release resources; idempotent."""
 
 

@@ -24,8 +24,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import prometheus_client
 

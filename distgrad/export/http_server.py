@@ -55,7 +55,8 @@ import socket
 import struct
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 from urllib.parse import parse_qs
 
 log = logging.getLogger("distgrad")

@@ -34,14 +34,15 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
 from distgrad.config.sections import JsonlConfig
-from distgrad.record import StepRecord
 from distgrad.export.base import Sink, SinkError
+from distgrad.record import StepRecord
 
 log = logging.getLogger("distgrad")
 
@@ -338,7 +339,7 @@ class JsonlSink(Sink):
             finally:
                 self._drop_fd()
 
-    def __enter__(self) -> "JsonlSink":
+    def __enter__(self) -> JsonlSink:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -415,7 +416,7 @@ def rotated_files(path: str | os.PathLike[str]) -> list[Path]:
 
 
 def read_jsonl(path: str | os.PathLike[str], include_rotated: bool = True,
-               on_bad_line: "Callable[[str], None] | None" = None) -> Iterator[StepRecord]:
+               on_bad_line: Callable[[str], None] | None = None) -> Iterator[StepRecord]:
     """Stream the records of a JSONL run log, oldest first, one line in memory at a time.
 
     Args:

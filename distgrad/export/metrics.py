@@ -22,8 +22,9 @@ Standard library only (importable without torch or prometheus_client).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 __all__ = ["Label", "Metric", "LABELS", "CONDITIONS", "CATALOGUE", "SCOPES", "PLUGIN_SAMPLES", "condition",
            "register", "by_name", "names", "family", "series_per", "markdown"]
@@ -98,7 +99,8 @@ CONDITIONS: dict[str, str] = {
     "loss": "after a sampled step with an observed loss",
     "loss_scaler": "fp16 with a dynamic loss scaler only (never under bf16/fp32)",
     "samples": "engines that count samples (DeepSpeed)",
-    "replicated": "replicated gradients (DDP, ZeRO-0, HSDP, tensor-parallel-replicated parameters) with `replica_check`, world size > 1",
+    "replicated": ("replicated gradients (DDP, ZeRO-0, HSDP, tensor-parallel-replicated parameters) with "
+                   "`replica_check`, world size > 1"),
     "clip": "with a clip threshold (the engine's or `max_grad_norm`)",
     "per_param": "`per_param: true`, for the parameters selected by the series budget",
     "update_ratio": "`update_ratio: true` (and `per_param`), for the selected parameters",
@@ -246,7 +248,8 @@ CATALOGUE: tuple[Metric, ...] = (
        ("component",), max_series=8),
     _g("distgrad_loss_component_share", "ratio", "sum(weight * component) / sum(loss): the component's share of "
        "the total loss.", "components", ("component",), max_series=8),
-    _c("distgrad_loss_component_spikes_total", "spikes", "Detected spikes of a loss component's weighted contribution (weight x mean).", "components",
+    _c("distgrad_loss_component_spikes_total", "spikes",
+       "Detected spikes of a loss component's weighted contribution (weight x mean).", "components",
        ("component", "detector"), max_series=16),
     _g("distgrad_token_loss_mean", "nats", "Token-weighted mean per-token loss of the step over all ranks.", "tokens"),
     _g("distgrad_perplexity", "1", "exp(mean per-token loss) of the step over all ranks.", "tokens"),
@@ -461,8 +464,8 @@ CATALOGUE: tuple[Metric, ...] = (
        doc="trainable parameters (`requires_grad=True`) that received no gradient at all in the last sampled "
            "step: `.grad` None on every rank (a detached branch or an unused module under DDP "
            "`find_unused_parameters=True`, FSDP2, or FSDP1 when the whole unit got none). Engines that write "
-           "zeros instead (DeepSpeed ZeRO 0-3; FSDP1 when the unit has used parameters) show the same bug as exact zeros: "
-           "both are fed to the vanishing test (`distgrad_vanishing_params`) as a zero gradient"),
+           "zeros instead (DeepSpeed ZeRO 0-3; FSDP1 when the unit has used parameters) show the same bug as exact "
+           "zeros: both are fed to the vanishing test (`distgrad_vanishing_params`) as a zero gradient"),
     _g("distgrad_exploding_params", "params", "Parameters currently flagged as exploding."),
     # --- gradient noise scale (distgrad/signals/noise_scale.py, docs/signals.md) ------------------
     _g("distgrad_gradient_noise_scale", "samples", "Gradient noise scale B_simple = tr(Sigma) / |G|^2 (ratio of the "
@@ -638,7 +641,7 @@ reports. How each way of training gets there:
 With equal-sized micro-batches the two coincide with the plain mean of the micro-batch losses.
 The tests compare it with a float64 recomputation of the step's loss for each integration
 (tests/test_integrations_hf.py, tests/test_integrations_lightning.py).
-"""
+"""  # noqa: E501  (a markdown table: one row a line)
 
 
 def markdown() -> str:

@@ -14,25 +14,26 @@ from __future__ import annotations
 
 import atexit
 import errno
-import math
 import logging
+import math
 import os
 import socket
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from distgrad.export import metrics
+from distgrad.export.base import Sink
+from distgrad.export.exporter import ExporterProcess, PageCache
 from distgrad.record import StepRecord
 from distgrad.record.incidents import KINDS
 from distgrad.signals.adam import SPIKE_CLIP_MIN
-from distgrad.export.base import Sink
-from distgrad.export.exporter import ExporterProcess, PageCache
 
 log = logging.getLogger("distgrad")
 
@@ -91,7 +92,8 @@ _PART_GAUGES: dict[str, Callable[[StepRecord], Any]] = {
     # absent (no sample) on a step the clip scales: the fraction is not the applied update's
     "distgrad_adam_spike_fraction": lambda r: (r.optimizer_signals.spike_fraction if r.optimizer_signals
                                                and r.optimizer_signals.clip_ratio >= SPIKE_CLIP_MIN else None),
-    "distgrad_grad_momentum_cosine": lambda r: r.optimizer_signals.grad_momentum_cosine if r.optimizer_signals else None,
+    "distgrad_grad_momentum_cosine": lambda r: (r.optimizer_signals.grad_momentum_cosine
+                                                if r.optimizer_signals else None),
     "distgrad_fisher_trace": lambda r: r.optimizer_signals.fisher_trace if r.optimizer_signals else None,
 }
 #: ``{label value: number}`` dicts of the record's typed parts with one label
@@ -568,7 +570,7 @@ class PrometheusSink(Sink):
                 self.file_sd_path = None
 
 
-_live: "weakref.WeakSet[PrometheusSink]" = weakref.WeakSet()
+_live: weakref.WeakSet[PrometheusSink] = weakref.WeakSet()
 
 
 def _at_exit(sink: PrometheusSink) -> None:

@@ -39,13 +39,14 @@ Requires the ``tensorboard`` package (``pip install distgrad[report]``).
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from distgrad.record import StepRecord
-from distgrad.naming.layers import LayerIndex
 from distgrad.export.base import Sink
+from distgrad.naming.layers import LayerIndex
+from distgrad.record import StepRecord
 
 
 def _norm_histogram(norms: np.ndarray, max_bins: int) -> tuple[list[float], list[float]] | None:

@@ -16,7 +16,8 @@ and restores it on resume, with :func:`checkpoint_state` and :func:`restore_stat
 """
 
 import logging
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 log = logging.getLogger("distgrad")
 

@@ -207,7 +207,7 @@ def attach(trainer: Any, config: Any = None, **overrides: Any) -> DistgradCallba
 
 
 def instrument_trainer(trainer: Any, config: Any = None, optimizer: Any = None,
-                       **overrides: Any) -> "distgrad.Instrument":
+                       **overrides: Any) -> distgrad.Instrument:
     """Instrument a Trainer whose training has started (``trainer.model_wrapped`` is the engine
     or wrapped model); what :class:`DistgradCallback` calls at ``on_train_begin``.
 
@@ -281,7 +281,7 @@ class AccelerateCheckpoint:
 
 
 def instrument_accelerate(accelerator: Any, model: Any, optimizer: Any = None, config: Any = None,
-                          checkpointing: bool = True, **overrides: Any) -> "distgrad.Instrument":
+                          checkpointing: bool = True, **overrides: Any) -> distgrad.Instrument:
     """Instrument a model and optimizer returned by ``accelerator.prepare`` (any distributed type).
 
     DeepSpeed: ``model`` is the ``DeepSpeedEngine``; it is instrumented directly (``optimizer``

@@ -40,15 +40,17 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from distgrad.loss.components import ComponentError, LossComponents
-from distgrad.record import LossComponents as ComponentsPart, RankStats, TokenLossStats
 from distgrad.loss.token import TokenLoss, TokenLossError, summarize
+from distgrad.record import LossComponents as ComponentsPart
+from distgrad.record import RankStats, TokenLossStats
 
 if TYPE_CHECKING:
     from distgrad.core.instrument import Instrument
@@ -211,8 +213,9 @@ class LossTracker:
         rank named by ``rec.ranks.loss_max_rank`` writes
         ``<directory>/lossspike-step{step}-rank{rank}.json``: its micro-batch with the largest
         loss, that loss, the sample indices the loop passed for it (``samples=`` of
-        :meth:`~distgrad.Instrument.observe_loss`) and its sequences' data sources (``sources=``). Returns the path, or None (not this rank, no
-        directory, nothing flagged). Raises OSError when the file cannot be written."""
+        :meth:`~distgrad.Instrument.observe_loss`) and its sequences' data sources (``sources=``).
+        Returns the path, or None (not this rank, no directory, nothing flagged). Raises OSError
+        when the file cannot be written."""
         ranks = getattr(rec, "ranks", None)
         if ranks is None or ranks.loss_max_rank != rank or not directory or s is None:
             return None
@@ -239,8 +242,8 @@ class BadLoss(ValueError):
     """observe_loss got something that is not one loss value (message: what it got)."""
 
 
-def observe(inst: "Instrument", loss: Any, automatic: bool, samples: Any, components: Any, weights: Any, token_losses: Any,
-            token_mask: Any, logits: Any, labels: Any, ignore_index: int, sources: Any) -> None:
+def observe(inst: Instrument, loss: Any, automatic: bool, samples: Any, components: Any, weights: Any,
+            token_losses: Any, token_mask: Any, logits: Any, labels: Any, ignore_index: int, sources: Any) -> None:
     """The body of :meth:`distgrad.Instrument.observe_loss` (see there). Never raises."""
     if automatic and not inst._auto_loss:
         return
@@ -293,7 +296,7 @@ def _tokens(tl: TokenLoss, token_losses: Any, token_mask: Any, logits: Any, labe
     tl.add(token_losses, token_mask, sources)
 
 
-def _guarded(inst: "Instrument", fn: Any) -> None:
+def _guarded(inst: Instrument, fn: Any) -> None:
     """Run ``fn``; a ComponentError / TokenLossError is counted and logged once per kind, any
     other failure counted as distgrad's own."""
     try:
@@ -310,7 +313,7 @@ def _guarded(inst: "Instrument", fn: Any) -> None:
         inst.count_error("observe_loss (components or token losses)")
 
 
-def observe_data_time(inst: "Instrument", seconds: Any) -> None:
+def observe_data_time(inst: Instrument, seconds: Any) -> None:
     """The body of :meth:`distgrad.Instrument.observe_data_time` (see there). Never raises."""
     try:
         v = float(seconds)

@@ -1,6 +1,6 @@
-"""Trend of the training loss (its plug-in: :mod:`distgrad.diagnostics.loss`): the ordinary least-squares slope of the loss against the optimizer
-step over the last ``trend_window`` steps, per 1000 steps, with its standard error, and a
-plateau flag.
+"""Trend of the training loss (its plug-in: :mod:`distgrad.diagnostics.loss`): the ordinary
+least-squares slope of the loss against the optimizer step over the last ``trend_window``
+steps, per 1000 steps, with its standard error, and a plateau flag.
 
 Fit (textbook simple linear regression, e.g. Montgomery & Runger, "Applied Statistics and
 Probability for Engineers", ch. 11): for points ``(x_i, y_i)``, ``i = 1..n`` (x the step, y the

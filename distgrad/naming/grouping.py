@@ -56,11 +56,13 @@ metric; ``Metric.series()`` is the series of one metric per value of its scope l
   catalogue's metrics of a fixed or capped series count (
   unlabelled ones, the three-valued ``detector`` families, ``distgrad_sink_errors_total{sink}``
   for its 4 sinks, ``distgrad_refused_steps_total{reason}`` for its 3 reasons,
-  ``distgrad_nonfinite_params`` capped at 20, ``distgrad_nonfinite_culprit`` capped at 8, the loss components (3 x 8, and 8 x 2 spike
-  counters), the token-loss bins (15), data sources (2 x 9), the gradient noise scale (5), the packed signals' own (the curvature: 1), the opt-in action's
-  counter (2 causes) and stop gauge, and the optimizer signals (4 + 2 moment norms)) plus :data:`GLOBAL_RESERVE`
-  (5) for exporter-side extras and metrics still to come. (prometheus_client's ``*_created``
-  samples and process collectors are not served by distgrad's exporter.)
+  ``distgrad_nonfinite_params`` capped at 20, ``distgrad_nonfinite_culprit`` capped at 8, the loss
+  components (3 x 8, and 8 x 2 spike counters), the token-loss bins (15), data sources (2 x 9),
+  the gradient noise scale (5), the packed signals' own (the curvature: 1), the opt-in action's
+  counter (2 causes) and stop gauge, and the optimizer signals (4 + 2 moment norms)) plus
+  :data:`GLOBAL_RESERVE` (5) for exporter-side extras and metrics still to come.
+  (prometheus_client's ``*_created`` samples and process collectors are not served by distgrad's
+  exporter.)
 
 The default budget is :data:`DEFAULT_SERIES_BUDGET` ``= 2000`` and the default ``top_k`` is
 :data:`DEFAULT_TOP_K` ``= 100``. Example, LLaMA-70B (723 tensors, 80 blocks): L = 83 (80 blocks +
@@ -73,7 +75,7 @@ update ratio), and a step with many non-finite parameters is capped below the bu
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -120,7 +120,7 @@ class ParamStats:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ParamStats":
+    def from_dict(cls, d: dict[str, Any]) -> ParamStats:
         """Inverse of :meth:`to_dict`; raises KeyError / ValueError on a malformed dict."""
         return cls(names=list(d["names"]), **{f: np.asarray(d[f], dtype=np.float64) for f in STAT_FIELDS})
 
@@ -342,7 +342,7 @@ class NonfiniteEvent(_Part):
     rows: list[RankCount] = field(default_factory=list)
     provenance: Provenance | None = None
     culprits: list[Culprit] = field(default_factory=list)
-    culprit_module: "CulpritModule | None" = None
+    culprit_module: CulpritModule | None = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -467,9 +467,9 @@ class StepRecord:
     grad_histogram: GradHistogram | None = None
     noise_scale: NoiseScale | None = None
     action: ActionPart | None = None
-    culprit_module: "CulpritModule | None" = None
+    culprit_module: CulpritModule | None = None
     optimizer_signals: OptimizerSignals | None = None
-    incidents: "Incidents | None" = None
+    incidents: Incidents | None = None
     logits: LogitStats | None = None
 
     @property
@@ -501,7 +501,7 @@ class StepRecord:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "StepRecord":
+    def from_dict(cls, d: dict[str, Any]) -> StepRecord:
         """Inverse of :meth:`to_dict` (unknown keys, e.g. a sink's ``schema``, are ignored).
 
         Raises:
@@ -523,11 +523,11 @@ class StepRecord:
 
 # the parts defined in their own modules; StepRecord's annotations name them, and
 # _part_fields() resolves those names on first use
-from distgrad.record.loss import LossComponents, LossTrend, RankStats, TokenLossStats  # noqa: E402,F401
-from distgrad.record.histogram import GradHistogram  # noqa: E402,F401
-from distgrad.record.gns import NoiseScale  # noqa: E402,F401
 from distgrad.record.action import ActionPart  # noqa: E402,F401
 from distgrad.record.culprit import CulpritModule  # noqa: E402,F401
-from distgrad.record.optimizer import OptimizerSignals  # noqa: E402,F401
+from distgrad.record.gns import NoiseScale  # noqa: E402,F401
+from distgrad.record.histogram import GradHistogram  # noqa: E402,F401
 from distgrad.record.incidents import Incidents  # noqa: E402,F401
 from distgrad.record.logits import LogitStats  # noqa: E402,F401
+from distgrad.record.loss import LossComponents, LossTrend, RankStats, TokenLossStats  # noqa: E402,F401
+from distgrad.record.optimizer import OptimizerSignals  # noqa: E402,F401

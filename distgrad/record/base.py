@@ -16,7 +16,7 @@ import typing
 from typing import Any
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def adapter(tp: Any) -> Any:
     """pydantic's validator (``TypeAdapter``) of a type annotation: a part dataclass,
     ``Part | None``, ``list[Part] | None``...; built once per annotation, on first use (when

@@ -68,7 +68,7 @@ class GradHistogram(_Part):
         ``[max_exponent - min_exponent + 1]``, ``e - scale_log2``."""
         return np.arange(self.min_exponent, self.max_exponent + 1, dtype=np.float64) - self.scale_log2
 
-    def total(self) -> "GradHistogram":
+    def total(self) -> GradHistogram:
         """The whole model: every list summed over the layers (one layer named ``"global"``)."""
         def s(v: list[int]) -> list[int]:
             return [int(sum(v))]

@@ -6,6 +6,7 @@ exporter (``distgrad_incident*`` metrics, which the alert rules read) and the of
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 from distgrad.record.base import _Part
 
 #: incident kinds (the bounded ``incident`` label), in the order they are documented

@@ -62,7 +62,8 @@ class LossComponents(_Part):
         count: per component, the micro-batches (over all ranks) that passed it.
         error: set (and the rest empty) when ranks declared different component sets.
         zscore: ``{component: {detector: z}}`` of the loss's spike detectors run on the
-            component's weighted contribution (weight x mean); spikes_total: ``{component: {detector: count}}`` since the start;
+            component's weighted contribution (weight x mean); spikes_total:
+            ``{component: {detector: count}}`` since the start;
             flagged: components judged a spike on this step.
     """
 

@@ -51,10 +51,9 @@ recommendation and a runbook link each, not problems), :mod:`~distgrad.report.te
 :mod:`~distgrad.report.page` (PNG files and ``report.html``).
 """
 
-from distgrad.report.analysis import (ANOMALY_LABELS, MAX_MARKERS, Problem, RunAnalysis,  # noqa: F401
-                                      RunAnalyzer, analyze)
-from distgrad.report.downsample import Downsampled, Downsampler  # noqa: F401
 from distgrad.naming.layers import LayerIndex, layer_of, layer_sort_key  # noqa: F401
+from distgrad.report.analysis import ANOMALY_LABELS, MAX_MARKERS, Problem, RunAnalysis, RunAnalyzer, analyze  # noqa: F401
+from distgrad.report.downsample import Downsampled, Downsampler  # noqa: F401
 from distgrad.report.page import ReportResult, write_report  # noqa: F401
 from distgrad.report.spikes import RollingMadSpikes  # noqa: F401
 from distgrad.report.text import format_summary, worst_layers  # noqa: F401

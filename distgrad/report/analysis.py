@@ -5,20 +5,21 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
+from distgrad.core.watch import step_ranges
+from distgrad.naming.layers import LayerIndex, layer_of, layer_sort_key
 from distgrad.record import StepRecord
 from distgrad.report.downsample import Downsampled, Downsampler
 from distgrad.report.findings import ANOMALY_LABELS, MAX_MARKERS, Problem, RunAnalysis
-from distgrad.naming.layers import LayerIndex, layer_of, layer_sort_key
 from distgrad.report.histogram import HistogramAccumulator
 from distgrad.report.loss import LossAccumulator
 from distgrad.report.signals import SignalsAccumulator
 from distgrad.report.spikes import RollingMadSpikes, _to_float
 from distgrad.report.verdict import VerdictChecks
-from distgrad.core.watch import step_ranges
+
 
 class RunAnalyzer:
     """Incremental form of :func:`analyze`: :meth:`add` every record in order, then :meth:`finish`.

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+
 @dataclass
 class Downsampled:
     """Result of :class:`Downsampler`: ``B`` buckets (B <= max_buckets) of ``C`` columns.

@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -213,7 +214,8 @@ class Landscape:
     def _zero3(name: str, p: Any, rank: int) -> _Param:
         loc = getattr(p.ds_tensor, "final_location", None)
         if loc is not None and "nvme" in str(loc).lower():
-            raise TypeError(f"{name}: ZeRO-3 parameters offloaded to NVMe are not supported by distgrad.report.landscape")
+            raise TypeError(f"{name}: ZeRO-3 parameters offloaded to NVMe are not supported by "
+                            "distgrad.report.landscape")
         part = p.ds_tensor.data.reshape(-1)
         n = int(p.ds_numel)
         keep = max(0, min(part.numel(), n - rank * part.numel()))
@@ -229,7 +231,8 @@ class Landscape:
 
         for pl in p.placements:
             if not (type(pl) is Shard or isinstance(pl, Replicate)):
-                raise TypeError(f"{name}: placement {pl} is not supported by distgrad.report.landscape (Shard / Replicate only)")
+                raise TypeError(f"{name}: placement {pl} is not supported by distgrad.report.landscape "
+                                "(Shard / Replicate only)")
         shape = tuple(p.shape)
         lshape, offset = compute_local_shape_and_global_offset(shape, p.device_mesh, p.placements)
         local = p.detach().to_local()

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from distgrad.loss.token import EDGES
 from distgrad.record import StepRecord
 from distgrad.report.downsample import Downsampled, Downsampler
-from distgrad.loss.token import EDGES
 
 
 @dataclass

@@ -30,8 +30,8 @@ def write_report(path: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
 
     Files in ``out_dir`` (created if missing): ``loss_grad_norm.png``, ``layer_grad_norm.png``
     (heatmap, log10), ``layer_nonfinite.png``, and when the run has them ``loss_scale.png``
-    (fp16), ``update_ratio.png`` and ``grad_histogram.png`` (``histogram.enabled``); ``report.html`` embeds them as base64 and starts with the
-    verdict; ``summary.txt`` holds :func:`format_summary`.
+    (fp16), ``update_ratio.png`` and ``grad_histogram.png`` (``histogram.enabled``); ``report.html`` embeds them as
+    base64 and starts with the verdict; ``summary.txt`` holds :func:`format_summary`.
 
     Args:
         path: run log (see :func:`analyze`).

@@ -16,6 +16,7 @@ from distgrad.report.histogram import render as render_histogram
 from distgrad.report.loss import render as render_loss
 from distgrad.report.signals import render as render_signals
 
+
 def _log10(a: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         r = np.log10(a)
@@ -178,7 +179,8 @@ def render_plots(a: RunAnalysis, out: Path) -> tuple[list[tuple[str, str, bytes]
             fig.suptitle(f"Per-layer non-finite gradient elements (total {total})")
             fig.tight_layout()
             images.append(("layer_nonfinite.png", "NaN+Inf gradient elements per layer over the run, and the "
-                           "number of sampled steps on which the layer had any.", _save(fig, out / "layer_nonfinite.png")))
+                           "number of sampled steps on which the layer had any.",
+                           _save(fig, out / "layer_nonfinite.png")))
 
         # 5. update-to-weight ratio
         if a.update_ratio is not None and np.isfinite(a.update_ratio.max).any():

@@ -53,8 +53,9 @@ from __future__ import annotations
 import math
 import warnings
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -135,7 +136,8 @@ def _hist_ratio(attr: str, method: str) -> Extract:
 #: signal field of StepRecord -> [(metric, label, log scale, extractor)]
 SPECS: dict[str, list[tuple[str, str, bool, Extract]]] = {
     "grad_histogram": [
-        ("underflow_ratio", "underflow ratio (0 < |g| < smallest normal of the dtype)", False, _hist_ratio("underflow", "underflow_ratio")),
+        ("underflow_ratio", "underflow ratio (0 < |g| < smallest normal of the dtype)", False,
+         _hist_ratio("underflow", "underflow_ratio")),
         ("zero_ratio", "zero ratio (g == 0)", False, _hist_ratio("zeros", "zero_ratio")),
     ],
 }
@@ -448,7 +450,8 @@ def summary_lines(rep: SignalsReport | None) -> list[str]:
     return out
 
 
-def render(rep: SignalsReport | None, subplots: Callable[..., tuple[Any, Any]], top: int = 5) -> list[tuple[str, str, Any]]:
+def render(rep: SignalsReport | None, subplots: Callable[..., tuple[Any, Any]],
+           top: int = 5) -> list[tuple[str, str, Any]]:
     """One figure per signal: a panel per metric with the global value and the ``top`` layers of
     largest value. Returns ``[(file name, caption, figure)]``."""
     if rep is None:

@@ -9,6 +9,7 @@ import statistics
 from collections import deque
 from typing import Any
 
+
 class RollingMadSpikes:
     """Upward-spike rule on a stream: rolling median / MAD of the previous ``window`` finite values.
 

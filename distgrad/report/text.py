@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from distgrad.report.analysis import ANOMALY_LABELS, RunAnalysis
 from distgrad.report.loss import summary_lines
 from distgrad.report.signals import summary_lines as signal_lines
+
 
 def _fmt(v: Any) -> str:
     if v is None:
@@ -23,7 +25,10 @@ def _fmt(v: Any) -> str:
 def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
     rows = [[_fmt(c) for c in row] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
-    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
     out = [line(header), "  ".join("-" * w for w in widths)]
     out += [line(r) for r in rows]
     return out

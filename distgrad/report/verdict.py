@@ -82,8 +82,8 @@ def _finding(kind: str, step: int, what: str, **fmt) -> tuple[str, int, str]:
 def incident_finding(inc) -> tuple[str, int, str]:
     """``(kind, step, detail)`` of an :class:`~distgrad.record.incidents.Incident` the online policy
     opened, with what to do and the runbook section, as :meth:`VerdictChecks.findings` gives."""
-    return _finding(inc.kind, int(inc.step), inc.detail, best=inc.level_step if inc.level_step is not None else inc.step,
-                    rank=inc.rank, at=inc.step)
+    best = inc.level_step if inc.level_step is not None else inc.step
+    return _finding(inc.kind, int(inc.step), inc.detail, best=best, rank=inc.rank, at=inc.step)
 
 
 class _Rolling:
@@ -278,7 +278,9 @@ class VerdictChecks:
         adapter = np.array([bool(_ADAPTER.search(n)) for n in self._names], bool)
 
         def listing(sel: np.ndarray) -> str:
-            why = lambda k: "no update" if frozen[k] else "zero gradient" if self._present[k] else "no gradient"
+            def why(k: int) -> str:
+                return "no update" if frozen[k] else "zero gradient" if self._present[k] else "no gradient"
+
             picked = [f"{n} ({why(k)})" for k, n in zip(np.nonzero(sel)[0], names[sel])]
             more = f" and {len(picked) - 5} more" if len(picked) > 5 else ""
             return ", ".join(picked[:5]) + more

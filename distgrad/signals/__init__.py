@@ -54,7 +54,8 @@ from __future__ import annotations
 
 import abc
 import logging
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,7 +89,7 @@ class PackedSignal(Declares, abc.ABC):
             register(cls.name)(cls.build)
 
     @classmethod
-    def build(cls, inst: Any) -> "PackedSignal | None":
+    def build(cls, inst: Any) -> PackedSignal | None:
         """The factory, called once at ``instrument()`` on every rank with the
         :class:`~distgrad.Instrument` (``inst.config.<section_key>`` is :attr:`Config`):
         the signal, or None when it is off.
@@ -133,7 +134,7 @@ class PackedSignal(Declares, abc.ABC):
         """Called on every rank after the optimizer step of a sampled step (device work only,
         no collective, no host sync), e.g. to keep a copy of the update. Default: nothing."""
 
-    def attach(self, inst: Any, module: Any) -> "Callable[[], None] | None":
+    def attach(self, inst: Any, module: Any) -> Callable[[], None] | None:
         """Called once at ``instrument()``, after the engine's boundary is installed, with the
         module whose forward the user's loop runs (``DeepSpeedEngine.module``, the DDP / FSDP
         root, the plain model), e.g. to install gradient hooks. Returns a function undoing
@@ -163,13 +164,13 @@ class PackedSignal(Declares, abc.ABC):
 
 
 #: factory(inst) -> PackedSignal | None, in registration order (the order of the parts in the pack)
-FACTORIES: list[tuple[str, Callable[[Any], "PackedSignal | None"]]] = []
+FACTORIES: list[tuple[str, Callable[[Any], PackedSignal | None]]] = []
 
 
-def register(name: str) -> Callable[[Callable[[Any], "PackedSignal | None"]], Callable[[Any], "PackedSignal | None"]]:
+def register(name: str) -> Callable[[Callable[[Any], PackedSignal | None]], Callable[[Any], PackedSignal | None]]:
     """Decorator registering a signal factory under ``name`` (import the module in
     ``distgrad/signals/builtin.py`` so it is registered)."""
-    def deco(fn: Callable[[Any], "PackedSignal | None"]) -> Callable[[Any], "PackedSignal | None"]:
+    def deco(fn: Callable[[Any], PackedSignal | None]) -> Callable[[Any], PackedSignal | None]:
         if any(n == name for n, _ in FACTORIES):
             raise ValueError(f"signal {name!r} registered twice")
         FACTORIES.append((name, fn))
@@ -181,8 +182,9 @@ class SignalPack:
     """The signals of one :class:`~distgrad.Instrument`, and their place in the packed tensors.
 
     SUM part: for each signal ``[failure slot, sum part...]``; MAX part: each signal's max part.
-    The pack is appended after the loss block (see :meth:`Instrument.collect`); :func:`distgrad.stats.layout.split_blocks`
-    takes it off the reduced host array again (:meth:`Instrument.split_reduced`).
+    The pack is appended after the loss block (see :meth:`Instrument.collect`);
+    :func:`distgrad.stats.layout.split_blocks` takes it off the reduced host array again
+    (:meth:`Instrument.split_reduced`).
     """
 
     def __init__(self, signals: Sequence[PackedSignal]) -> None:

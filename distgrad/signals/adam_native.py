@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -43,9 +43,9 @@ def eligible(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> bool:
 def run(fn, pieces: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
         params: Sequence[tuple[float, float, float, float, float]] | torch.Tensor) -> torch.Tensor:
     """The sums of :func:`eligible` pieces ``(g, m, v)`` with per-piece ``(scale, bc, eps2,
-    theta, sign)`` (a float32 ``[P, 5]`` CPU tensor or numbers; ``g / scale``; ``v_hat = v / bc``; ``d = max(v_hat, eps2)``; spikes
-    ``g^2 / d > theta``; ``sign`` multiplies ``g.m``) -> float64 ``[P, 7]``: ``(sum g^2/d,
-    #spikes, sign * g.m, g.g, m.m, v.v, sum v_hat)``.
+    theta, sign)`` (a float32 ``[P, 5]`` CPU tensor or numbers; ``g / scale``; ``v_hat = v / bc``;
+    ``d = max(v_hat, eps2)``; spikes ``g^2 / d > theta``; ``sign`` multiplies ``g.m``) -> float64
+    ``[P, 7]``: ``(sum g^2/d, #spikes, sign * g.m, g.g, m.m, v.v, sum v_hat)``.
 
     Raises:
         MemoryError: the kernel could not allocate its work list.

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from distgrad.signals import FACTORIES, SignalPack
-
-from distgrad.signals import histogram  # noqa: F401,E402
-from distgrad.signals import adam  # noqa: F401,E402 - optimizer-aware signals (Adam family)
-from distgrad.signals import noise_scale  # noqa: F401,E402 - gradient noise scale
-from distgrad.signals import curvature  # noqa: F401,E402 - curvature along the last update
-from distgrad.signals import logits  # noqa: F401,E402 - attention and output logit precursors
-from distgrad.signals import duplicate_data  # noqa: F401,E402 - ranks training on the same data
-from distgrad.signals import weight_hash  # noqa: F401,E402 - replica weight hashes
+from distgrad.signals import (
+    FACTORIES,
+    SignalPack,
+    adam,  # noqa: F401,E402 - optimizer-aware signals (Adam family)
+    curvature,  # noqa: F401,E402 - curvature along the last update
+    duplicate_data,  # noqa: F401,E402 - ranks training on the same data
+    histogram,  # noqa: F401,E402
+    logits,  # noqa: F401,E402 - attention and output logit precursors
+    noise_scale,  # noqa: F401,E402 - gradient noise scale
+    weight_hash,  # noqa: F401,E402 - replica weight hashes
+)
 
 
 def build(inst: Any) -> SignalPack:

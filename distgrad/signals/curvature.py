@@ -36,13 +36,15 @@ parameter, the dot product and the squared update norm); nothing in the MAX part
 Everything the signal adds lives in this module (the contract of :mod:`distgrad.signals`): its
 configuration section ``curvature`` (:class:`Curvature.Config`), its record part
 ``StepRecord.curvature`` (:class:`Curvature.Part`), its metrics ``distgrad_curvature`` and
-``distgrad_layer_curvature{layer}`` (:attr:`Curvature.METRICS`, :meth:`Curvature.samples`), its factory (:meth:`Curvature.build`).
+``distgrad_layer_curvature{layer}`` (:attr:`Curvature.METRICS`, :meth:`Curvature.samples`), its factory
+(:meth:`Curvature.build`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -128,13 +130,13 @@ class Curvature(PackedSignal):
     )
 
     @staticmethod
-    def samples(part: "Curvature.Part") -> dict[str, Any]:
+    def samples(part: Curvature.Part) -> dict[str, Any]:
         """``distgrad_curvature`` (absent when nothing moved) and ``distgrad_layer_curvature``
         per layer."""
         return {"distgrad_curvature": part.total, "distgrad_layer_curvature": part.layer}
 
     @classmethod
-    def build(cls, inst: Any) -> "Curvature | None":
+    def build(cls, inst: Any) -> Curvature | None:
         """``curvature.enabled``: the signal, or None when off.
 
         Raises:

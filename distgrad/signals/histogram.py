@@ -30,7 +30,8 @@ LLaMA-Factory article are the displays it feeds.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch

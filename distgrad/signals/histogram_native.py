@@ -1,7 +1,8 @@
 """The native kernel of the gradient histogram on CPU: ``dg_hist.c`` (package data next to this
-module), compiled once per machine (kernel cache of :mod:`distgrad.stats.cbuild`) with the system C compiler and loaded with ctypes, like the
-statistics kernel (:mod:`distgrad.stats.native`); checked against numpy's bit operations on load;
-None (the torch path of :mod:`distgrad.signals.histogram` is used, logged once) when unavailable.
+module), compiled once per machine (kernel cache of :mod:`distgrad.stats.cbuild`) with the
+system C compiler and loaded with ctypes, like the statistics kernel
+(:mod:`distgrad.stats.native`); checked against numpy's bit operations on load; None (the torch path of
+:mod:`distgrad.signals.histogram` is used, logged once) when unavailable.
 
 One pass per piece instead of the torch path's four: the biased exponent of ``|x|`` is counted
 into the piece's layer row of a raw-exponent table and the non-zero elements are counted."""
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

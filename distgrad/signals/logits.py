@@ -52,7 +52,8 @@ from __future__ import annotations
 import math
 import re
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,7 +71,7 @@ CHUNK = 1 << 24
 
 _LOCK = threading.Lock()
 #: module -> (signal, layer index): the modules selected by a live signal
-_MODULES: dict[Any, tuple["LogitSignal", int]] = {}
+_MODULES: dict[Any, tuple[LogitSignal, int]] = {}
 _HF_PATCH: dict[str, Any] = {"count": 0, "orig": None}
 
 

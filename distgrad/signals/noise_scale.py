@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -17,13 +17,13 @@ auto; :func:`kernel_use` counts the pieces each one computed):
 
 - ``native`` (auto on CPU for fp32 and bf16 pieces): one C function, compiled once per machine
   with the system C compiler (``$CC``, ``cc``, ``gcc`` or ``clang``; about 0.2 s) into the kernel
-  cache (``distgrad.stats.cbuild``; ranks starting together compile once) and loaded with ctypes, reads every piece once and produces all statistics in that single pass, for all pieces
-  in one call (threads: ``torch.get_num_threads()``, results independent of the thread count). It
-  is checked against float64 references on load; if there is no compiler, compilation fails or
-  the check fails, the eager kernel is used (logged once). Accuracy: fp32 lane accumulators over
-  chunks of 2048 elements (128 additions per lane: worst case ~8e-6 relative on a sum of
-  squares; measured 2e-8 to 5e-8 on gradients and on heavy-tailed data), chunks and blocks
-  combined in float64.
+  cache (``distgrad.stats.cbuild``; ranks starting together compile once) and loaded with ctypes, reads every piece
+  once and produces all statistics in that single pass, for all pieces in one call (threads:
+  ``torch.get_num_threads()``, results independent of the thread count). It is checked
+  against float64 references on load; if there is no compiler, compilation fails or the check fails,
+  the eager kernel is used (logged once). Accuracy: fp32 lane accumulators over chunks of 2048
+  elements (128 additions per lane: worst case ~8e-6 relative on a sum of squares; measured 2e-8
+  to 5e-8 on gradients and on heavy-tailed data), chunks and blocks combined in float64.
 - ``compile``: the same statistics as one ``torch.compile``-d reduction per piece (Triton on
   CUDA, C++ on CPU), eager on any compilation failure. Not the default anywhere yet: it has
   only been measured on CPU, where ``native`` is faster (see docs/performance.md).
@@ -39,17 +39,24 @@ Extrema and counts are exact in every kernel. All partial results are float64 fr
 on, and integer counts are exact below 2**53.
 """
 
-from distgrad.stats.core import (Reduced, error_blocks, global_norm, pack_local, reduce_blocks,  # noqa: F401
-                                 reduce_blocks_async, replica_outliers, unpack)
-from distgrad.stats.host_copy import HostCopy  # noqa: F401
-from distgrad.stats.eager import _piece_stats_eager, sum_of_squares  # noqa: F401
-from distgrad.stats.kernels import (_KERNELS, kernel_use, piece_stats, set_stats_kernel,  # noqa: F401
-                                    stats_kernel, stats_table)
-from distgrad.stats.layout import (CULPRIT_GRAD, CULPRIT_LOSS, MAX_COLS, RANK_COLS, SUM_COLS,  # noqa: F401
-                                   TAIL_COLS, Layout)
 from distgrad.stats.checksum import replica_checksum  # noqa: F401
+from distgrad.stats.core import (  # noqa: F401
+                                 Reduced,
+                                 error_blocks,
+                                 global_norm,
+                                 pack_local,
+                                 reduce_blocks,
+                                 reduce_blocks_async,
+                                 replica_outliers,
+                                 unpack,
+)
+from distgrad.stats.eager import _piece_stats_eager, sum_of_squares  # noqa: F401
+from distgrad.stats.host_copy import HostCopy  # noqa: F401
+from distgrad.stats.kernels import _KERNELS, kernel_use, piece_stats, set_stats_kernel, stats_kernel, stats_table  # noqa: F401
+from distgrad.stats.layout import CULPRIT_GRAD, CULPRIT_LOSS, MAX_COLS, RANK_COLS, SUM_COLS, TAIL_COLS, Layout  # noqa: F401
 from distgrad.stats.native import _call_native, _native  # noqa: F401
 
-__all__ = ["SUM_COLS", "MAX_COLS", "RANK_COLS", "TAIL_COLS", "CULPRIT_LOSS", "CULPRIT_GRAD", "replica_checksum", "Layout", "Reduced", "sum_of_squares",
+__all__ = ["SUM_COLS", "MAX_COLS", "RANK_COLS", "TAIL_COLS", "CULPRIT_LOSS", "CULPRIT_GRAD", "replica_checksum",
+           "Layout", "Reduced", "sum_of_squares",
            "piece_stats", "stats_table", "set_stats_kernel", "stats_kernel", "kernel_use", "pack_local", "error_blocks",
            "reduce_blocks", "reduce_blocks_async", "HostCopy", "unpack", "global_norm", "replica_outliers"]

@@ -34,8 +34,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable, Sequence
 from importlib import resources
-from typing import Any, Callable, Sequence
+from typing import Any
 
 log = logging.getLogger("distgrad")
 

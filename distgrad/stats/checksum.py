@@ -33,7 +33,7 @@ with ``replica_check`` only; no host sync.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

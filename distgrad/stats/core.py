@@ -4,7 +4,7 @@ derived from the reduced values (global norm, replica outliers)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -67,7 +67,7 @@ def error_blocks(layout: Layout, rank: int, device: torch.device) -> tuple[torch
 
 
 def reduce_blocks(sum_block: torch.Tensor, max_block: torch.Tensor,
-                  group: "dist.ProcessGroup | None" = None) -> np.ndarray:
+                  group: dist.ProcessGroup | None = None) -> np.ndarray:
     """Combine the packed blocks over all ranks and bring them to the host.
 
     Exactly two collectives (``all_reduce`` SUM, ``all_reduce`` MAX; none when the default
@@ -83,7 +83,7 @@ def reduce_blocks(sum_block: torch.Tensor, max_block: torch.Tensor,
 
 
 def reduce_blocks_async(sum_block: torch.Tensor, max_block: torch.Tensor,
-                        group: "dist.ProcessGroup | None" = None) -> HostCopy:
+                        group: dist.ProcessGroup | None = None) -> HostCopy:
     """:func:`reduce_blocks` without waiting for the device: the same two collectives, then a
     non-blocking copy to pinned host memory and a CUDA event (:class:`HostCopy`); read the
     array with ``HostCopy.wait()`` later. On CPU tensors the copy is the data itself."""

@@ -28,8 +28,8 @@ elements; bf16/fp16 convert to fp32 exactly). Memory: 64 bytes of partials per b
 million gradient elements) and the table (16 bytes per block, 24 per piece).
 
 The first use on a device compiles the kernels for the dtypes present (seconds; Triton caches
-them on disk for later runs). Loads are 16 bytes wide only when every block of a dtype starts on a 16-byte boundary (flat
-gradient buffers of power-of-two-sized parameters do); otherwise that dtype's launch uses
+them on disk for later runs). Loads are 16 bytes wide only when every block of a dtype starts on a
+16-byte boundary (flat gradient buffers of power-of-two-sized parameters do); otherwise that dtype's launch uses
 element-wide loads: the same results, slower.
 
 Runs on CUDA (the default there, chosen in ``distgrad.stats``) and, for tests, on CPU tensors
@@ -47,7 +47,8 @@ import contextlib
 import logging
 import math
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
