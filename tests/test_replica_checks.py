@@ -232,3 +232,22 @@ def test_hsdp_compares_the_replicas_of_the_same_shard(hsdp):
         want = ([], []) if s < caught else ([FLIP_RANK_HSDP], r0["differ"][caught])
         assert (rw["mismatch_ranks"], rw["mismatch_params"]) == want, s
         assert part["duplicate_data"]["groups"] == []
+
+
+def test_data_parallel_groups_skip_layouts_with_peers_that_share_data():
+    """Only ranks known to be data-parallel replicas are compared: tensor-parallel peers (an FSDP2
+    mesh with a 'tp' dimension) and pipeline / expert layouts are skipped with the reason."""
+    from types import SimpleNamespace as NS
+
+    from distgrad.signals.duplicate_data import data_parallel_groups
+
+    def inst(engine, mesh=None, job=None, world=4):
+        return NS(world_size=world, job=job, source=NS(engine_name=engine, mesh=mesh))
+
+    assert data_parallel_groups(inst("ddp")) == ([[0, 1, 2, 3]], "")
+    assert data_parallel_groups(inst("fsdp2", NS(ndim=2, mesh_dim_names=("replicate", "shard"))))[0] == [[0, 1, 2, 3]]
+    groups, why = data_parallel_groups(inst("fsdp2", NS(ndim=2, mesh_dim_names=("dp", "tp"))))
+    assert groups is None and "tensor" in why
+    groups, why = data_parallel_groups(inst("deepspeed", job=object()))
+    assert groups is None and "pipeline" in why
+    assert data_parallel_groups(inst("ddp", world=1))[0] is None
