@@ -14,11 +14,13 @@ template function.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import yaml
 
 from grafana import config
+
 
 def sel(extra: str = "") -> str:
     """``{<selector>[,extra]}`` for a metric in an alert expression."""
@@ -36,20 +38,36 @@ def tquery(promql_fmt: str) -> str:
     return f'printf "{promql_fmt}" $labels.job $labels.instance | query'
 
 
-def tvalue(metric: str, fmt: str = "%.0f", missing: str = "unknown") -> str:
-    """Template text: the value of ``metric`` of the alert's target, or ``missing``."""
-    q = tquery(metric + "{job=%q,instance=%q}")
-    return f'{{{{ with {q} }}}}{{{{ . | first | value | printf "{fmt}" }}}}{{{{ else }}}}{missing}{{{{ end }}}}'
+def _held(promql_fmt: str, held: str) -> str:
+    """``promql_fmt`` with every ``distgrad_*{job=%q,instance=%q...}`` selector replaced by
+    ``last_over_time(<selector>[held])``: the last value the target served within ``held``."""
+    return re.sub(r"(distgrad_[a-z_]+\{job=%q,instance=%q[^}]*\})", rf"last_over_time(\1[{held}])", promql_fmt)
 
 
-def tlist(promql_fmt: str, item: str, sort_label: str, otherwise: str) -> str:
+def tvalue(metric: str, fmt: str = "%.0f", missing: str = "unknown", held: str | None = None) -> str:
+    """Template text: the value of ``metric`` of the alert's target, or ``missing``. With
+    ``held`` (a range such as ``5m``), a target that stopped serving ``metric`` (rank 0 killed
+    while the alert still fires) is described by the last value it served within ``held``."""
+    def one(q: str, otherwise: str) -> str:
+        return (f'{{{{ with {tquery(q)} }}}}{{{{ . | first | value | printf "{fmt}" }}}}'
+                f"{{{{ else }}}}{otherwise}{{{{ end }}}}")
+    q = metric + "{job=%q,instance=%q}"
+    return one(q, one(_held(q, held), missing) if held else missing)
+
+
+def tlist(promql_fmt: str, item: str, sort_label: str, otherwise: str, held: str | None = None) -> str:
     """Template text: comma-separated ``item`` (a template over ``$s``) for every sample of
-    the query, sorted by ``sort_label``; ``otherwise`` when the query returns nothing."""
-    return (
-        f"{{{{ with {tquery(promql_fmt)} }}}}"
-        f'{{{{ range $i, $s := . | sortByLabel "{sort_label}" }}}}{{{{ if $i }}}}, {{{{ end }}}}{item}{{{{ end }}}}'
-        f"{{{{ else }}}}{otherwise}{{{{ end }}}}"
-    )
+    the query, sorted by ``sort_label``; ``otherwise`` when the query returns nothing. With
+    ``held``, an empty query is retried over the last ``held`` of the target's series
+    (:func:`_held`) before ``otherwise``, so a notification re-sent after the target died still
+    names what it named while the target was up."""
+    def one(q: str, otherwise: str) -> str:
+        return (
+            f"{{{{ with {tquery(q)} }}}}"
+            f'{{{{ range $i, $s := . | sortByLabel "{sort_label}" }}}}{{{{ if $i }}}}, {{{{ end }}}}{item}{{{{ end }}}}'
+            f"{{{{ else }}}}{otherwise}{{{{ end }}}}"
+        )
+    return one(promql_fmt, one(_held(promql_fmt, held), otherwise) if held else otherwise)
 
 
 def _rule(name: str, expr: str, summary: str, description: str) -> dict[str, Any]:
@@ -84,30 +102,35 @@ def _nonfinite_rule() -> dict[str, Any]:
                 'layer {{ $s.Labels.layer }} ({{ $s.Value | printf "%.0f" }} elements)',
                 "layer",
                 "not exported",
+                held=w,
             ),
+            held=w,
         ),
+        held=w,
     )
-    culprits, module = _culprit_texts()
-    origin = tvalue("distgrad_nonfinite_origin_step")
+    culprits, module = _culprit_texts(held=w)
+    origin = tvalue("distgrad_nonfinite_origin_step", held=w)
     return _rule(
         "DistgradNonFiniteGradients",
         expr,
         f"NaN/Inf gradients in {{{{ $labels.job }}}} from step {origin}.",
         f"{WHO} has NaN/Inf gradients since sampled optimizer step {origin}, where the streak started "
-        f"(last sampled step: {tvalue('distgrad_optimizer_step')}; alerting on the last {w}{note}). "
+        f"(last sampled step: {tvalue('distgrad_optimizer_step', held=w)}; alerting on the last {w}{note}). "
         f"{_where_it_started(culprits, module)} "
         f"Non-finite parameters (by rank shard of the reduced gradient: where the NaN landed): {params}.",
     )
 
 
-def _culprit_texts() -> tuple[str, str]:
+def _culprit_texts(held: str | None = None) -> tuple[str, str]:
     """Template texts of the culprit rank(s) and the culprit module of the last non-finite
-    event (its first step), each with what to say when there is none."""
+    event (its first step), each with what to say when there is none; ``held``: as in
+    :func:`tlist` (the alert's window, for an alert that outlives its target)."""
     culprits = tlist(
         "sum by (rank) (distgrad_nonfinite_culprit{job=%q,instance=%q})",
         "{{ $s.Labels.rank }}",
         "rank",
         "none seen (no rank had a non-finite loss or gradient of its own before the reduction)",
+        held=held,
     )
     # the forward replay of the event's first step (distgrad.diagnostics.replay): the module, else why none
     module = tlist(
@@ -119,7 +142,9 @@ def _culprit_texts() -> tuple[str, str]:
             "unknown ({{ $s.Labels.outcome }})",
             "outcome",
             "unknown (not replayed)",
+            held=held,
         ),
+        held=held,
     )
     return culprits, module
 
