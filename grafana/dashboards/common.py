@@ -260,6 +260,7 @@ OPT_IN: dict[str, str] = {
     "histogram": "histogram.enabled: true",
     "noise_scale": "noise_scale.enabled: true",
     "curvature": "curvature.enabled: true",
+    "logits": "logits.attention / logits.output: true",
     "action": "action.on_nonfinite / action.on_spike",
     "replica_weights": "replica_weights.hash_interval > 0 (DDP, ZeRO-0, HSDP)",
 }

@@ -78,6 +78,19 @@ def build() -> Dashboard:
                queries((f"distgrad_layer_curvature{{{L}}}", "{{layer}}"),
                        (f"distgrad_curvature{{{S}}}", "model {{instance}}")), 24, 8),
         ]),
+        opt_in_row("Logit precursors", ["logits"], [
+            ts("Max attention logit per layer", "Maximum pre-softmax attention logit q.k/sqrt(d) of each layer over its "
+               "heads and the sampled step's micro-batches (logits.attention). Kimi K2 clips it at 100 "
+               f"(QK-Clip); DistgradAttentionLogitHigh fires above {config.ALERTS['DistgradAttentionLogitHigh']['threshold']}.",
+               queries((f"distgrad_layer_attention_logit_max{{{L}}}", "{{layer}}")), 12, 8),
+            ts("Output logits: log-sum-exp z and max |logit|", "z = logsumexp of the output logits per position "
+               "(logits.output): mean, sqrt of the mean of z^2 (PaLM's z-loss quantity) and max; and the max |logit|. "
+               "A climbing z is the output-logit divergence z-loss prevents.",
+               queries((f"distgrad_output_logsumexp_mean{{{S}}}", "mean z {{instance}}"),
+                       (f"sqrt(distgrad_output_logsumexp_sq_mean{{{S}}})", "rms z {{instance}}"),
+                       (f"distgrad_output_logsumexp_max{{{S}}}", "max z {{instance}}"),
+                       (f"distgrad_output_logit_abs_max{{{S}}}", "max |logit| {{instance}}")), 12, 8),
+        ]),
     ]
     layer_var = ("layer", "Layer", 'label_values(distgrad_layer_grad_norm{job=~"$job", run=~"$run", instance=~"$instance"}, layer)')
     return dashboard("layers", "distgrad / Layers and parameters",
