@@ -20,6 +20,7 @@ import distgrad
 from distgrad.config import ConfigError
 from distgrad.record import StepRecord
 from distgrad.signals import logits as L
+from tests.logits_models import SDPAModel as _SDPAModel
 
 
 def _llama(impl: str):
@@ -109,34 +110,6 @@ def test_llama_attention_and_output_logits_equal_float64_recomputation(impl):
     # undone at close(): the attention interface is transformers' own again
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     assert "get_interface" not in vars(ALL_ATTENTION_FUNCTIONS) and not L._MODULES
-
-
-class _Block(torch.nn.Module):
-    def __init__(self, d=16, h=2):
-        super().__init__()
-        self.num_heads, self.qk, self.v, self.o = h, torch.nn.Linear(d, 2 * d), torch.nn.Linear(d, d), torch.nn.Linear(d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k = self.qk(x).view(b, t, 2, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        v = self.v(x).view(b, t, self.num_heads, -1).transpose(1, 2)
-        L.observe_attention(self, q, k, is_causal=True)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return x + self.o(y.transpose(1, 2).reshape(b, t, d))
-
-
-class _SDPAModel(torch.nn.Module):
-    def __init__(self, vocab=23, d=16, layers=2):
-        super().__init__()
-        self.emb = torch.nn.Embedding(vocab, d)
-        self.blocks = torch.nn.ModuleList(_Block(d) for _ in range(layers))
-        self.head = torch.nn.Linear(d, vocab, bias=False)
-
-    def forward(self, ids):
-        x = self.emb(ids)
-        for blk in self.blocks:
-            x = blk(x)
-        return self.head(x)
 
 
 def _sdpa_reference(model, ids):
