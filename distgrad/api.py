@@ -33,8 +33,8 @@ def instrument(engine: Any, config: DistgradConfig | Mapping[str, Any] | str | o
             scale and overflow (skipped) steps. Statistics are of the unscaled gradients.
             Without it, steps the scaler skips never reach ``optimizer.step`` and go unseen.
         **overrides: config settings applied on top: a section as a dict, merged key by key
-            (``exporter={"port": 0}``), a dotted key (``**{"exporter.port": 0}``), or an old flat
-            key (``port=0``, with a deprecation warning); see ``docs/configuration.md``.
+            (``exporter={"port": 0}``) or a dotted key (``**{"exporter.port": 0}``); see
+            ``docs/configuration.md``.
 
     Must be called on every rank (it makes one small collective to agree that set-up worked and
     that every rank has the same model and collective settings; with ``enabled: false`` too, so

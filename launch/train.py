@@ -433,7 +433,7 @@ class TorchRunner:
         return mesh["dp"]
 
     def instrument(self, distgrad, cfg, **overrides):
-        if "max_grad_norm" not in overrides:  # the old flat key from --set
+        if "clip" not in overrides:  # a clip section from --set wins
             overrides.setdefault("clip.max_grad_norm", self.clip or None)
         return distgrad.instrument(self.model, cfg, optimizer=self.optimizer, **overrides)
 

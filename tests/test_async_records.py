@@ -36,7 +36,8 @@ def _run(mode: str, monkeypatch, steps: int = 4, nan_at: int | None = None, **cf
     torch.manual_seed(0)
     model = TinyModel().to(DEV)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    inst = distgrad.instrument(model, optimizer=opt, prometheus=False, async_records=mode, **cfg)
+    statistics = {"async_records": mode, **cfg.pop("statistics", {})}
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics=statistics, **cfg)
     published: list = []
     inst.add_hook(published.append)
     waits: list = []
@@ -141,8 +142,8 @@ def test_async_records_one_step_late_without_host_reads(monkeypatch, nan_at):
 def test_async_records_with_interval_and_update_ratio(monkeypatch):
     """Unsampled boundaries (``skip``) publish the parked step too; the update-ratio
     all-reduce is enqueued at the step and read with the record."""
-    sync = _run("off", monkeypatch, steps=5, interval=2, update_ratio=True)
-    asyn = _run("on", monkeypatch, steps=5, interval=2, update_ratio=True)
+    sync = _run("off", monkeypatch, steps=5, sampling={"interval": 2}, statistics={"update_ratio": True})
+    asyn = _run("on", monkeypatch, steps=5, sampling={"interval": 2}, statistics={"update_ratio": True})
     assert sync["last"] == [0, 0, 2, 2, 4]
     assert asyn["last"] == [None, 0, 0, 2, 2]
     assert all(n == 0 for n in asyn["syncs"])
@@ -155,7 +156,7 @@ def test_close_publishes_the_parked_step(monkeypatch):
     torch.manual_seed(0)
     model = TinyModel().to(DEV)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    inst = distgrad.instrument(model, optimizer=opt, prometheus=False, async_records="on")
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "on"})
     x, y = batch_for(0, 0, 0)
     model(x.to(DEV), y.to(DEV)).backward()
     opt.step()
@@ -167,5 +168,5 @@ def test_close_publishes_the_parked_step(monkeypatch):
 def test_auto_is_synchronous_on_cpu():
     model = TinyModel()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with distgrad.instrument(model, optimizer=opt, prometheus=False) as inst:
+    with distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}) as inst:
         assert inst.config.statistics.async_records == "auto" and inst.async_records is False

@@ -38,7 +38,7 @@ def _run(inst, src, steps, bad_steps=()):
 def test_full_flight_recorder_directory_leaves_no_file_and_counts_a_sink_error(tmp_path, monkeypatch, caplog):
     d = tmp_path / "fr"
     src = Two()
-    inst = Instrument(src, DistgradConfig(port=0, flight_recorder_dir=str(d)))
+    inst = Instrument(src, DistgradConfig(exporter={"port": 0}, flight_recorder={"dir": str(d)}))
     inst.start()
     inst.attach_diagnostics()
     real_open = open
@@ -87,7 +87,7 @@ def test_failing_sink_logs_its_traceback_once():
             raise RuntimeError("bug")
 
     src = Two()
-    inst = Instrument(src, DistgradConfig(prometheus=False))
+    inst = Instrument(src, DistgradConfig(exporter={"enabled": False}))
     inst.sinks.append(Broken())
     logger = logging.getLogger("distgrad")
     seen = []
@@ -105,7 +105,7 @@ def test_failing_sink_logs_its_traceback_once():
 
 def test_non_scalar_loss_gives_one_clear_error_and_is_counted(caplog):
     src = Two()
-    inst = Instrument(src, DistgradConfig(prometheus=False))
+    inst = Instrument(src, DistgradConfig(exporter={"enabled": False}))
     try:
         with caplog.at_level(logging.WARNING, logger="distgrad"):
             for step in range(5):
@@ -128,7 +128,7 @@ def test_unwritable_file_sd_path_names_the_key(tmp_path):
 
     blocker = tmp_path / "file"
     blocker.write_text("")
-    inst = Instrument(Two(), DistgradConfig(port=0, file_sd_path=str(blocker / "sub" / "t.json")))
+    inst = Instrument(Two(), DistgradConfig(exporter={"port": 0, "file_sd_path": str(blocker / "sub" / "t.json")}))
     with pytest.raises(ConfigError, match=r"'exporter.file_sd_path'.* = .*cannot be written.*set it to null"):
         inst.start()
     assert inst.prometheus is None or inst._closed
@@ -151,7 +151,7 @@ def test_grad_norm_of_inf_and_nan_gradients_is_what_torch_gives_and_docs_say():
             def local_pieces(self):
                 return [p.clone() for p in pieces]
 
-        inst = Instrument(Src(), DistgradConfig(port=0))
+        inst = Instrument(Src(), DistgradConfig(exporter={"port": 0}))
         inst.start()
         try:
             rec = inst.finish(StepToken(0, True, inst.collect(0)), StepOutcome(micro_step=0))

@@ -18,13 +18,15 @@ def test_shipped_default_yaml_equals_the_dataclass_defaults():
 
 @pytest.mark.parametrize("bad,key", [
     ({"intervall": 2}, "intervall"),
-    ({"interval": 0}, "interval"),
-    ({"interval": "5"}, "interval"),
-    ({"port": 70000}, "port"),
-    ({"spike_ema_alpha": 1.5}, "spike_ema_alpha"),
-    ({"max_grad_norm": -1}, "max_grad_norm"),
-    ({"prometheus": "yes"}, "prometheus"),
-    ({"replica_check_rtol": float("nan")}, "replica_check_rtol"),
+    ({"sampling": {"interval": 0}}, "sampling.interval"),
+    ({"sampling": {"interval": "5"}}, "sampling.interval"),
+    ({"exporter": {"port": 70000}}, "exporter.port"),
+    ({"spikes": {"ema_alpha": 1.5}}, "spikes.ema_alpha"),
+    ({"clip": {"max_grad_norm": -1}}, "clip.max_grad_norm"),
+    ({"exporter": {"enabled": "yes"}}, "exporter.enabled"),
+    ({"statistics": {"replica_check_rtol": float("nan")}}, "statistics.replica_check_rtol"),
+    # the flat keys of a pre-release version are unknown keys, named
+    ({"port": 0}, "unknown key 'port'"),
 ])
 def test_bad_values_name_the_key(bad, key):
     with pytest.raises(ConfigError, match=key):
@@ -33,7 +35,7 @@ def test_bad_values_name_the_key(bad, key):
 
 def test_deepspeed_json_section(tmp_path):
     p = tmp_path / "ds.json"
-    p.write_text(json.dumps({"train_batch_size": 8, "distgrad": {"interval": 5, "port": 0}}))
+    p.write_text(json.dumps({"train_batch_size": 8, "distgrad": {"sampling": {"interval": 5}, "exporter": {"port": 0}}}))
     cfg = DistgradConfig.load(p)
     assert (cfg.sampling.interval, cfg.exporter.port) == (5, 0)
 
@@ -61,7 +63,7 @@ def test_file_sd_target_written_by_rank0_and_removed_at_close(tmp_path):
             return []
 
     path = tmp_path / "targets" / "run1.json"
-    cfg = DistgradConfig(port=0, file_sd_path=str(path), advertise_host="node17", run_name="run1")
+    cfg = DistgradConfig(exporter={"port": 0, "file_sd_path": str(path), "advertise_host": "node17", "run_name": "run1"})
     inst = Instrument(NoGrads(), cfg)
     inst.start()
     try:
@@ -81,17 +83,17 @@ def test_deepspeed_json_file_without_section_is_refused_like_the_same_dict(tmp_p
         DistgradConfig.load(p)
     assert str(p) in str(from_file.value) and str(from_dict.value) in str(from_file.value)
     # a file holding only the section, as JSON or YAML, is that section
-    p.write_text(json.dumps({"distgrad": {"interval": 4}}))
+    p.write_text(json.dumps({"distgrad": {"sampling": {"interval": 4}}}))
     assert DistgradConfig.load(p).sampling.interval == 4
     y = tmp_path / "c.yaml"
-    y.write_text("distgrad:\n  interval: 6\n")
+    y.write_text("distgrad:\n  sampling: {interval: 6}\n")
     assert DistgradConfig.load(y).sampling.interval == 6
 
 
 @pytest.mark.parametrize("host", ["", "  "])
 def test_empty_host_names_the_host_key(host):
     with pytest.raises(ConfigError, match=r"'exporter.host'.* must be an address of this machine.*127\.0\.0\.1"):
-        DistgradConfig(host=host)
+        DistgradConfig(exporter={"host": host})
 
 
 # --- sectioned configuration -------------------------------------------------------------------
@@ -109,57 +111,19 @@ def test_committed_yaml_and_docs_are_generated_from_the_model():
     assert yaml.safe_load(YAML_PATH.read_text()) == DistgradConfig().to_dict()
 
 
-def test_every_flat_key_has_a_new_home_with_the_old_default():
-    """Each old flat key names an existing setting, and the old defaults are unchanged (the
-    values of configs/distgrad.yaml before the sections)."""
-    from distgrad.config import FLAT_KEYS
-
-    old_defaults = {
-        "interval": 1, "async_records": "auto", "prometheus": True, "host": "127.0.0.1", "port": 9400, "file_sd_path": None,
-        "advertise_host": None, "run_name": None, "per_param": True, "max_param_series": 2000,
-        "replica_check": True, "replica_check_rtol": 1e-6, "spike_ema_alpha": 0.97, "spike_ema_z": 2.5,
-        "spike_ema_warmup": 25, "spike_window": 128, "spike_window_sigma": 6.0, "vanish_threshold": 1e-10,
-        "explode_threshold": 1e3, "health_patience": 3, "update_ratio": False, "max_grad_norm": None,
-        "flight_recorder_steps": 64, "flight_recorder_dir": None, "trace_micro_batches": 0,
-        "jsonl_path": None, "jsonl_max_bytes": 128 << 20, "jsonl_backups": 8, "tensorboard_dir": None,
-    }
-    assert set(FLAT_KEYS) == set(old_defaults)
-    d = DistgradConfig().to_dict()
-    for old, new in FLAT_KEYS.items():
-        v = d
-        for part in new.split("."):
-            v = v[part]
-        assert v == old_defaults[old], (old, new)
-
-
-def test_flat_keys_map_to_sections_with_one_warning_naming_the_new_key(monkeypatch):
-    import warnings
-
-    import distgrad.config as cfgmod
-
-    monkeypatch.setattr(cfgmod, "_warned", set())
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        a = DistgradConfig.from_dict({"port": 0, "spike_window": 64, "jsonl_path": "x.jsonl"})
-        DistgradConfig.from_dict({"port": 1})  # same key again: no second warning
-    msgs = [str(x.message) for x in w if issubclass(x.category, FutureWarning)]
-    assert len(msgs) == 3
-    assert any("'port'" in m and "'exporter.port'" in m for m in msgs)
-    assert any("'spike_window'" in m and "'spikes.window'" in m for m in msgs)
-    assert any("'jsonl_path'" in m and "'sinks.jsonl.path'" in m for m in msgs)
+def test_sections_and_dotted_keys_are_the_same_configuration():
     b = DistgradConfig.from_dict({"exporter": {"port": 0}, "spikes": {"window": 64},
                                   "sinks": {"jsonl": {"path": "x.jsonl"}}})
     c = DistgradConfig.from_dict({"exporter.port": 0, "spikes.window": 64, "sinks.jsonl.path": "x.jsonl"})
-    assert a == b == c
+    assert b == c
     assert (b.exporter.port, b.spikes.window, b.sinks.jsonl.path) == (0, 64, "x.jsonl")
     assert b.exporter.host == "127.0.0.1" and b.spikes.ema_alpha == 0.97  # the rest stays default
-    with pytest.raises(ConfigError, match=r"'exporter.port' is given twice \(as 'port' and as 'exporter.port'\)"):
-        DistgradConfig.from_dict({"port": 0, "exporter": {"port": 1}})
+    with pytest.raises(ConfigError, match=r"'exporter.port' is given twice"):
+        DistgradConfig.from_dict({"exporter.port": 0, "exporter": {"port": 1}})
 
 
 @pytest.mark.parametrize("bad,msg", [
     ({"spikes": {"window": 1}}, r"^distgrad config: 'spikes.window' must be >= 2 \(got 1\)$"),
-    ({"spike_window": 1}, r"^distgrad config: 'spikes.window' \(given as the old key 'spike_window'\) must be >= 2"),
     ({"exporter": {"port": 70000}}, r"'exporter.port' must be in 0..65535 \(got 70000\)"),
     ({"spikes": {"ema_alpha": 1.0}}, r"'spikes.ema_alpha' must be in \(0, 1\) \(got 1.0\)"),
     ({"exporter": {"host": ""}}, r"'exporter.host' must be an address of this machine"),
@@ -206,10 +170,8 @@ def test_generator_cli_check(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out == generate.render_yaml()
 
 
-def test_old_flat_attributes_say_where_they_moved():
+def test_unknown_attributes_and_immutability():
     cfg = DistgradConfig()
-    with pytest.raises(AttributeError, match=r"DistgradConfig.spike_window moved to DistgradConfig.spikes.window"):
-        cfg.spike_window  # noqa: B018
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         cfg.nothing  # noqa: B018
     with pytest.raises(Exception, match="frozen"):  # immutable once validated

@@ -21,7 +21,7 @@ from distgrad.diagnostics import (REGISTRY, Diagnostic, Diagnostics, HealthDiagn
 from distgrad.record import ParamStats, RankCount, StepRecord
 
 NAMES = ["embed.weight", "layers.0.w", "layers.1.w", "head.weight"]
-CFG = dict(spike_ema_warmup=5, spike_window=6, health_patience=2, vanish_threshold=1e-3, explode_threshold=50.0)
+CFG = dict(spikes={"ema_warmup": 5, "window": 6}, health={"patience": 2, "vanish_threshold": 1e-3, "explode_threshold": 50.0})
 
 
 def _rec(step: int, rng: np.random.Generator, scale: float = 1.0, dead: bool = False, nan: bool = False) -> StepRecord:
@@ -102,7 +102,7 @@ def test_instrument_counts_a_failing_plugin_as_internal_error_and_keeps_going():
     torch.manual_seed(0)
     m = nn.Linear(4, 3)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    dg = distgrad.instrument(m, optimizer=opt, prometheus=False)
+    dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False})
     try:
         dg.diagnostics.plugins.insert(0, _Boom(dg.diagnostics.ctx))
         for _ in range(2):
@@ -142,7 +142,7 @@ def test_instrument_state_round_trip_and_refusals(tmp_path):
 
     m = nn.Linear(4, 3)
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    dg = distgrad.instrument(m, optimizer=opt, prometheus=False, spike_ema_warmup=3, spike_window=4)
+    dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False}, spikes={"ema_warmup": 3, "window": 4})
     try:
         run(dg, m, opt, 6)
         sd = dg.state_dict()
@@ -153,7 +153,7 @@ def test_instrument_state_round_trip_and_refusals(tmp_path):
         dg.close()
     m2 = nn.Linear(4, 3)
     opt2 = torch.optim.SGD(m2.parameters(), lr=0.01)
-    dg2 = distgrad.instrument(m2, optimizer=opt2, prometheus=False, spike_ema_warmup=3, spike_window=4)
+    dg2 = distgrad.instrument(m2, optimizer=opt2, exporter={"enabled": False}, spikes={"ema_warmup": 3, "window": 4})
     try:
         # the documented carriers: torch.save / torch.load (weights_only default) and DCP (one JSON string)
         torch.save({"distgrad": sd}, tmp_path / "ckpt.pt")

@@ -152,7 +152,7 @@ def test_example_lora_shows_a_and_b_per_layer(tmp_path):
     port, log = free_port(), tmp_path / "train.log"
     jsonl = tmp_path / "run.jsonl"
     proc = start_example(port, "--steps", "30", "--lora", "4", "--layers", "2", "--width", "64",
-                         "--heads", "2", "--block", "32", "--hold", "60", "--set", f"jsonl_path={jsonl}", log=log)
+                         "--heads", "2", "--block", "32", "--hold", "60", "--set", f"sinks.jsonl.path={jsonl}", log=log)
     try:
         m = wait_for(step_at_least(port, 5), proc, 240, "step 5", log)
         from distgrad.export.jsonl import read_jsonl

@@ -52,7 +52,7 @@ def _run(steps: int, gain_at, scale_x_at, growth_interval: int, tmp_path) -> tup
     # init_scale 2^100 puts the overflow of these fp32 gradients (scaled gradient > 3.4e38) at an
     # unscaled gradient of ~2.7e8, as an fp16 scaler at 2^16 overflows at ~1 (65504 / 2^16)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 100, growth_interval=growth_interval, enabled=True)
-    inst = distgrad.instrument(model, optimizer=opt, scaler=scaler, prometheus=False,
+    inst = distgrad.instrument(model, optimizer=opt, scaler=scaler, exporter={"enabled": False},
                                sinks={"jsonl": {"path": str(tmp_path / "run.jsonl")}})
     records, history = [], []  # history: (scale used by the step, applied) from the scaler itself
     g = torch.Generator().manual_seed(1)

@@ -31,7 +31,7 @@ def _errors(caplog):
 def test_step_with_closure_is_refused_once(caplog):
     m = _model()
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    dg = distgrad.instrument(m, optimizer=opt, prometheus=False)
+    dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False})
     with caplog.at_level(logging.WARNING, logger="distgrad"):
         for s in range(3):
             def closure(s=s):
@@ -50,7 +50,7 @@ def test_step_with_closure_is_refused_once(caplog):
 def test_clipping_before_the_read_is_refused_and_read_gradients_now_fixes_it(caplog):
     m = _model()
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    dg = distgrad.instrument(m, optimizer=opt, prometheus=False)
+    dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False})
     with caplog.at_level(logging.WARNING, logger="distgrad"):
         for s in range(2):
             opt.zero_grad()
@@ -76,7 +76,7 @@ def test_clipping_before_the_read_is_refused_and_read_gradients_now_fixes_it(cap
 def test_step_without_backward_is_refused(caplog):
     m = _model()
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    dg = distgrad.instrument(m, optimizer=opt, prometheus=False)
+    dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False})
     with caplog.at_level(logging.WARNING, logger="distgrad"):
         _loss(m, 0).backward()
         opt.step()
@@ -108,19 +108,19 @@ def test_optimizer_wrappers():
     acc = AcceleratedOptimizer.__new__(AcceleratedOptimizer)  # what accelerator.prepare returns
     acc.optimizer = opt
     assert unwrap_optimizer(acc) is opt
-    dg = distgrad.instrument(m, optimizer=acc, prometheus=False)
+    dg = distgrad.instrument(m, optimizer=acc, exporter={"enabled": False})
     assert dg.boundary.optimizer is opt
     dg.close()
     wrapper = DeepSpeedOptimizerWrapper.__new__(DeepSpeedOptimizerWrapper)
     wrapper.optimizer = opt
     with pytest.raises(TypeError, match="pass the engine"):
-        distgrad.instrument(m, optimizer=wrapper, prometheus=False)
+        distgrad.instrument(m, optimizer=wrapper, exporter={"enabled": False})
     with pytest.raises(TypeError, match="DistgradCallback"):
-        distgrad.instrument(m, optimizer=LightningOptimizer(opt), prometheus=False)
+        distgrad.instrument(m, optimizer=LightningOptimizer(opt), exporter={"enabled": False})
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     with pytest.raises(TypeError, match="DeepSpeedEngine"):
-        distgrad.instrument(m, optimizer=DeepSpeedZeroOptimizer.__new__(DeepSpeedZeroOptimizer), prometheus=False)
+        distgrad.instrument(m, optimizer=DeepSpeedZeroOptimizer.__new__(DeepSpeedZeroOptimizer), exporter={"enabled": False})
 
 
 def _served(dg) -> dict:
@@ -135,7 +135,7 @@ def _served(dg) -> dict:
 def test_refused_steps_are_served_by_reason(caplog):
     m = _model()
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    dg = distgrad.instrument(m, optimizer=opt, port=0)
+    dg = distgrad.instrument(m, optimizer=opt, exporter={"port": 0})
     try:
         want = {("distgrad_refused_steps_total", r): 0.0 for r in ("closure", "clipped", "no_backward")}
         want[("distgrad_sampled_steps_total", None)] = 0.0
@@ -198,7 +198,7 @@ def test_read_outside_scaler_step_is_unscaled(when):
     m = _model()
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    dg = distgrad.instrument(m, optimizer=opt, scaler=scaler, prometheus=False)
+    dg = distgrad.instrument(m, optimizer=opt, scaler=scaler, exporter={"enabled": False})
     try:
         for s in range(2):
             ref = _fp64_norm(m, s)

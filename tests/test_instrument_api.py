@@ -39,7 +39,7 @@ def _text(dg):
 def test_enabled_false_starts_nothing():
     m = Net()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    dg = distgrad.instrument(m, optimizer=opt, enabled=False, port=0)
+    dg = distgrad.instrument(m, optimizer=opt, enabled=False, exporter={"port": 0})
     try:
         assert dg.prometheus is None and dg.port is None and dg.sinks == []
         _train(m, opt, 2)
@@ -58,30 +58,30 @@ def test_optimizer_passed_by_position_is_explained():
 def test_double_instrumentation_is_refused_until_close():
     m = Net()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    dg = distgrad.instrument(m, optimizer=opt, port=0)
+    dg = distgrad.instrument(m, optimizer=opt, exporter={"port": 0})
     with pytest.raises(RuntimeError, match="already instrumented"):
-        distgrad.instrument(m, optimizer=opt, port=0)
+        distgrad.instrument(m, optimizer=opt, exporter={"port": 0})
     dg.close()
-    distgrad.instrument(m, optimizer=opt, port=0).close()
+    distgrad.instrument(m, optimizer=opt, exporter={"port": 0}).close()
 
 
 def test_deepspeed_config_without_section_and_bad_thresholds_name_the_problem():
     with pytest.raises(ConfigError, match="DeepSpeed config"):
         distgrad.DistgradConfig.from_dict({"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True}})
-    cfg = distgrad.DistgradConfig.from_dict({"train_micro_batch_size_per_gpu": 1, "distgrad": {"interval": 4}})
+    cfg = distgrad.DistgradConfig.from_dict({"train_micro_batch_size_per_gpu": 1, "distgrad": {"sampling": {"interval": 4}}})
     assert cfg.sampling.interval == 4
     with pytest.raises(ConfigError, match="vanish_threshold"):
-        distgrad.DistgradConfig(vanish_threshold=10.0, explode_threshold=1.0)
+        distgrad.DistgradConfig(health={"vanish_threshold": 10.0, "explode_threshold": 1.0})
 
 
-@pytest.mark.parametrize("key", ["jsonl_path", "flight_recorder_dir"])
+@pytest.mark.parametrize("key", ["sinks.jsonl.path", "flight_recorder.dir"])
 def test_unwritable_paths_fail_at_instrument_time_naming_the_key(tmp_path, key):
     blocker = tmp_path / "file"
     blocker.write_text("x")  # a file where a directory is needed
     m = Net()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     with pytest.raises(ConfigError, match=key):
-        distgrad.instrument(m, optimizer=opt, port=0, **{key: str(blocker / "sub" / "x")})
+        distgrad.instrument(m, optimizer=opt, exporter={"port": 0}, **{key: str(blocker / "sub" / "x")})
 
 
 def test_parameter_without_gradient_has_no_series_and_is_a_finding(caplog):
@@ -92,7 +92,7 @@ def test_parameter_without_gradient_has_no_series_and_is_a_finding(caplog):
     ``health.patience`` (3) steps like an exactly-zero gradient, logged once."""
     m = Net()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    dg = distgrad.instrument(m, optimizer=opt, port=0)
+    dg = distgrad.instrument(m, optimizer=opt, exporter={"port": 0})
     seen = []
     dg.add_hook(lambda rec: seen.append((rec.health.n_no_grad, list(rec.health.vanishing))))
     try:
@@ -115,7 +115,7 @@ def test_parameter_without_gradient_has_no_series_and_is_a_finding(caplog):
 def test_missing_loss_is_pointed_out_once(caplog):
     m = Net()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    dg = distgrad.instrument(m, optimizer=opt, port=0)
+    dg = distgrad.instrument(m, optimizer=opt, exporter={"port": 0})
     try:
         with caplog.at_level(logging.WARNING, logger="distgrad"):
             _train(m, opt, 12)

@@ -134,7 +134,7 @@ def test_failing_sink_is_counted_and_others_still_get_the_record():
         def write(self, record):
             self.records.append(record)
 
-    inst = Instrument(Two(), DistgradConfig(port=0))
+    inst = Instrument(Two(), DistgradConfig(exporter={"port": 0}))
     inst.start()
     from prometheus_client import generate_latest
 

@@ -225,7 +225,7 @@ def test_clip_threshold_from_the_framework_unless_the_user_sets_it(recwarn):
 
     assert w(None, {"exporter": {"enabled": False}}, 1.0) == {"exporter": {"enabled": False},
                                                               "clip.max_grad_norm": 1.0}
-    for user in ({"max_grad_norm": 2.0}, {"clip.max_grad_norm": 2.0}, {"clip": {"max_grad_norm": 2.0}}):
+    for user in ({"clip.max_grad_norm": 2.0}, {"clip": {"max_grad_norm": 2.0}}):
         assert w(None, user, 1.0) == user
         assert w(user, {}, 1.0) == {}
     assert w(DistgradConfig.model_validate({"clip": {"max_grad_norm": 2.0}}), {}, 1.0) == {}

@@ -230,7 +230,7 @@ def test_instrument_counts_each_lost_record_as_a_sink_error_without_tracebacks(t
             return [torch.tensor([1.0, -2.0, 2.0]), torch.tensor([0.0, 4.0])]
 
     path = tmp_path / "d" / "run.jsonl"
-    inst = Instrument(Two(), DistgradConfig(port=0, jsonl_path=str(path)))
+    inst = Instrument(Two(), DistgradConfig(exporter={"port": 0}, sinks={"jsonl": {"path": str(path)}}))
     inst.start()
     sink = next(s for s in inst.sinks if s.name == "jsonl")
     sink.retry_min_s = 0.0

@@ -149,7 +149,7 @@ def test_bad_components_and_token_inputs_are_counted_and_the_loss_still_counts(c
     torch.manual_seed(0)
     model = TinyLM()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    inst = distgrad.instrument(model, optimizer=opt, prometheus=False)
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False})
     losses = []
     with caplog.at_level(logging.ERROR, logger="distgrad"):
         for micro in range(4):
@@ -194,7 +194,7 @@ def test_report_shows_components_token_distribution_and_trend(tmp_path):
     model = TinyLM()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     log = tmp_path / "run.jsonl"
-    inst = distgrad.instrument(model, optimizer=opt, prometheus=False, sinks={"jsonl": {"path": str(log)}},
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, sinks={"jsonl": {"path": str(log)}},
                                loss={"sources": LA_SOURCES, "trend_window": 20})
     for s in range(30):
         tokens, labels, sources = lm_batch(s, 0, 0)

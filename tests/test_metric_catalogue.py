@@ -54,8 +54,7 @@ def _sink(features: set[str]) -> PrometheusSink:
         sink.collector.step_time = 1.0
     if "sample" not in f:
         return sink
-    cfg = DistgradConfig(max_grad_norm=1.0 if "clip" in f else None, per_param="per_param" in f,
-                         update_ratio="update_ratio" in f)
+    cfg = DistgradConfig(clip={"max_grad_norm": 1.0 if "clip" in f else None}, statistics={"per_param": "per_param" in f, "update_ratio": "update_ratio" in f})
     diag = Diagnostics(cfg, NAMES)
     bad = "nonfinite" in f
     p = ParamStats(NAMES, numel=[4, 4], sum=[0.0, np.nan if bad else 1.0], sumsq=[4.0, np.nan if bad else 2.0],

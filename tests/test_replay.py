@@ -51,7 +51,7 @@ def _train(steps: int, bad: dict, gas: int = 1, restore_after_bad: bool = False,
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    inst = distgrad.instrument(model, optimizer=opt, prometheus=False, **cfg)
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, **cfg)
     good = {k: v.clone() for k, v in model.state_dict().items()}
     recs = []
     for step in range(steps):
@@ -227,7 +227,7 @@ def test_budget_and_open_streak_survive_a_checkpoint():
     state = json.loads(json.dumps(inst.state_dict()))
     assert state["replay"] == {"replays": 1, "in_streak": True}
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    inst2 = distgrad.instrument(model, optimizer=opt, prometheus=False, tracer={"replays": 2})
+    inst2 = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, tracer={"replays": 2})
     inst2.load_state_dict(state)
     model(_x(5)).backward()  # the weights are NaN since step 1: the streak goes on
     opt.step()

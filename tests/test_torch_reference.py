@@ -291,7 +291,7 @@ def test_plain_module_single_process():
     torch.manual_seed(0)
     model = TinyModel()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    inst = distgrad.instrument(model, optimizer=opt, prometheus=False)
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False})
     refs = []
     opt.register_step_pre_hook(lambda o, a, k: refs.append(full_stats(_grads(model))))
     records = _train(model, opt, steps=2, gas=2, inst=inst)
@@ -311,7 +311,7 @@ def test_explicit_observe_loss_replaces_automatic_capture():
     torch.manual_seed(0)
     model = TinyModel()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    inst = distgrad.instrument(model, optimizer=opt, prometheus=False)
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False})
     x, y = batch_for(0, 0, 0)
     model(x, y).backward()
     inst.observe_loss(7.0)
@@ -324,7 +324,7 @@ def test_interval_samples_every_nth_optimizer_step():
     torch.manual_seed(0)
     model = TinyModel()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    inst = distgrad.instrument(model, optimizer=opt, prometheus=False, interval=2)
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, sampling={"interval": 2})
     records = _train(model, opt, steps=5, gas=1, inst=inst)
     assert [r.step for r in records] == [0, 0, 2, 2, 4]
     assert inst.counters["sampled_steps"] == 3
@@ -337,7 +337,7 @@ def test_grad_scaler_single_process_overflow():
     model = TinyModel()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=10**6)
-    inst = distgrad.instrument(model, optimizer=opt, scaler=scaler, prometheus=False)
+    inst = distgrad.instrument(model, optimizer=opt, scaler=scaler, exporter={"enabled": False})
     refs = []
     opt.register_step_pre_hook(lambda o, a, k: refs.append(full_stats(_grads(model))))
     records = _train(model, opt, steps=3, gas=1, inst=inst, scaler=scaler, inject_inf_at=1)
@@ -358,20 +358,20 @@ def test_grad_scaler_single_process_overflow():
 def test_instrument_requires_the_optimizer():
     model = TinyModel()
     with pytest.raises(TypeError, match=r"optimizer=opt"):
-        distgrad.instrument(model, prometheus=False)
+        distgrad.instrument(model, exporter={"enabled": False})
     with pytest.raises(TypeError, match=r"torch.optim.Optimizer"):
-        distgrad.instrument(model, optimizer=object(), prometheus=False)
+        distgrad.instrument(model, optimizer=object(), exporter={"enabled": False})
     other = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match=r"none of the model's trainable parameters"):
-        distgrad.instrument(model, optimizer=torch.optim.SGD(other.parameters(), lr=0.1), prometheus=False)
+        distgrad.instrument(model, optimizer=torch.optim.SGD(other.parameters(), lr=0.1), exporter={"enabled": False})
     with pytest.raises(TypeError, match=r"GradScaler"):
         distgrad.instrument(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), scaler=object(),
-                            prometheus=False)
+                            exporter={"enabled": False})
 
 
 def test_unsupported_object_lists_supported_types():
     with pytest.raises(TypeError) as e:
-        distgrad.instrument(object(), prometheus=False)
+        distgrad.instrument(object(), exporter={"enabled": False})
     msg = str(e.value)
     for word in ("DeepSpeedEngine", "DistributedDataParallel", "FullyShardedDataParallel", "fully_shard",
                  "nn.Module", "optimizer="):
@@ -402,7 +402,7 @@ def test_compiled_plain_module_has_the_users_names():
     model = TinyModel()
     compiled = torch.compile(model, backend="eager")
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    inst = distgrad.instrument(compiled, optimizer=opt, prometheus=False)
+    inst = distgrad.instrument(compiled, optimizer=opt, exporter={"enabled": False})
     x, y = batch_for(0, 0, 0)
     compiled(x, y).backward()
     opt.step()
@@ -421,7 +421,7 @@ def test_prometheus_exports_overflow_series_only_with_a_scaler():
         torch.manual_seed(0)
         model = TinyModel()
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-        inst = distgrad.instrument(model, optimizer=opt, scaler=scaler, port=0)
+        inst = distgrad.instrument(model, optimizer=opt, scaler=scaler, exporter={"port": 0})
         try:
             _train(model, opt, steps=1, gas=1, scaler=scaler)
             reg = CollectorRegistry()
@@ -446,8 +446,8 @@ def test_diagnostics_and_tracer_are_wired(tmp_path):
     torch.manual_seed(0)
     model = TinyModel()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
-    inst = distgrad.instrument(model, optimizer=opt, prometheus=False, flight_recorder_dir=str(tmp_path),
-                               trace_micro_batches=1)
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, flight_recorder={"dir": str(tmp_path)},
+                               tracer={"micro_batches": 1})
     records = _train(model, opt, steps=3, gas=1, inst=inst, inject_inf_at=1)
     assert set(records[0].spikes.zscore) == {"grad_norm", "loss"}
     assert records[0].aggregates.layer_norm and records[0].aggregates.module_kind_norm

@@ -56,7 +56,7 @@ def drive(inst, src, steps, nan_loss=(), overflow=()):
 def test_nan_and_inf_on_unsampled_steps_are_counted_at_the_next_sampled_step(caplog):
     src = Mixed()
     src.bad = {1: "a", 5: "b", 7: "a", 8: "b"}
-    inst = Instrument(src, DistgradConfig(port=0, interval=3))
+    inst = Instrument(src, DistgradConfig(exporter={"port": 0}, sampling={"interval": 3}))
     inst.start()
     try:
         with caplog.at_level(logging.WARNING, logger="distgrad"):
@@ -79,11 +79,11 @@ def test_nan_and_inf_on_unsampled_steps_are_counted_at_the_next_sampled_step(cap
 
 def test_interval_one_adds_nothing_to_the_collective():
     src = Mixed()
-    inst = Instrument(src, DistgradConfig(prometheus=False, interval=1))
+    inst = Instrument(src, DistgradConfig(exporter={"enabled": False}, sampling={"interval": 1}))
     host = inst.collect(0)
     base = inst.layout.sum_size + inst.layout.max_size + inst.loss.sum_size + inst.loss.max_size  # + the loss parts
     assert host.size == base
-    inst3 = Instrument(src, DistgradConfig(prometheus=False, interval=3))
+    inst3 = Instrument(src, DistgradConfig(exporter={"enabled": False}, sampling={"interval": 3}))
     assert inst3.collect(0).size == base + 2 * 2
 
 
@@ -92,7 +92,7 @@ def test_fp16_overflow_steps_are_not_reported_as_unsampled_nonfinite():
     is counted in overflow_steps, not as a non-finite step."""
     src = Mixed()
     src.bad = {1: "b", 2: "b", 4: "a"}
-    inst = Instrument(src, DistgradConfig(prometheus=False, interval=3))
+    inst = Instrument(src, DistgradConfig(exporter={"enabled": False}, sampling={"interval": 3}))
     try:
         recs = drive(inst, src, range(7), overflow={1, 4})
     finally:

@@ -9,17 +9,12 @@ Each setting is declared once, with its one default, its range and its descripti
 
 The documented defaults, ``configs/distgrad.yaml`` and ``docs/configuration.md``, are generated
 from the model: ``python -m distgrad.config --write`` (``--yaml`` / ``--markdown`` print them).
-
-The flat keys of earlier versions (``port``, ``spike_window``, ``jsonl_path``, ...; see
-:data:`FLAT_KEYS`) are still accepted everywhere a key is, and mapped to their new place with a
-one-time ``FutureWarning`` naming the new key.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -63,41 +58,6 @@ _DEEPSPEED_KEYS = frozenset({
     "activation_checkpointing", "data_types", "communication_data_type", "prescale_gradients",
 })
 
-#: old flat key -> its dotted place in the sectioned configuration
-FLAT_KEYS: dict[str, str] = {
-    "interval": "sampling.interval",
-    "prometheus": "exporter.enabled", "host": "exporter.host", "port": "exporter.port",
-    "file_sd_path": "exporter.file_sd_path", "advertise_host": "exporter.advertise_host",
-    "run_name": "exporter.run_name",
-    "per_param": "statistics.per_param", "max_param_series": "statistics.max_param_series",
-    "replica_check": "statistics.replica_check", "replica_check_rtol": "statistics.replica_check_rtol",
-    "update_ratio": "statistics.update_ratio", "async_records": "statistics.async_records",
-    "spike_ema_alpha": "spikes.ema_alpha", "spike_ema_z": "spikes.ema_z",
-    "spike_ema_warmup": "spikes.ema_warmup", "spike_window": "spikes.window",
-    "spike_window_sigma": "spikes.window_sigma",
-    "vanish_threshold": "health.vanish_threshold", "explode_threshold": "health.explode_threshold",
-    "health_patience": "health.patience",
-    "max_grad_norm": "clip.max_grad_norm",
-    "flight_recorder_steps": "flight_recorder.steps", "flight_recorder_dir": "flight_recorder.dir",
-    "trace_micro_batches": "tracer.micro_batches",
-    "jsonl_path": "sinks.jsonl.path", "jsonl_max_bytes": "sinks.jsonl.max_bytes",
-    "jsonl_backups": "sinks.jsonl.backups",
-    "tensorboard_dir": "sinks.tensorboard.dir",
-}
-
-_warned: set[str] = set()
-
-
-def _warn_flat(old: str) -> None:
-    if old not in _warned:
-        _warned.add(old)
-        new = FLAT_KEYS[old]
-        section, _, leaf = new.rpartition(".")
-        warnings.warn(f"distgrad config: the key {old!r} is deprecated, use {new!r} (YAML: "
-                      f"'{section}: {{{leaf}: ...}}'); the old key keeps working for now",
-                      FutureWarning, stacklevel=4)
-
-
 def _put(out: dict[str, Any], path: str, value: Any, given: dict[str, str], as_key: str) -> None:
     """Set ``out[a][b][c] = value`` for ``path`` "a.b.c"; two keys for one place is an error."""
     parts = path.split(".")
@@ -129,29 +89,23 @@ def _leaves(prefix: str, m: Any) -> list[tuple[str, Any]]:
     return items
 
 
-def _normalise(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Sectioned form of ``data``: old flat keys and dotted keys (``"exporter.port"``) moved to
-    their section. Returns ``(nested dict, {new dotted key: old flat key used})``.
+def _normalise(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Sectioned form of ``data``: dotted keys (``"exporter.port"``) moved to their section.
 
     Raises:
         ConfigError: one setting given twice (e.g. ``port`` and ``exporter.port``).
     """
     out: dict[str, Any] = {}
     given: dict[str, str] = {}
-    legacy: dict[str, str] = {}
     for key, value in data.items():
         key = str(key)
-        if key in FLAT_KEYS:
-            _warn_flat(key)
-            legacy[FLAT_KEYS[key]] = key
-            _put(out, FLAT_KEYS[key], value, given, key)
-        elif key in SECTIONS and isinstance(value, (Mapping, Section)):
+        if key in SECTIONS and isinstance(value, (Mapping, Section)):
             out.setdefault(key, {})
             for sub, v in _leaves(key, value):
                 _put(out, sub, v, given, sub)
         else:
             _put(out, key, value, given, key)
-    return out, legacy
+    return out
 
 
 def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -164,8 +118,8 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 class DistgradConfig(BaseModel):
     """All distgrad settings, one section per component (see :mod:`distgrad.config.sections`).
 
-    Build it with keyword arguments (sections as dicts or section objects; old flat keys are
-    accepted with a warning), :meth:`from_dict` or :meth:`load`. Immutable once built.
+    Build it with keyword arguments (sections as dicts or section objects), :meth:`from_dict` or
+    :meth:`load`. Immutable once built.
 
     Raises:
         ConfigError: an unknown key or a bad value (the message names the key).
@@ -198,20 +152,19 @@ class DistgradConfig(BaseModel):
                                                       description=OptimizerSignalsConfig.__doc__)
 
     def __init__(self, **data: Any) -> None:
-        nested, legacy = _normalise(data) if data else ({}, {})
-        self._validate_into(nested, legacy)
+        self._validate_into(_normalise(data) if data else {})
 
-    def _validate_into(self, nested: Mapping[str, Any], legacy: Mapping[str, str]) -> None:
+    def _validate_into(self, nested: Mapping[str, Any]) -> None:
         try:
             super().__init__(**nested)
         except ValidationError as e:
-            raise ConfigError(describe(e, root=type(self), legacy=legacy)) from None
+            raise ConfigError(describe(e, root=type(self))) from None
 
     # ----------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DistgradConfig:
         """Build from a mapping (sections as nested mappings, dotted keys such as
-        ``"exporter.port"``, or old flat keys). A whole DeepSpeed config dict is accepted: its
+        ``"exporter.port"``). A whole DeepSpeed config dict is accepted: its
         ``"distgrad"`` section is used.
 
         Raises:
@@ -267,27 +220,20 @@ class DistgradConfig(BaseModel):
     def with_overrides(self, overrides: Mapping[str, Any]) -> DistgradConfig:
         """A copy with ``overrides`` applied on top: sections given as mappings are merged key by
         key into this configuration's (``exporter={"port": 0}`` keeps the exporter's host); dotted
-        keys and old flat keys are accepted as in :meth:`from_dict`.
+        keys are accepted as in :meth:`from_dict`.
 
         Raises:
             ConfigError: as :meth:`from_dict`.
         """
         if not overrides:
             return self
-        nested, legacy = _normalise(overrides)
         out = type(self).__new__(type(self))
-        out._validate_into(_merge(self.model_dump(), nested), legacy)
+        out._validate_into(_merge(self.model_dump(), _normalise(overrides)))
         return out
 
     def to_dict(self) -> dict[str, Any]:
         """All settings as a plain nested dict (YAML/JSON-serialisable)."""
         return self.model_dump()
-
-    def __getattr__(self, name: str) -> Any:
-        new = FLAT_KEYS.get(name)
-        if new is not None:  # an old flat attribute: say where it went
-            raise AttributeError(f"DistgradConfig.{name} moved to DistgradConfig.{new} (config key {new!r})")
-        return super().__getattr__(name)  # type: ignore[misc]
 
 
 def _add_section(cls: type[Section]) -> None:
@@ -303,17 +249,8 @@ def _add_section(cls: type[Section]) -> None:
     DistgradConfig.model_rebuild(force=True)
 
 
-_OLD_KEY = {new: old for old, new in FLAT_KEYS.items()}
-
-
-def key_label(path: str) -> str:
-    """``'sinks.jsonl.path' (formerly 'jsonl_path')``: a key as messages name it."""
-    old = _OLD_KEY.get(path)
-    return f"{path!r} (formerly {old!r})" if old else repr(path)
-
-
 __all__ = [
-    "ConfigError", "DistgradConfig", "FLAT_KEYS", "key_label", "SECTIONS", "Section", "SamplingConfig",
+    "ConfigError", "DistgradConfig", "SECTIONS", "Section", "SamplingConfig",
     "ExporterConfig", "StatisticsConfig", "SpikesConfig", "HealthConfig", "ClipConfig", "FlightRecorderConfig",
     "TracerConfig",
     "SinksConfig", "JsonlConfig", "TensorBoardConfig", "NamingConfig", "NamingRule", "LossConfig",

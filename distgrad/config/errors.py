@@ -10,8 +10,7 @@ from typing import Any
 
 class ConfigError(ValueError):
     """A distgrad configuration key is unknown or has a bad value. The message names the key
-    (as a dotted path, ``'spikes.window'``; an old flat key the user wrote is named too) and says
-    what would be accepted."""
+    (as a dotted path, ``'spikes.window'``) and says what would be accepted."""
 
 
 def _bound(ctx: Mapping[str, Any], key: str) -> str:
@@ -93,7 +92,7 @@ def _dotted(loc: tuple) -> str:
     return out
 
 
-def describe(exc: Any, *, prefix: str = "", root: Any = None, legacy: Mapping[str, str] | None = None) -> str:
+def describe(exc: Any, *, prefix: str = "", root: Any = None) -> str:
     """Message for a pydantic ``ValidationError`` raised while building a configuration.
 
     Args:
@@ -101,12 +100,10 @@ def describe(exc: Any, *, prefix: str = "", root: Any = None, legacy: Mapping[st
         prefix: dotted path of the model that was validated (``"spikes"`` for a section built on
             its own, ``""`` for the whole configuration).
         root: the model class that was validated (for ranges and the list of known keys).
-        legacy: new dotted key -> old flat key the user wrote, to name both.
 
     Returns:
         One line per error, each ``distgrad config: '<key>' <why> (got <value>)``.
     """
-    legacy = legacy or {}
     lines = []
     for err in exc.errors(include_url=False):
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
@@ -133,7 +130,5 @@ def describe(exc: Any, *, prefix: str = "", root: Any = None, legacy: Mapping[st
                     str(cause) if typ == "value_error" and cause is not None else err["msg"])
             got = err.get("input")
         key = _dotted((prefix,) + loc if prefix else loc) or prefix or "config"
-        old = legacy.get(key)
-        named = f"{key!r} (given as the old key {old!r})" if old else repr(key)
-        lines.append(f"distgrad config: {named} {why} (got {got!r})")
+        lines.append(f"distgrad config: {key!r} {why} (got {got!r})")
     return "\n".join(lines)

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from distgrad.config import FLAT_KEYS, DistgradConfig
+from distgrad.config import DistgradConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 YAML_PATH = ROOT / "configs" / "distgrad.yaml"
@@ -155,15 +155,6 @@ def render_markdown() -> str:
         "",
         "A parameter `encoder.stages.3.conv.weight` is then exported under",
         "`distgrad_layer_grad_norm{layer=\"3\"}` and `distgrad_module_kind_grad_norm{module_kind=\"stage\"}`.",
-        "",
-        "## Old flat keys",
-        "",
-        "Earlier versions had one flat list of keys. They still work anywhere a key is accepted,",
-        "mapped to their new place, with a one-time `FutureWarning` naming the new key:",
-        "",
-        "| old key | new key |",
-        "|---|---|",
-        *(f"| `{old}` | `{new}` |" for old, new in FLAT_KEYS.items()),
         "",
     ])
     return "\n".join(out)

@@ -41,7 +41,7 @@ def start(inst: Instrument) -> None:
                 except OSError as e:
                     from distgrad.config import ConfigError
 
-                    err = ConfigError(f"distgrad config: 'exporter.file_sd_path' (formerly 'file_sd_path') = "
+                    err = ConfigError(f"distgrad config: 'exporter.file_sd_path' = "
                                       f"{ex.file_sd_path!r} cannot be written: {type(e).__name__}: {e}; "
                                       "choose a writable path (a directory Prometheus reads) or set it to null")
                     err.__cause__ = e
@@ -180,7 +180,7 @@ def write_file_sd(inst: Instrument) -> None:
 def start_file_sinks(inst: Instrument) -> BaseException | None:
     """Open rank 0's file outputs now, so that an unwritable path fails at ``instrument()``
     time with the config key named."""
-    from distgrad.config import ConfigError, key_label
+    from distgrad.config import ConfigError
 
     sinks, fr = inst.config.sinks, inst.config.flight_recorder
     key, value = "", None
@@ -205,7 +205,7 @@ def start_file_sinks(inst: Instrument) -> BaseException | None:
             with tempfile.NamedTemporaryFile(dir=fr.dir):
                 pass
     except Exception as e:  # noqa: BLE001 - reported at instrument() time
-        err = ConfigError(f"distgrad config: {key_label(key)} = {value!r} cannot be used: "
+        err = ConfigError(f"distgrad config: {key!r} = {value!r} cannot be used: "
                           f"{type(e).__name__}: {e}; choose a writable path or set it to null")
         err.__cause__ = e
         return err

@@ -24,12 +24,11 @@ log = logging.getLogger("distgrad")
 
 def _sets_clip(d: Any) -> bool:
     """Whether the mapping ``d`` (overrides or a config dict) sets the clip threshold, in any of
-    its spellings: ``max_grad_norm`` (flat, deprecated), ``"clip.max_grad_norm"``, or
-    ``clip={"max_grad_norm": ...}``."""
+    its spellings: ``"clip.max_grad_norm"`` or ``clip={"max_grad_norm": ...}``."""
     if not isinstance(d, Mapping):
         return False
     clip = d.get("clip")
-    return ("max_grad_norm" in d or "clip.max_grad_norm" in d
+    return ("clip.max_grad_norm" in d
             or (isinstance(clip, Mapping) and "max_grad_norm" in clip)
             or getattr(clip, "max_grad_norm", None) is not None)
 
@@ -62,14 +61,10 @@ def with_micro_batch_size(config: Any, overrides: dict[str, Any], batch_size: An
             ``batch_size`` is not a positive int (the framework does not know it); or a bad
             config (as :func:`distgrad.instrument` would raise it).
     """
-    import warnings
-
     from distgrad.config import ConfigError, DistgradConfig
 
     out = dict(overrides)
-    with warnings.catch_warnings():  # deprecated flat keys: distgrad.instrument warns once itself
-        warnings.simplefilter("ignore")
-        ns = DistgradConfig.load(config).with_overrides(out).noise_scale
+    ns = DistgradConfig.load(config).with_overrides(out).noise_scale
     if not ns.enabled or ns.micro_batch_size is not None:
         return out
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:

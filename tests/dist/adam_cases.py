@@ -46,7 +46,7 @@ def deepspeed_case(stage: int) -> dict:
     model = TinyModel()
     engine, _ = build_deepspeed(model, stage, lr=LR,
                                 adamw_params={"betas": list(BETAS), "eps": EPS, "weight_decay": WD})
-    inst = distgrad.instrument(engine, prometheus=False)
+    inst = distgrad.instrument(engine, exporter={"enabled": False})
     named = [(clean_name(n), p) for n, p in engine.module.named_parameters() if p.requires_grad]
     assert [n for n, _ in named] == inst.names
     refs: list[dict] = []
@@ -92,7 +92,7 @@ def fsdp2_case() -> dict:
         state["step"] += 1
 
     opt.register_step_pre_hook(capture)
-    inst = distgrad.instrument(model, optimizer=opt, prometheus=False)
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False})
     assert [n for n, _ in named] == inst.names
     records, counts = _torch_steps(inst, model, opt)
     out = {"records": records, "refs": refs, "counts": counts, "counters": dict(inst.counters),
@@ -124,7 +124,7 @@ def fsdp1_case() -> dict:
         state["step"] += 1
 
     opt.register_step_pre_hook(capture)
-    inst = distgrad.instrument(w, optimizer=opt, prometheus=False)
+    inst = distgrad.instrument(w, optimizer=opt, exporter={"enabled": False})
     records, counts = _torch_steps(inst, w, opt)
     out = {"records": records, "refs": refs, "counts": counts, "counters": dict(inst.counters),
            "optimizer": type(opt).__name__, "names": list(inst.names)}
@@ -134,7 +134,7 @@ def fsdp1_case() -> dict:
     m2 = TinyModel()
     flat, flat_opt = build_fsdp1(m2, wrap=lambda m: m is m2.frozen, orig_params=False, optim=adamw())
     try:
-        distgrad.instrument(flat, optimizer=flat_opt, prometheus=False, optimizer_signals={"enabled": "on"}).close()
+        distgrad.instrument(flat, optimizer=flat_opt, exporter={"enabled": False}, optimizer_signals={"enabled": "on"}).close()
         out["flat_refused"] = None
     except Exception as e:  # noqa: BLE001 - reported to the test
         out["flat_refused"] = f"{type(e).__name__}: {e}"
@@ -159,7 +159,7 @@ def ddp_case() -> dict:
         state["step"] += 1
 
     opt.register_step_pre_hook(capture)
-    inst = distgrad.instrument(w, optimizer=opt, prometheus=False)
+    inst = distgrad.instrument(w, optimizer=opt, exporter={"enabled": False})
     records, counts = _torch_steps(inst, w, opt)
     out = {"records": records, "refs": refs, "counts": counts, "counters": dict(inst.counters),
            "optimizer": type(opt).__name__}

@@ -162,7 +162,7 @@ class Counting:
 
 def nan_case(rank: int, world: int) -> dict:
     model, opt = _ddp()
-    inst = distgrad.instrument(model, optimizer=opt, port=0, host="127.0.0.1")
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"port": 0, "host": "127.0.0.1"})
     count = Counting(inst)
     recs, local_loss, counts, backward_syncs, replay_counts = [], [], [], [], []
     try:
@@ -216,7 +216,7 @@ def flip_case(rank: int, world: int) -> dict:
         return fut.then(then)
 
     model.register_comm_hook(state, hook)
-    inst = distgrad.instrument(model, optimizer=opt, prometheus=False)
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False})
     recs, old_fp = [], []
     for step in range(7):
         state["step"] = step
@@ -239,7 +239,7 @@ def flip_case(rank: int, world: int) -> dict:
 def detached_case(rank: int, world: int) -> dict:
     """DDP(find_unused_parameters=True) over a model whose adapter output is detached."""
     model, opt = _ddp(detached_adapter=True, find_unused_parameters=True)
-    inst = distgrad.instrument(model, optimizer=opt, prometheus=False)
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False})
     recs, none_grads = [], []
     for step in range(5):
         x, y = batch(step, rank)
@@ -303,7 +303,7 @@ def _wrap_engine(kind: str, model: PaddedNormModel):
         import deepspeed
 
         engine, _ = build_deepspeed(model, int(kind[-1]), micro_batch=BATCH, lr=1e-2)
-        inst = distgrad.instrument(engine, prometheus=False)
+        inst = distgrad.instrument(engine, exporter={"enabled": False})
 
         from deepspeed.utils import safe_get_full_grad
 
@@ -333,7 +333,7 @@ def _wrap_engine(kind: str, model: PaddedNormModel):
 
         def full():
             return {n: t.full_tensor().detach().clone() for n, t in wrapped.state_dict().items()}
-    inst = distgrad.instrument(wrapped, optimizer=opt, prometheus=False)
+    inst = distgrad.instrument(wrapped, optimizer=opt, exporter={"enabled": False})
     if kind == "fsdp1-flat-own":  # the adapter's own unit's FlatParameter
         holders = [lambda: model.adapter._flat_param.grad]
     elif kind == "fsdp1-flat-shared":  # this rank's part of the adapter's segment of the root's FlatParameter
@@ -424,7 +424,7 @@ def spike_case(mode: str, rank: int, world: int) -> dict:
     for g in opt.param_groups:
         g["lr"] = 0.05
     log = Path(tempfile.mkdtemp(prefix=f"spike-{mode}-")) / "run.jsonl"
-    inst = distgrad.instrument(model, optimizer=opt, prometheus=False, sinks={"jsonl": {"path": str(log)}})
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, sinks={"jsonl": {"path": str(log)}})
     steps = {"healthy": 300, "garbage": 156, "lr": 30}[mode]
     out = []
     for step in range(steps):
@@ -579,7 +579,7 @@ def _module_run(engine: str, rank: int, replays: int) -> dict:
         model, opt = build_fsdp2(user, user.layers, optim=adam)
     snaps: dict = {}
     opt.register_step_pre_hook(lambda o, a, k: snaps.__setitem__("before", _snapshot(user, o)))
-    inst = distgrad.instrument(model, optimizer=opt, prometheus=False, tracer={"replays": replays})
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, tracer={"replays": replays})
     opt.register_step_pre_hook(lambda o, a, k: snaps.__setitem__("after", _snapshot(user, o)))
 
     def sanitize(o, a, k):
@@ -628,7 +628,7 @@ def _module_case_zero3(user: nn.Module, hook_state: tuple, rank: int, replays: i
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see launch/train.py skip_cpu_shm_op
     first_bad, cur = hook_state
     engine, _ = build_deepspeed(user, 3, gas=MOD_GAS, micro_batch=BATCH)
-    inst = distgrad.instrument(engine, prometheus=False, tracer={"replays": replays})
+    inst = distgrad.instrument(engine, exporter={"enabled": False}, tracer={"replays": replays})
     count = Counting(inst)
     out, losses = [], []
     try:

@@ -29,7 +29,7 @@ from tests.dist.hf_cases import dataset, make_state, reset_accelerate, tiny_llam
 
 STEPS, CUT, BATCH = 8, 4, 2
 #: short warm-ups and windows: the detectors are testing (finite z-scores) by the checkpoint
-KNOBS = {"prometheus": False, "spikes": {"ema_warmup": 3, "window": 3, "robust_warmup": 3, "robust_window": 3}}
+KNOBS = {"exporter": {"enabled": False}, "spikes": {"ema_warmup": 3, "window": 3, "robust_warmup": 3, "robust_window": 3}}
 
 
 def knobs(async_records: bool) -> dict:

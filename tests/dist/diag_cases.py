@@ -79,7 +79,7 @@ def faults_case(rank: int, out_dir: str) -> dict:
 
 def _faults_case(rank: int, out_dir: str, lines: _Lines) -> dict:
     engine = _engine(2, "fp32")
-    inst = distgrad.instrument(engine, prometheus=False, flight_recorder_dir=out_dir, trace_micro_batches=1)
+    inst = distgrad.instrument(engine, exporter={"enabled": False}, flight_recorder={"dir": out_dir}, tracer={"micro_batches": 1})
     src = inst.source
     offsets = src.local_offsets()
     # X: a parameter rank 1 holds a piece of; Y: one rank 0 holds; chosen on the owner, broadcast
@@ -124,7 +124,7 @@ def fp16_case(rank: int) -> dict:
     # scale 2**1 with floor 1: the overflow halves it onto its minimum
     engine = _engine(2, "fp16", fp16={"hysteresis": 1, "initial_scale_power": 1, "min_loss_scale": 1})
     # collapse_factor 2: one halving below the last applied scale is a "collapse" here
-    inst = distgrad.instrument(engine, prometheus=False, loss_scale={"collapse_factor": 2})
+    inst = distgrad.instrument(engine, exporter={"enabled": False}, loss_scale={"collapse_factor": 2})
     target = dict(engine.module.named_parameters())["blocks.1.1.weight"]
     recs = []
     for step in range(6):
@@ -152,7 +152,7 @@ def bf16_case(rank: int) -> dict:
     from prometheus_client import generate_latest
 
     engine = _engine(2, "bf16")
-    inst = distgrad.instrument(engine, prometheus=False)
+    inst = distgrad.instrument(engine, exporter={"enabled": False})
     real = inst.source.local_pieces
     state = {"step": 0}
 
@@ -182,7 +182,7 @@ def bf16_case(rank: int) -> dict:
 
 
 RESUME_STEPS, RESUME_CUT, RESUME_SPIKE = 14, 8, 11
-_RESUME_KNOBS = dict(prometheus=False, spike_ema_warmup=4, spike_window=5, health_patience=2)
+_RESUME_KNOBS = dict(exporter={"enabled": False}, spikes={"ema_warmup": 4, "window": 5}, health={"patience": 2})
 
 
 def _resume_train(engine, inst, steps, rank: int) -> list[dict]:

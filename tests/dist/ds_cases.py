@@ -40,7 +40,7 @@ def run_case(stage: int, dtype: str, gas: int, steps: int, rank: int, world: int
     if dtype == "fp16":
         ref_model.load_state_dict({k: v.half().double() for k, v in model.state_dict().items()})
     engine, _ = build_deepspeed(model, stage, dtype, gas)
-    inst = distgrad.instrument(engine, prometheus=False)
+    inst = distgrad.instrument(engine, exporter={"enabled": False})
     refs: list[dict] = []
     inner = engine._take_model_step
 
@@ -92,7 +92,7 @@ def update_ratio_case(stage: int, dtype: str, rank: int) -> dict:
     torch.manual_seed(99)
     model = TinyModel()
     engine, _ = build_deepspeed(model, stage, dtype, 1)
-    inst = distgrad.instrument(engine, prometheus=False, update_ratio=True)
+    inst = distgrad.instrument(engine, exporter={"enabled": False}, statistics={"update_ratio": True})
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     inner = engine._take_model_step
     snaps: list[dict] = []
@@ -128,7 +128,7 @@ def loss_attribution_case(rank: int, tmp: str) -> dict:
     torch.manual_seed(5)
     model = TinyModel()
     engine, _ = build_deepspeed(model, 2, "fp32", ATTR_GAS)
-    inst = distgrad.instrument(engine, prometheus=False, **{"flight_recorder.dir": tmp, "spikes.ema_warmup": 3,
+    inst = distgrad.instrument(engine, exporter={"enabled": False}, **{"flight_recorder.dir": tmp, "spikes.ema_warmup": 3,
                                    "spikes.ema_z": 10.0})
     def backward(loss, micro):
         engine.backward(loss)
@@ -150,7 +150,7 @@ def loss_analysis_case(rank: int) -> dict:
     torch.manual_seed(11)
     model = TinyLM()
     engine, _ = build_deepspeed(model, 1, "fp32", LA_GAS)
-    inst = distgrad.instrument(engine, prometheus=False, loss={"sources": LA_SOURCES})
+    inst = distgrad.instrument(engine, exporter={"enabled": False}, loss={"sources": LA_SOURCES})
 
     def backward(loss, micro):
         engine.backward(loss)
@@ -174,7 +174,7 @@ def special_cases(rank: int, world: int, tmp: str) -> dict:
     torch.manual_seed(0)
     model = TinyModel()
     engine, _ = build_deepspeed(model, 2, "fp32", 1)
-    inst = distgrad.instrument(engine, prometheus=False)
+    inst = distgrad.instrument(engine, exporter={"enabled": False})
     orig = inst.source.local_pieces
     state = {"step": 0}
 
@@ -198,7 +198,7 @@ def special_cases(rank: int, world: int, tmp: str) -> dict:
     torch.manual_seed(0)
     model = TinyModel()
     engine, _ = build_deepspeed(model, 3, "fp32", 1)
-    inst = distgrad.instrument(engine, prometheus=False, interval=2)
+    inst = distgrad.instrument(engine, exporter={"enabled": False}, sampling={"interval": 2})
     counts = {"all_reduce": 0, "all_gather": 0, "other": 0}
     active = {"on": False}
     originals = {}
@@ -252,7 +252,7 @@ def special_cases(rank: int, world: int, tmp: str) -> dict:
     torch.manual_seed(0)
     model = TinyModel()
     engine, _ = build_deepspeed(model, 2, "fp32", 1)
-    inst = distgrad.instrument(engine, prometheus=False, interval=2)
+    inst = distgrad.instrument(engine, exporter={"enabled": False}, sampling={"interval": 2})
     for step in range(3):
         x, y = batch_for(step, 0, rank)
         if step == 1 and rank == 1:
@@ -277,7 +277,7 @@ def special_cases(rank: int, world: int, tmp: str) -> dict:
     tdist.broadcast(t, 0)
     msg = None
     try:
-        distgrad.instrument(engine, port=int(t.item()))
+        distgrad.instrument(engine, exporter={"port": int(t.item())})
     except Exception as e:  # noqa: BLE001
         msg = f"{type(e).__name__}: {e}"
     holder.close()
@@ -305,7 +305,7 @@ def special_cases(rank: int, world: int, tmp: str) -> dict:
     ds_adapter.attach_deepspeed = failing_attach
     err = None
     try:
-        distgrad.instrument(engine, port=port)
+        distgrad.instrument(engine, exporter={"port": port})
     except RuntimeError as e:
         err = str(e)
     finally:
@@ -322,7 +322,7 @@ def special_cases(rank: int, world: int, tmp: str) -> dict:
             again.close()
     restored = engine._take_model_step == take_before
     unmarked = getattr(engine, "_distgrad_instrument", None) is None
-    inst = distgrad.instrument(engine, port=port)  # distgrad itself can serve there again
+    inst = distgrad.instrument(engine, exporter={"port": port})  # distgrad itself can serve there again
     out["attach_failure"] = {"error": err, "rebound": rebound, "port": port, "served": inst.port,
                              "restored": restored, "unmarked": unmarked}
     inst.close()
@@ -340,14 +340,14 @@ def special_cases(rank: int, world: int, tmp: str) -> dict:
 
     # 5. ranks configured differently (interval) would deadlock later: refused on every rank now
     try:
-        distgrad.instrument(engine, prometheus=False, interval=1 + rank).close()
+        distgrad.instrument(engine, exporter={"enabled": False}, sampling={"interval": 1 + rank}).close()
         out["disagree"] = None
     except RuntimeError as e:
         out["disagree"] = str(e)
     # 5b. enabled: false on rank 1 only: every rank raises (was: rank 0 hung in the agreement)
     msg = None
     try:
-        distgrad.instrument(engine, prometheus=False, enabled=rank == 0).close()
+        distgrad.instrument(engine, exporter={"enabled": False}, enabled=rank == 0).close()
     except Exception as e:  # noqa: BLE001
         msg = f"{type(e).__name__}: {e}"
     msgs: list = [None] * world

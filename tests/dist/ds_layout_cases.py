@@ -81,7 +81,7 @@ def global_name(engine, name: str) -> str:
 
 def run_moe(key: str, rank: int) -> dict:
     engine = make_engine(2)
-    inst = distgrad.instrument(engine, prometheus=False)
+    inst = distgrad.instrument(engine, exporter={"enabled": False})
     counts, refs, records = _count(inst), [], []
     inner = engine._take_model_step
     state = {"step": 0}
@@ -152,7 +152,7 @@ def run_pipe(key: str, rank: int) -> dict:
     ``safe_get_full_grad`` of every rank's stage parameters right before distgrad's boundary,
     gathered from all ranks."""
     engine = pipe_engine(int(key.split("-z")[1][0]))
-    inst = distgrad.instrument(engine, prometheus=False)
+    inst = distgrad.instrument(engine, exporter={"enabled": False})
     if key.endswith("-double"):  # the mutation: both replicas of a stage count their whole copy
         from distgrad.engines.base import Ownership
 
@@ -195,7 +195,7 @@ def run_refusals(rank: int) -> dict:
     out = {}
     for key, make in (("moe-z0", lambda: make_engine(0)), ("pipeline-tied", lambda: pipe_engine(1, tied=True))):
         try:
-            distgrad.instrument(make(), prometheus=False).close()
+            distgrad.instrument(make(), exporter={"enabled": False}).close()
             out[key] = None
         except Exception as e:  # noqa: BLE001
             out[key] = f"{type(e).__name__}: {e}"

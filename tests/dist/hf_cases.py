@@ -166,7 +166,7 @@ def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm:
     # gns: every sequence fully scored (equal tokens per micro-batch, the estimator's assumption)
     trainer = Recording(model=model, args=args, train_dataset=dataset(ignored=not gns),
                         callbacks=[Logs()])
-    cb = attach(trainer, prometheus=False, **({"noise_scale": {"enabled": True}} if gns else {}))
+    cb = attach(trainer, exporter={"enabled": False}, **({"noise_scale": {"enabled": True}} if gns else {}))
     warned: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda r: warned.append(r.getMessage())  # distgrad's own warnings
@@ -220,7 +220,7 @@ def run_accelerate(name: str, kind: str) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, shuffle=False)
     model, opt, loader = acc.prepare(model, opt, loader)
-    dg = instrument_accelerate(acc, model, opt, prometheus=False,
+    dg = instrument_accelerate(acc, model, opt, exporter={"enabled": False},
                                **({} if kind == "deepspeed" else {"clip": {"max_grad_norm": 1.0}}))
     records: list[dict] = []
     dg.add_hook(lambda rec: records.append(rec.to_dict()))

@@ -47,7 +47,7 @@ def ds_case(stage: int, dtype: str, hist_dtype: str, rank: int) -> dict:
     torch.manual_seed(1234)
     model = TinyModel()
     engine, _ = build_deepspeed(model, stage, dtype)
-    inst = distgrad.instrument(engine, prometheus=False, histogram={"enabled": True, "dtype": hist_dtype})
+    inst = distgrad.instrument(engine, exporter={"enabled": False}, histogram={"enabled": True, "dtype": hist_dtype})
     refs: list[dict] = []
     inner = engine._take_model_step
 
@@ -71,7 +71,7 @@ def fsdp2_case(rank: int) -> dict:
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model, opt = build_fsdp2(model, model.blocks, mp_policy=mp)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    inst = distgrad.instrument(model, optimizer=opt, prometheus=False, histogram={"enabled": True})
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, histogram={"enabled": True})
     refs: list[dict] = []
     opt.register_step_pre_hook(lambda o, a, k: refs.append(_full(
         (n, p.grad.full_tensor()) for n, p in trainable if p.grad is not None)))

@@ -161,7 +161,7 @@ def run_pp_case(layout: str, rank: int) -> dict:
         opt.register_step_pre_hook(nan)
     log = _Log()
     logging.getLogger("distgrad").addHandler(log)
-    inst = distgrad.instrument(wrapped, optimizer=opt, prometheus=False)
+    inst = distgrad.instrument(wrapped, optimizer=opt, exporter={"enabled": False})
     if layout.endswith("-double"):
         o = inst.own
         inst.own = Ownership([0] * len(o.index), [1] * len(o.copies), o.check, o.groups, o.describe)
@@ -348,7 +348,7 @@ def run_case(layout: str, rank: int) -> dict:
         opt.register_step_pre_hook(nan)
     log = _Log()
     logging.getLogger("distgrad").addHandler(log)
-    inst = distgrad.instrument(model, optimizer=opt, prometheus=False)
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False})
     if layout.endswith("-double"):  # the mutation: every replica counts its whole copy
         o = inst.own
         inst.own = Ownership([0] * len(o.index), [1] * len(o.copies), o.check, o.groups, o.describe)
@@ -430,7 +430,7 @@ def run_refusals(rank: int) -> dict:
                       ("fsdp2-submesh", lambda m: build_fsdp2(m, optim=sgd(0.1), mesh=mesh["dp"]))):
         try:
             m, opt = make(TinyModel())
-            distgrad.instrument(m, optimizer=opt, prometheus=False).close()
+            distgrad.instrument(m, optimizer=opt, exporter={"enabled": False}).close()
             out[key] = None
         except Exception as e:  # noqa: BLE001
             out[key] = f"{type(e).__name__}: {e}"

@@ -150,7 +150,7 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
     warnings = Warnings()
     logging.getLogger("distgrad").addHandler(warnings)
     # FSDP: Lightning's gradient_clip_val cannot clip by norm; the module clips, distgrad is told
-    cb = DistgradCallback(prometheus=False, **({"max_grad_norm": clip} if strategy == "fsdp" and clip else {}),
+    cb = DistgradCallback(exporter={"enabled": False}, **({"clip": {"max_grad_norm": clip}} if strategy == "fsdp" and clip else {}),
                           **({"noise_scale": {"enabled": True}} if gns else {}))  # b: the loader's batch_size
 
     class Hook(L.Callback):

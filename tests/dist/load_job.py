@@ -48,7 +48,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = DDP(Blocks())
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    inst = distgrad.instrument(model, optimizer=opt, port=args.port if rank == 0 else 0)
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"port": args.port if rank == 0 else 0})
     g = torch.Generator().manual_seed(rank)
     times: list[float] = []
     t_end = time.monotonic() + args.max_seconds

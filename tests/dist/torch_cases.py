@@ -142,7 +142,7 @@ def run_case(engine: str, dtype: str, gas: int, sync: bool, rank: int, world: in
                 with torch.no_grad():
                     w.module.inp.weight.grad.view(-1)[0] += 1.0
         opt.register_step_pre_hook(corrupt_rank1)
-    inst = distgrad.instrument(w, optimizer=opt, prometheus=False, update_ratio=True)
+    inst = distgrad.instrument(w, optimizer=opt, exporter={"enabled": False}, statistics={"update_ratio": True})
     refs: list[dict] = []
     offset_mismatches: list[int] = []
     weights_before: list[dict] = []
@@ -203,7 +203,7 @@ def run_scaler_case(mode: str, rank: int, world: int, steps: int = 3, overflow_s
     model, _ = fresh_model("fp32")
     w, opt = build_ddp(model, optim=adamw(1e-3, fused=(mode == "fused")))
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**6)
-    inst = distgrad.instrument(w, optimizer=opt, scaler=scaler, prometheus=False)
+    inst = distgrad.instrument(w, optimizer=opt, scaler=scaler, exporter={"enabled": False})
 
     def grads():
         return {n: p.grad.detach().double().reshape(-1).clone() if p.grad is not None else None
@@ -251,7 +251,7 @@ def run_errors(rank: int) -> dict:
     out = {}
     try:
         m = TinyModel()
-        distgrad.instrument(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), prometheus=False)
+        distgrad.instrument(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), exporter={"enabled": False})
         out["plain_module_2_ranks"] = None
     except Exception as e:  # noqa: BLE001
         out["plain_module_2_ranks"] = f"{type(e).__name__}: {e}"
@@ -260,7 +260,7 @@ def run_errors(rank: int) -> dict:
         m = TinyModel()
         early = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)
         w, _ = build_fsdp1(m, wrap=lambda x: x is m.frozen, orig_params=False, optim=None)
-        distgrad.instrument(w, optimizer=early, prometheus=False)
+        distgrad.instrument(w, optimizer=early, exporter={"enabled": False})
         out["optimizer_before_wrap"] = None
     except Exception as e:  # noqa: BLE001
         out["optimizer_before_wrap"] = f"{type(e).__name__}: {e}"
@@ -268,7 +268,7 @@ def run_errors(rank: int) -> dict:
     msg = None
     try:
         m, opt = build_ddp(TinyModel(), optim=sgd(0.1))
-        distgrad.instrument(m, optimizer=opt, prometheus=False, enabled=rank == 0).close()
+        distgrad.instrument(m, optimizer=opt, exporter={"enabled": False}, enabled=rank == 0).close()
     except Exception as e:  # noqa: BLE001
         msg = f"{type(e).__name__}: {e}"
     msgs: list = [None] * dist.get_world_size()
@@ -294,7 +294,7 @@ def run_unsampled_nonfinite(rank: int, world: int) -> dict:
         return g
 
     w.module.inp.weight.register_hook(inject)  # runs before DDP reduces the gradient
-    inst = distgrad.instrument(w, optimizer=opt, prometheus=False, interval=2)
+    inst = distgrad.instrument(w, optimizer=opt, exporter={"enabled": False}, sampling={"interval": 2})
 
     def wipe(o, a, k):  # after distgrad's: the NaN never reaches the weights
         for p in w.parameters():
@@ -345,7 +345,7 @@ def run_refused(rank: int, world: int) -> dict:
     distgrad collectives: not a loop that can run). Reference: the script itself."""
     torch.manual_seed(0)
     w, opt = build_ddp(TinyModel(), optim=sgd(0.01))
-    inst = distgrad.instrument(w, optimizer=opt, prometheus=False)
+    inst = distgrad.instrument(w, optimizer=opt, exporter={"enabled": False})
     exported: list[int] = []
     inst.add_hook(lambda r: exported.append(r.step))
 
@@ -381,7 +381,7 @@ def run_loss_attribution(rank: int, tmp: str) -> dict:
     common.loss_attribution_loop."""
     model, _ = fresh_model("fp32")
     w, opt, _, _, no_sync = wrap("fsdp2", model, "fp32")
-    inst = distgrad.instrument(w, optimizer=opt, prometheus=False, **{"flight_recorder.dir": tmp, "spikes.ema_warmup": 3,
+    inst = distgrad.instrument(w, optimizer=opt, exporter={"enabled": False}, **{"flight_recorder.dir": tmp, "spikes.ema_warmup": 3,
                                    "spikes.ema_z": 10.0})
     ctx: dict = {}
 
@@ -410,7 +410,7 @@ def run_loss_analysis(rank: int) -> dict:
     the trend. See common.loss_analysis_loop."""
     torch.manual_seed(11)
     model, opt = build_fsdp2(TinyLM(), optim=adamw(1e-2))
-    inst = distgrad.instrument(model, optimizer=opt, prometheus=False, loss={"sources": LA_SOURCES})
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, loss={"sources": LA_SOURCES})
 
     def forward(tokens, micro):
         model.set_requires_gradient_sync(micro == LA_GAS - 1)
