@@ -149,7 +149,7 @@ import distgrad
 torch.manual_seed(0)
 m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
 opt = torch.optim.SGD(m.parameters(), lr=0.1)
-dg = distgrad.instrument(m, optimizer=opt, prometheus=False)
+dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False})
 loss = m(torch.randn(5, 4)).pow(2).mean()
 loss.backward()
 dg.observe_loss(loss)
