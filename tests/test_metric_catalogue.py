@@ -18,7 +18,7 @@ from distgrad.config import DistgradConfig
 from distgrad.diagnostics.detectors import DETECTOR_LABELS
 from distgrad.diagnostics import Diagnostics
 from distgrad.loss.tracker import rank_stats
-from distgrad.record.gns import NoiseScale
+from distgrad.signals.noise_scale import GradientNoiseScale
 from distgrad.signals.curvature import Curvature
 from distgrad.record.action import ActionPart
 from distgrad.record import Culprit, LossComponents, ParamStats, RankCount, ScalerState, StepRecord, TokenLossStats
@@ -93,7 +93,7 @@ def _sink(features: set[str]) -> PrometheusSink:
         rec.grad_histogram = GradHistogram("fp16", 2.0 ** -14, -2, 2, 0.0, ["0", "1"], [[0, 1, 2, 0], [1, 0, 0, 0]],
                                            [1, 0], [0, 0], [0, 1], [1, 0], [0, 1], [4, 3])
     if "noise_scale" in f:
-        rec.noise_scale = NoiseScale(micro_batches=4, small_batch=8.0, big_batch=32.0, grad_sq_small=2.0,
+        rec.noise_scale = GradientNoiseScale.Part(micro_batches=4, small_batch=8.0, big_batch=32.0, grad_sq_small=2.0,
                                      grad_sq_big=1.0, true_grad_sq=0.7, noise_trace=10.0, ema_true_grad_sq=0.7,
                                      ema_noise_trace=10.0, noise_scale=10.0 / 0.7, ema_steps=1)
     if "curvature" in f:

@@ -196,7 +196,7 @@ def run_gns(tmp_path: Path, noise: float, micro: int, gas: int = 4, steps: int =
 
 
 def expected_noise(recs: list[StepRecord]) -> tuple[str | None, float, float, int]:
-    """The rule on the logged NoiseScale parts: (case, median B_simple, batch, first step)."""
+    """The rule on the logged noise-scale parts: (case, median B_simple, batch, first step)."""
     ok = [r for r in recs if r.noise_scale is not None and r.noise_scale.noise_scale is not None
           and r.noise_scale.ema_steps >= sig.NOISE_MIN_STEPS][-sig.WINDOW:]
     b = float(np.median([r.noise_scale.noise_scale for r in ok]))
@@ -221,9 +221,9 @@ def test_noise_scale_finding_from_real_runs(tmp_path, noise, micro, case):
 
 
 def gns_record(step: int, b: float | None, batch: float, ema_steps: int) -> SimpleNamespace:
-    from distgrad.record.gns import NoiseScale
+    from distgrad.signals.noise_scale import GradientNoiseScale
 
-    return SimpleNamespace(step=step, noise_scale=NoiseScale(micro_batches=4, small_batch=batch / 4, big_batch=batch,
+    return SimpleNamespace(step=step, noise_scale=GradientNoiseScale.Part(micro_batches=4, small_batch=batch / 4, big_batch=batch,
                                                              noise_scale=b, ema_steps=ema_steps))
 
 

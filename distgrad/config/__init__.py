@@ -39,7 +39,6 @@ from distgrad.config.sections import (
     LossScaleConfig,
     NamingConfig,
     NamingRule,
-    NoiseScaleConfig,
     OptimizerSignalsConfig,
     SamplingConfig,
     Section,
@@ -145,7 +144,6 @@ class DistgradConfig(BaseModel):
     naming: NamingConfig = Field(default_factory=NamingConfig, description=NamingConfig.__doc__)
     loss: LossConfig = Field(default_factory=LossConfig, description=LossConfig.__doc__)
     histogram: HistogramConfig = Field(default_factory=HistogramConfig, description=HistogramConfig.__doc__)
-    noise_scale: NoiseScaleConfig = Field(default_factory=NoiseScaleConfig, description=NoiseScaleConfig.__doc__)
     action: ActionConfig = Field(default_factory=ActionConfig, description=ActionConfig.__doc__)
     logits: LogitsConfig = Field(default_factory=LogitsConfig, description=LogitsConfig.__doc__)
     optimizer_signals: OptimizerSignalsConfig = Field(default_factory=OptimizerSignalsConfig,
@@ -254,7 +252,7 @@ __all__ = [
     "ExporterConfig", "StatisticsConfig", "SpikesConfig", "HealthConfig", "ClipConfig", "FlightRecorderConfig",
     "TracerConfig",
     "SinksConfig", "JsonlConfig", "TensorBoardConfig", "NamingConfig", "NamingRule", "LossConfig",
-    "NoiseScaleConfig", "LogitsConfig",
+    "LogitsConfig",
     "ActionConfig",
     "OptimizerSignalsConfig", "IncidentsConfig",
 ]

@@ -369,31 +369,6 @@ class HistogramConfig(Section):
             raise SettingError("max_exponent", f"must be greater than min_exponent ({self.min_exponent})",
                                self.max_exponent)
         return self
-class NoiseScaleConfig(Section):
-    """Gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018, Appendix A),
-    from the micro-batch gradients each rank computes before the reduction and the step's
-    reduced gradient (see docs/signals.md, "Gradient noise scale")."""
-
-    section_key: ClassVar[str] = "noise_scale"
-    enabled: bool = Field(False, description=(
-        "Estimate the gradient noise scale: one tensor hook per trainable parameter adds the "
-        "squared norm of each micro-batch's incoming gradient on the device (one extra read of "
-        "each gradient per micro-batch, no host sync); three numbers ride in the step's SUM "
-        "collective and one in its MAX. A plain module, DDP, DeepSpeed (ZeRO 0-3), FSDP1 (not "
-        "hybrid) and FSDP2 (1-D mesh); needs several micro-batches per step (gradient accumulation "
-        "or several ranks)."))
-    micro_batch_size: int | None = Field(None, ge=1, description=(
-        "Samples per micro-batch on each rank (the small batch B_small; the step's batch is it "
-        "times the micro-batches of all ranks). DeepSpeed: read from "
-        "train_micro_batch_size_per_gpu when unset; PyTorch engines: required with enabled, except "
-        "under the Hugging Face Trainer (per_device_train_batch_size) and Lightning (the train "
-        "dataloader's batch_size), which fill it when unset. In the unit the noise scale is wanted "
-        "in (samples, or tokens per micro-batch)."))
-    ema_decay: float = Field(0.99, gt=0, lt=1, description=(
-        "Decay of the two exponential moving averages (of |G|^2 and of tr(Sigma)) whose ratio is "
-        "the exported noise scale, per sampled step."))
-
-
 class LogitsConfig(Section):
     """Logit precursors at sampled steps: the maximum pre-softmax attention logit per layer (and
     head) and the output head's max |logit| and log-sum-exp (z) statistics (see docs/signals.md,
@@ -548,7 +523,7 @@ SECTIONS: dict[str, type[Section]] = {
     "clip": ClipConfig,
     "flight_recorder": FlightRecorderConfig, "tracer": TracerConfig, "sinks": SinksConfig,
     "naming": NamingConfig, "loss": LossConfig, "histogram": HistogramConfig,
-    "noise_scale": NoiseScaleConfig, "action": ActionConfig,
+    "action": ActionConfig,
     "logits": LogitsConfig,
     "optimizer_signals": OptimizerSignalsConfig,
 }

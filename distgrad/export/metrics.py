@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Label", "Metric", "LABELS", "CONDITIONS", "CATALOGUE", "SCOPES", "PLUGIN_SAMPLES", "condition",
-           "register", "by_name", "names", "family", "series_per", "markdown"]
+           "gauge", "counter", "register", "by_name", "names", "family", "series_per", "markdown"]
 
 
 @dataclass(frozen=True)
@@ -108,8 +108,6 @@ CONDITIONS: dict[str, str] = {
     "components": "after a sampled step whose loop passed `components=` to `observe_loss`",
     "tokens": "after a sampled step whose loop passed per-token losses (or logits and labels) to `observe_loss`",
     "histogram": "`histogram.enabled: true`, after a sampled step",
-    "noise_scale": "`noise_scale.enabled: true`, after a sampled step with an estimate (several micro-batches per "
-                   "step; see docs/signals.md)",
     "action": "with an opt-in action configured (`action.on_nonfinite` / `action.on_spike`): the counter from "
               "`instrument()` on, at 0 for each cause; the gauge after the first sampled step",
     "logits": "`logits.attention: true` (attention series) / `logits.output: true` (output series), after a "
@@ -194,6 +192,26 @@ def _g(name, unit, help, when="sample", labels=(), doc="", max_series=None) -> M
 
 def _c(name, unit, help, when="always", labels=(), doc="", max_series=None) -> Metric:
     return Metric(name, "counter", tuple(labels), unit, help, when, doc, max_series)
+
+
+def gauge(name: str, unit: str, help: str, when: str = "sample", labels: Iterable[str] = (), doc: str = "",
+          max_series: int | None = None) -> Metric:
+    """A gauge entry (:class:`Metric` with ``type="gauge"``), e.g. for a plug-in's ``METRICS``.
+
+    Raises:
+        ValueError: as :class:`Metric` (bad name, undeclared label or condition).
+    """
+    return _g(name, unit, help, when, labels, doc, max_series)
+
+
+def counter(name: str, unit: str, help: str, when: str = "always", labels: Iterable[str] = (), doc: str = "",
+            max_series: int | None = None) -> Metric:
+    """A counter entry (:class:`Metric` with ``type="counter"``; the name ends in ``_total``).
+
+    Raises:
+        ValueError: as :class:`Metric`.
+    """
+    return _c(name, unit, help, when, labels, doc, max_series)
 
 
 _P = ("param",)
@@ -467,21 +485,6 @@ CATALOGUE: tuple[Metric, ...] = (
            "zeros instead (DeepSpeed ZeRO 0-3; FSDP1 when the unit has used parameters) show the same bug as exact "
            "zeros: both are fed to the vanishing test (`distgrad_vanishing_params`) as a zero gradient"),
     _g("distgrad_exploding_params", "params", "Parameters currently flagged as exploding."),
-    # --- gradient noise scale (distgrad/signals/noise_scale.py, docs/signals.md) ------------------
-    _g("distgrad_gradient_noise_scale", "samples", "Gradient noise scale B_simple = tr(Sigma) / |G|^2 (ratio of the "
-       "two EMAs): the critical batch size it implies.", "noise_scale",
-       doc="gradient noise scale `B_simple = EMA(tr(Sigma)) / EMA(|G|^2)` (McCandlish et al. 2018, Appendix A), in "
-           "samples (the unit of `noise_scale.micro_batch_size`): about the critical batch size, above which a "
-           "larger batch buys little; compare with `distgrad_gradient_noise_batch_size`. Absent while the "
-           "|G|^2 average is not positive"),
-    _g("distgrad_gradient_noise_trace", "grad^2", "EMA of the per-step unbiased estimate of tr(Sigma), the trace of "
-       "the per-sample gradient covariance.", "noise_scale"),
-    _g("distgrad_gradient_noise_true_grad_sq", "grad^2", "EMA of the per-step unbiased estimate of |G|^2, the "
-       "squared norm of the full-batch gradient.", "noise_scale"),
-    _g("distgrad_gradient_noise_batch_size", "samples", "The step's batch (all micro-batches of all ranks): the "
-       "big batch of the noise-scale estimate.", "noise_scale"),
-    _g("distgrad_gradient_noise_micro_batch_size", "samples", "Samples per micro-batch: the small batch of the "
-       "noise-scale estimate.", "noise_scale"),
     # --- logit precursors (distgrad/signals/logits.py, docs/signals.md) -----------------------------
     _g("distgrad_layer_attention_logit_max", "1", "Maximum pre-softmax attention logit q.k*scale of the layer "
        "over heads and the sampled step's micro-batches of all ranks (masked positions left out).", "logits",

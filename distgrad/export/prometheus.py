@@ -78,11 +78,6 @@ _PART_GAUGES: dict[str, Callable[[StepRecord], Any]] = {
     "distgrad_grad_underflow_ratio": lambda r: (
         r.grad_histogram.total().underflow_ratio()["global"] if r.grad_histogram else None),
     "distgrad_grad_zero_ratio": lambda r: r.grad_histogram.total().zero_ratio()["global"] if r.grad_histogram else None,
-    "distgrad_gradient_noise_scale": lambda r: r.noise_scale.noise_scale if r.noise_scale else None,
-    "distgrad_gradient_noise_trace": lambda r: r.noise_scale.ema_noise_trace if r.noise_scale else None,
-    "distgrad_gradient_noise_true_grad_sq": lambda r: r.noise_scale.ema_true_grad_sq if r.noise_scale else None,
-    "distgrad_gradient_noise_batch_size": lambda r: r.noise_scale.big_batch if r.noise_scale else None,
-    "distgrad_gradient_noise_micro_batch_size": lambda r: r.noise_scale.small_batch if r.noise_scale else None,
     "distgrad_action_stop_requested": lambda r: int(r.action.stop_requested) if r.action else None,
     "distgrad_output_logit_abs_max": lambda r: r.logits.output_abs_max if r.logits else None,
     "distgrad_output_logsumexp_mean": lambda r: r.logits.z_mean if r.logits else None,

@@ -418,8 +418,6 @@ class StepRecord:
         loss_trend: :class:`LossTrend`, None before the first observed loss.
         grad_histogram: :class:`~distgrad.record.histogram.GradHistogram`, the per-layer
             distribution of gradient values; None unless ``histogram.enabled``.
-        noise_scale: :class:`~distgrad.record.gns.NoiseScale`, None unless
-            ``noise_scale.enabled`` (and on steps without an estimate).
         action: :class:`~distgrad.record.action.ActionPart` with an opt-in action configured, else None.
         culprit_module: the first step of a non-finite streak replayed: the module whose forward
             output first went NaN/Inf on the culprit rank, or why none is named
@@ -428,6 +426,12 @@ class StepRecord:
             None when off, on the first optimizer step (no moment yet) and on overflow steps.
         incidents: the detection policy's state (:class:`~distgrad.record.incidents.Incidents`: incidents
             opened so far, the one opened on this step), None when ``incidents.enabled`` is false.
+
+    The parts declared by plug-ins (a packed signal's or a diagnostic's nested ``Part``,
+    :mod:`distgrad.config.contract`; :data:`~distgrad.record.base.PLUGIN_PARTS`) are attributes
+    too, None when unset: ``noise_scale`` (:mod:`distgrad.signals.noise_scale`), ``curvature``
+    (:mod:`distgrad.signals.curvature`), ``duplicate_data`` and ``replica_weights``
+    (:mod:`distgrad.signals.duplicate_data`, :mod:`distgrad.signals.weight_hash`).
     """
 
     step: int
@@ -465,7 +469,6 @@ class StepRecord:
     token_loss: TokenLossStats | None = None
     loss_trend: LossTrend | None = None
     grad_histogram: GradHistogram | None = None
-    noise_scale: NoiseScale | None = None
     action: ActionPart | None = None
     culprit_module: CulpritModule | None = None
     optimizer_signals: OptimizerSignals | None = None
@@ -525,7 +528,6 @@ class StepRecord:
 # _part_fields() resolves those names on first use
 from distgrad.record.action import ActionPart  # noqa: E402,F401
 from distgrad.record.culprit import CulpritModule  # noqa: E402,F401
-from distgrad.record.gns import NoiseScale  # noqa: E402,F401
 from distgrad.record.histogram import GradHistogram  # noqa: E402,F401
 from distgrad.record.incidents import Incidents  # noqa: E402,F401
 from distgrad.record.logits import LogitStats  # noqa: E402,F401

@@ -6,7 +6,7 @@ Signals read from the records (a signal absent from every record is simply not r
 
 * ``grad_histogram`` (:class:`~distgrad.record.histogram.GradHistogram`): underflow ratio and
   zero ratio, global and per layer.
-* ``noise_scale`` (:class:`~distgrad.record.gns.NoiseScale`): ``B_simple`` with the step's batch,
+* ``noise_scale`` (:class:`distgrad.signals.noise_scale.GradientNoiseScale.Part`): ``B_simple`` with the step's batch,
   and the two moving averages it is the ratio of.
 * ``curvature`` (:class:`distgrad.signals.curvature.Curvature.Part`): curvature along the last update,
   global and per layer.

@@ -49,15 +49,19 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from distgrad.config.errors import ConfigError
+from distgrad.config.sections import Section
 from distgrad.diagnostics.culprit import LeafHooks, pre_reduction_leaves
-from distgrad.record.gns import NoiseScale
-from distgrad.signals import PackedSignal, register
+from distgrad.export.metrics import condition, gauge
+from distgrad.record.base import _Part
+from distgrad.signals import PackedSignal
 from distgrad.stats.eager import sum_of_squares
 
 log = logging.getLogger("distgrad")
@@ -140,10 +144,138 @@ class GradientNoiseScale(PackedSignal):
 
     SUM part (float64 [3]): ``[sum over this rank's hook calls of |h|^2 (loss-scaled), this
     rank's micro-batches, 1]``; MAX part (float64 [1]): ``-micro-batches``.
-    Record part: :class:`~distgrad.record.gns.NoiseScale` (``StepRecord.noise_scale``).
+    Record part: :class:`GradientNoiseScale.Part` (``StepRecord.noise_scale``); its configuration
+    section (``noise_scale``), metrics and factory are declared on this class too (the contract of
+    :mod:`distgrad.signals`).
     """
 
+
     name = "noise_scale"
+
+    class Config(Section):
+        """Gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018, Appendix A),
+        from the micro-batch gradients each rank computes before the reduction and the step's
+        reduced gradient (see docs/signals.md, "Gradient noise scale")."""
+
+        section_key: ClassVar[str] = "noise_scale"
+        enabled: bool = Field(False, description=(
+            "Estimate the gradient noise scale: one tensor hook per trainable parameter adds the "
+            "squared norm of each micro-batch's incoming gradient on the device (one extra read of "
+            "each gradient per micro-batch, no host sync); three numbers ride in the step's SUM "
+            "collective and one in its MAX. A plain module, DDP, DeepSpeed (ZeRO 0-3), FSDP1 (not "
+            "hybrid) and FSDP2 (1-D mesh); needs several micro-batches per step (gradient accumulation "
+            "or several ranks)."))
+        micro_batch_size: int | None = Field(None, ge=1, description=(
+            "Samples per micro-batch on each rank (the small batch B_small; the step's batch is it "
+            "times the micro-batches of all ranks). DeepSpeed: read from "
+            "train_micro_batch_size_per_gpu when unset; PyTorch engines: required with enabled, except "
+            "under the Hugging Face Trainer (per_device_train_batch_size) and Lightning (the train "
+            "dataloader's batch_size), which fill it when unset. In the unit the noise scale is wanted "
+            "in (samples, or tokens per micro-batch)."))
+        ema_decay: float = Field(0.99, gt=0, lt=1, description=(
+            "Decay of the two exponential moving averages (of |G|^2 and of tr(Sigma)) whose ratio is "
+            "the exported noise scale, per sampled step."))
+
+    @dataclass
+    class Part(_Part):
+        """Gradient noise scale of one sampled step (McCandlish et al. 2018, "An Empirical Model of
+        Large-Batch Training", Appendix A), from the squared gradient norm at two batch sizes.
+
+        Gradients are on the scale of the step's reduced gradient (the loss scale divided out):
+        the small-batch gradient of a micro-batch is the one the reduced gradient is the mean of.
+
+        Attributes:
+            micro_batches: N, the micro-batch gradients of the step over all ranks.
+            small_batch: B_small, samples per micro-batch (``noise_scale.micro_batch_size`` or
+                DeepSpeed's ``train_micro_batch_size_per_gpu``).
+            big_batch: B_big = N * B_small, the step's batch in samples.
+            grad_sq_small: |G_small|^2, the mean squared norm of the N micro-batch gradients
+                (grad^2).
+            grad_sq_big: |G_big|^2, the squared norm of the step's reduced gradient (grad^2).
+            true_grad_sq: this step's unbiased estimate of |G|^2,
+                ``(B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)`` (grad^2; may be
+                negative on a noisy step).
+            noise_trace: this step's unbiased estimate of tr(Sigma), Sigma the per-sample gradient
+                covariance, ``(|G_small|^2 - |G_big|^2) / (1/B_small - 1/B_big)`` (grad^2).
+            ema_true_grad_sq, ema_noise_trace: their exponential moving averages over the sampled
+                steps (decay ``noise_scale.ema_decay``, bias-corrected as Adam's moments are).
+            noise_scale: B_simple = ema_noise_trace / ema_true_grad_sq in samples, the critical
+                batch size it implies (B_crit ~ B_noise >= B_simple); None while
+                ema_true_grad_sq <= 0 (not enough signal yet).
+            ema_steps: sampled steps the moving averages have seen.
+        """
+
+        micro_batches: int = 0
+        small_batch: float = 0.0
+        big_batch: float = 0.0
+        grad_sq_small: float = 0.0
+        grad_sq_big: float = 0.0
+        true_grad_sq: float = 0.0
+        noise_trace: float = 0.0
+        ema_true_grad_sq: float = 0.0
+        ema_noise_trace: float = 0.0
+        noise_scale: float | None = None
+        ema_steps: int = 0
+
+    _when = condition("noise_scale", "`noise_scale.enabled: true`, after a sampled step with an estimate "
+                      "(several micro-batches per step; see docs/signals.md)")
+    METRICS = (
+        gauge("distgrad_gradient_noise_scale", "samples", "Gradient noise scale B_simple = tr(Sigma) / |G|^2 "
+              "(ratio of the two EMAs): the critical batch size it implies.", _when,
+           doc="gradient noise scale `B_simple = EMA(tr(Sigma)) / EMA(|G|^2)` (McCandlish et al. 2018, Appendix A), in "
+               "samples (the unit of `noise_scale.micro_batch_size`): about the critical batch size, above which a "
+               "larger batch buys little; compare with `distgrad_gradient_noise_batch_size`. Absent while the "
+               "|G|^2 average is not positive"),
+        gauge("distgrad_gradient_noise_trace", "grad^2", "EMA of the per-step unbiased estimate of tr(Sigma), "
+              "the trace of the per-sample gradient covariance.", _when),
+        gauge("distgrad_gradient_noise_true_grad_sq", "grad^2", "EMA of the per-step unbiased estimate of |G|^2, the "
+           "squared norm of the full-batch gradient.", _when),
+        gauge("distgrad_gradient_noise_batch_size", "samples", "The step's batch (all micro-batches of all ranks): the "
+           "big batch of the noise-scale estimate.", _when),
+        gauge("distgrad_gradient_noise_micro_batch_size", "samples", "Samples per micro-batch: the small batch of the "
+           "noise-scale estimate.", _when),
+    )
+
+    @staticmethod
+    def samples(part: GradientNoiseScale.Part) -> dict[str, Any]:
+        """The EMA noise scale (absent while the |G|^2 average is not positive), the two EMAs,
+        and the two batch sizes."""
+        return {"distgrad_gradient_noise_scale": part.noise_scale,
+                "distgrad_gradient_noise_trace": part.ema_noise_trace,
+                "distgrad_gradient_noise_true_grad_sq": part.ema_true_grad_sq,
+                "distgrad_gradient_noise_batch_size": part.big_batch,
+                "distgrad_gradient_noise_micro_batch_size": part.small_batch}
+
+    @classmethod
+    def build(cls, inst: Any) -> GradientNoiseScale | None:
+        """``noise_scale.enabled``: the signal, or a ConfigError naming the key for an engine or a
+        configuration it cannot serve."""
+        cfg = inst.config.noise_scale
+        if not cfg.enabled:
+            return None
+        engine = inst.source.engine_name
+        why = None
+        if engine not in SUPPORTED:
+            why = f"engine {engine!r}"
+        elif getattr(inst, "job", None) is not None:
+            why = f"engine {engine!r} with parameters split over ranks (pipeline / experts)"
+        elif engine == "fsdp1" and getattr(inst.source, "_own", None) is not None:
+            why = "FSDP1 hybrid sharding"
+        elif engine == "fsdp2" and getattr(getattr(inst.source, "mesh", None), "ndim", 1) != 1:
+            why = "FSDP2 on a multi-dimensional mesh (HSDP, tensor parallel)"
+        if why is not None:
+            raise ConfigError(
+                f"distgrad config: 'noise_scale.enabled' is not supported with {why}: the micro-batch gradients "
+                f"before the reduction are known for {', '.join(SUPPORTED)} (FSDP1 without hybrid sharding, FSDP2 "
+                "on a 1-D mesh) only; set noise_scale.enabled: false")
+        b = cfg.micro_batch_size
+        if b is None and engine == "deepspeed":
+            b = int(inst.source.engine.train_micro_batch_size_per_gpu())
+        if b is None:
+            raise ConfigError(
+                "distgrad config: 'noise_scale.micro_batch_size' is required with noise_scale.enabled on a PyTorch "
+                "engine: set it to the samples per micro-batch on each rank (the noise scale is in that unit)")
+        return cls(b, cfg.ema_decay, inst.world_size, engine)
 
     def __init__(self, micro_batch_size: float, decay: float, world_size: int, engine_name: str) -> None:
         self.b = float(micro_batch_size)
@@ -224,7 +356,7 @@ class GradientNoiseScale(PackedSignal):
         self.ema_steps += 1
         corr = 1.0 - d ** self.ema_steps  # Adam's bias correction (cancels in the ratio)
         ema_g2, ema_tr = self.ema_g2 / corr, self.ema_tr / corr
-        rec.noise_scale = NoiseScale(
+        rec.noise_scale = GradientNoiseScale.Part(
             micro_batches=n_total, small_batch=self.b, big_batch=n_total * self.b, grad_sq_small=small,
             grad_sq_big=big, true_grad_sq=g2, noise_trace=tr, ema_true_grad_sq=ema_g2, ema_noise_trace=ema_tr,
             noise_scale=(ema_tr / ema_g2 if ema_g2 > 0 else None), ema_steps=self.ema_steps)
@@ -236,35 +368,3 @@ class GradientNoiseScale(PackedSignal):
         self.ema_g2 = float(state["ema_g2"])
         self.ema_tr = float(state["ema_tr"])
         self.ema_steps = int(state["ema_steps"])
-
-
-@register("noise_scale")
-def _factory(inst: Any) -> GradientNoiseScale | None:
-    """``noise_scale.enabled``: the signal, or a ConfigError naming the key for an engine or a
-    configuration it cannot serve."""
-    cfg = inst.config.noise_scale
-    if not cfg.enabled:
-        return None
-    engine = inst.source.engine_name
-    why = None
-    if engine not in SUPPORTED:
-        why = f"engine {engine!r}"
-    elif getattr(inst, "job", None) is not None:
-        why = f"engine {engine!r} with parameters split over ranks (pipeline / experts)"
-    elif engine == "fsdp1" and getattr(inst.source, "_own", None) is not None:
-        why = "FSDP1 hybrid sharding"
-    elif engine == "fsdp2" and getattr(getattr(inst.source, "mesh", None), "ndim", 1) != 1:
-        why = "FSDP2 on a multi-dimensional mesh (HSDP, tensor parallel)"
-    if why is not None:
-        raise ConfigError(
-            f"distgrad config: 'noise_scale.enabled' is not supported with {why}: the micro-batch gradients "
-            f"before the reduction are known for {', '.join(SUPPORTED)} (FSDP1 without hybrid sharding, FSDP2 "
-            "on a 1-D mesh) only; set noise_scale.enabled: false")
-    b = cfg.micro_batch_size
-    if b is None and engine == "deepspeed":
-        b = int(inst.source.engine.train_micro_batch_size_per_gpu())
-    if b is None:
-        raise ConfigError(
-            "distgrad config: 'noise_scale.micro_batch_size' is required with noise_scale.enabled on a PyTorch "
-            "engine: set it to the samples per micro-batch on each rank (the noise scale is in that unit)")
-    return GradientNoiseScale(b, cfg.ema_decay, inst.world_size, engine)

@@ -5,13 +5,13 @@ Noise-scale cases (``ddp``, ``z2``, ``z3``, ``fsdp1``, ``fsdp2``; and ``z0-fp16`
 ``z3-fp16``: FP16_STEPS steps under DeepSpeed fp16, loss scale 2**8, components only): the model
 ``Dot`` whose per-sample gradient is its input (loss_i = w . z_i), z_i drawn with a known mean G and covariance diag(C), weights fixed
 (learning rate 0), GAS micro-batches of B samples per rank and step, STEPS steps. Per step the
-driver records distgrad's :class:`~distgrad.record.gns.NoiseScale` and the float64 reference of
+driver records distgrad's :class:`~distgrad.signals.noise_scale.GradientNoiseScale.Part` and the float64 reference of
 its two components from the data of every rank (each rank regenerates every rank's batches):
 ``|G_small|^2 = mean over (rank, micro-batch) of |mean z|^2``, ``|G_big|^2 = |mean of all z|^2``.
 
 Curvature cases (``curv-z2``, ``curv-z3``, ``curv-fsdp2``): the least-squares model ``LSQ`` of
 tests/test_curvature.py (a quadratic loss, each rank its own fixed data, AdamW), CURV_STEPS
-steps; per step distgrad's :class:`~distgrad.record.gns.Curvature` and the exact float64
+steps; per step distgrad's :class:`~distgrad.signals.curvature.Curvature.Part` and the exact float64
 ``dtheta^T H dtheta / |dtheta|^2`` per layer from the full weights gathered before and after
 each update (ZeRO-3: ``GatheredParameters``; FSDP2: ``full_tensor()``).
 
