@@ -44,14 +44,16 @@ def _held(promql_fmt: str, held: str) -> str:
     return re.sub(r"(distgrad_[a-z_]+\{job=%q,instance=%q[^}]*\})", rf"last_over_time(\1[{held}])", promql_fmt)
 
 
-def tvalue(metric: str, fmt: str = "%.0f", missing: str = "unknown", held: str | None = None) -> str:
+def tvalue(metric: str, fmt: str = "%.0f", missing: str = "unknown", held: str | None = None,
+           extra: str = "") -> str:
     """Template text: the value of ``metric`` of the alert's target, or ``missing``. With
     ``held`` (a range such as ``5m``), a target that stopped serving ``metric`` (rank 0 killed
-    while the alert still fires) is described by the last value it served within ``held``."""
+    while the alert still fires) is described by the last value it served within ``held``.
+    ``extra``: more matchers of the selector (``,name=\\"value\\"``, escaped for ``printf``)."""
     def one(q: str, otherwise: str) -> str:
         return (f'{{{{ with {tquery(q)} }}}}{{{{ . | first | value | printf "{fmt}" }}}}'
                 f"{{{{ else }}}}{otherwise}{{{{ end }}}}")
-    q = metric + "{job=%q,instance=%q}"
+    q = metric + "{job=%q,instance=%q" + extra + "}"
     return one(q, one(_held(q, held), missing) if held else missing)
 
 
@@ -167,18 +169,19 @@ def _where_it_started(culprits: str, module: str) -> str:
             f"Culprit module, whose forward output first went NaN/Inf when that step was replayed: {module}.")
 
 
-def tincident(metric: str, incident: str, fmt: str = "%.0f", missing: str = "unknown") -> str:
+def tincident(metric: str, incident: str, fmt: str = "%.0f", missing: str = "unknown",
+              held: str | None = None) -> str:
     """Template text: the value of ``metric{incident="<incident>"}`` of the alert's target (the
-    detection policy's last incident of that kind), or ``missing``."""
-    q = tquery(metric + "{job=%q,instance=%q,incident=" + f'\\"{incident}\\"' + "}")
-    return f'{{{{ with {q} }}}}{{{{ . | first | value | printf "{fmt}" }}}}{{{{ else }}}}{missing}{{{{ end }}}}'
+    detection policy's last incident of that kind), or ``missing``; ``held`` as in :func:`tvalue`."""
+    return tvalue(metric, fmt, missing, held, extra=',incident=\\"' + incident + '\\"')
 
 
-def _component(incident: str) -> str:
-    """Template text naming the loss component of the last incident of ``incident``, if any."""
+def _component(incident: str, held: str | None = None) -> str:
+    """Template text naming the loss component of the last incident of ``incident``, if any;
+    ``held`` as in :func:`tlist`."""
     return tlist("distgrad_incident_component{job=%q,instance=%q,incident=" + f'\\"{incident}\\"' + "}",
                  " Loss component whose weighted contribution (weight x value) rose the most: "
-                 "{{ $s.Labels.component }}.", "component", "")
+                 "{{ $s.Labels.component }}.", "component", "", held=held)
 
 
 def _incident_rule(name: str, incident: str, summary: str, what: str) -> dict[str, Any]:
@@ -190,8 +193,8 @@ def _incident_rule(name: str, incident: str, summary: str, what: str) -> dict[st
         name,
         f"increase(distgrad_incidents_total{sel(f'incident={chr(34)}{incident}{chr(34)}')}[{w}]) > 0",
         summary,
-        f"{WHO}: {what}{_component(incident)} Last sampled step: {tvalue('distgrad_optimizer_step')}; "
-        f"{tincident('distgrad_incidents_total', incident)} such incident(s) since the start.",
+        f"{WHO}: {what}{_component(incident, w)} Last sampled step: {tvalue('distgrad_optimizer_step', held=w)}; "
+        f"{tincident('distgrad_incidents_total', incident, held=w)} such incident(s) since the start.",
     )
 
 
@@ -227,6 +230,9 @@ def alert_rules(runbook_base: str | None = None) -> dict[str, Any]:
 def _groups() -> dict[str, Any]:
     """The rule groups as written, before :func:`with_runbook_links`."""
     a = config.ALERTS
+    # the incident alerts fire for their window: their texts keep the incident's values that long
+    held_div, held_bad, held_burst = (a[n]["window"] for n in ("DistgradLossDivergence", "DistgradBadBatch",
+                                                                "DistgradRecurringSpikes"))
     overflow_n = a["DistgradRepeatedOverflow"]["threshold"]
     stall_s = a["DistgradTrainingStalled"]["threshold_seconds"]
     refused_w = a["DistgradRefusedSteps"]["window"]
@@ -254,23 +260,26 @@ def _groups() -> dict[str, Any]:
         ),
         _incident_rule(
             "DistgradLossDivergence", "divergence", "The training loss of {{ $labels.job }} diverged.",
-            f"the loss rose at step {tincident('distgrad_incident_step', 'divergence')} to "
-            f"{tincident('distgrad_incident_value', 'divergence', '%.4g')} and did not come back (it stayed above "
+            f"the loss rose at step {tincident('distgrad_incident_step', 'divergence', held=held_div)} to "
+            f"{tincident('distgrad_incident_value', 'divergence', '%.4g', held=held_div)} "
+            "and did not come back (it stayed above "
             "incidents.divergence_factor times its pre-spike level for incidents.divergence_steps sampled steps, "
             "or its rolling median drifted up incidents.drift_factor times from its lowest).",
         ),
         _incident_rule(
             "DistgradBadBatch", "bad_batch", "A bad batch on one rank of {{ $labels.job }}.",
-            f"the batch of rank {tincident('distgrad_incident_rank', 'bad_batch')} at step "
-            f"{tincident('distgrad_incident_step', 'bad_batch')} made its loss "
-            f"{tincident('distgrad_incident_value', 'bad_batch', '%.4g')}, a robust outlier against the other "
+            f"the batch of rank {tincident('distgrad_incident_rank', 'bad_batch', held=held_bad)} at step "
+            f"{tincident('distgrad_incident_step', 'bad_batch', held=held_bad)} made its loss "
+            f"{tincident('distgrad_incident_value', 'bad_batch', '%.4g', held=held_bad)}, "
+            "a robust outlier against the other "
             "ranks' losses, and moved the step's gradient norm: inspect that rank's data at that step.",
         ),
         _incident_rule(
             "DistgradRecurringSpikes", "spike_burst", "Loss or gradient-norm spikes keep recurring in {{ $labels.job }}.",
             f"incidents.burst_spikes robust spikes within incidents.burst_window sampled steps, the last at step "
-            f"{tincident('distgrad_incident_step', 'spike_burst')} (value "
-            f"{tincident('distgrad_incident_value', 'spike_burst', '%.4g')}); each recovered, but the run is "
+            f"{tincident('distgrad_incident_step', 'spike_burst', held=held_burst)} (value "
+            f"{tincident('distgrad_incident_value', 'spike_burst', '%.4g', held=held_burst)}); "
+            "each recovered, but the run is "
             "unstable (learning rate, warm-up, clipping, data).",
         ),
         _rule(
