@@ -24,7 +24,7 @@ Not part of the test suite. Without CUDA it starts 2 CPU ranks (gloo, ``DS_ACCEL
      ``safe_get_full_grad`` loop for per-parameter norms;
    - each packed signal (``distgrad.signals``: histogram, optimizer signals, noise scale,
      curvature) alone on top of the sampled step without packed signals, and the noise scale's
-     per-micro-batch hook work;
+     per-micro-batch hook work and the logit precursors' per-sampled-micro-batch forward work;
    - per row, in separate untimed passes: collectives and host syncs (the methods that wait for
      the device: ``item``, ``cpu``, ``tolist``, ``__bool__``, ``__float__``, ..., and waits for
      an asynchronous record's copy that had not completed), the extra peak memory (CUDA:
@@ -483,6 +483,25 @@ def worker(args: argparse.Namespace) -> None:
     signal_rows.append("gns_hooks")
     rows.append(("gns_hooks", "signal: gradient noise scale, its hooks' work per micro-batch in the backward "
                  "(|h|^2 of every full-size local gradient) [opt-in]", gns_hooks))
+    from distgrad.signals.logits import attention_head_max, output_logit_stats
+
+    hd = width // heads
+    fake_qk = [(torch.randn(1, heads, 128, hd, generator=g).to(device), torch.randn(1, heads, 128, hd, generator=g).to(device))
+               for _ in range(layers)]
+
+    def logits_hooks() -> None:
+        """The logit precursors' work in the forward pass of one sampled micro-batch (logits.attention
+        and logits.output): per layer the max of q k^T / sqrt(d) per head, and the output logits'
+        log-sum-exp statistics; on random tensors of the model's shapes ([1, heads, 128, d] per
+        layer, logits [1, 128, vocab])."""
+        for q, k in fake_qk:
+            attention_head_max(q, k, is_causal=True)
+        output_logit_stats(logits)
+
+    signal_rows.append("logits_hooks")
+    rows.append(("logits_hooks", f"signal: logit precursors, their work per sampled micro-batch in the forward "
+                 f"(max q k^T/sqrt(d) per head of {layers} layers + logsumexp of logits [1, 128, {vocab}]) [opt-in]",
+                 logits_hooks))
     # warm-up (compiles the native kernel and, if listed, the torch.compile kernel)
     t_warm = {}
     for key, _, fn in rows:
@@ -726,8 +745,9 @@ def render(micros: list[dict], e2es: list[dict], args: argparse.Namespace) -> st
             labels = dict((k, lab) for k, lab in m["rows"])
             on = ", ".join(m.get("default_signals") or []) or "none"
             lines.append(f"Packed signals (issue 15), each alone on top of the sampled step without packed signals "
-                         f"({fmt_ms(bare)} ms); on by default in this run: {on}. The hooks row is work done in the "
-                         "backward pass per micro-batch, not at the sampled step.")
+                         f"({fmt_ms(bare)} ms); on by default in this run: {on}. The hooks rows are work done in the "
+                         "backward pass per micro-batch (noise scale) or in the forward pass of the sampled step's "
+                         "micro-batches (logit precursors), not at the boundary.")
             lines.append("")
             missing = [k for k, ok in (m.get("signal_parts_present") or {}).items() if not ok]
             lines.append("Every signal row's record carried its signal's values." if not missing else
@@ -737,7 +757,7 @@ def render(micros: list[dict], e2es: list[dict], args: argparse.Namespace) -> st
             lines.append("|---|---:|---:|---:|---:|---:|---:|")
             for key in m["signal_rows"]:
                 t = med[key]
-                added = t if key == "gns_hooks" else t - bare
+                added = t if key in ("gns_hooks", "logits_hooks") else t - bare
                 c, sy = m["counts"][key]
                 lines.append(f"| {labels[key]} | {fmt_ms(t)} | {fmt_ms(added)} | {added / fl:,.2f} | {c} | {sy} | "
                              f"{fmt_mb(m['peak_extra_bytes'][key])} |")

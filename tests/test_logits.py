@@ -176,3 +176,29 @@ def test_logits_off_by_default_and_clear_errors():
         distgrad.instrument(model, optimizer=opt, exporter={"enabled": False},
                             logits={"output": True, "output_module": "nope"})
     assert not L._MODULES
+
+
+@pytest.mark.parametrize("after,fires", [(3.0, True), (2.99, False)])
+def test_report_attention_logit_rise_rule_and_series(after, fires):
+    """The offline report (distgrad/report/signals.py): the series of the maximum attention logit
+    is the max over layers, and the rise rule fires at 3x the previous window's median, naming
+    the layer that rose (layer 1: 10 -> 10 x after; the max over layers only 20 -> 30)."""
+    from types import SimpleNamespace
+
+    from distgrad.record.logits import LogitStats
+    from distgrad.report import signals as sig
+
+    acc = sig.SignalsAccumulator(max_points=64)
+    W = sig.WINDOW
+    for s in range(2 * W):
+        v = 10.0 if s < W else 10.0 * after
+        acc.add(SimpleNamespace(step=s, logits=LogitStats(attention_max={"0": 20.0, "1": v}, z_mean=3.0, z_max=4.0,
+                                                          output_abs_max=7.0, positions=8)))
+    res = acc.result()
+    f = [x for x in res.findings if x.kind == "attention_logit_rise"]
+    assert bool(f) == fires
+    if fires:
+        assert f[0].layer == "1" and f[0].step == 2 * W - 1 and "docs/runbook.md#signal-attention-logit-rise" in f[0].detail
+    s = next(s for s in res.series if s.signal == "logits" and s.metric == "attention_max")
+    assert s.glob.last[-1, 0] == max(20.0, 10.0 * after) and s.layers == ["0", "1"]  # the max over layers
+

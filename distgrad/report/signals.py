@@ -13,6 +13,8 @@ Signals read from the records (a signal absent from every record is simply not r
 * ``optimizer_signals`` (:class:`~distgrad.record.optimizer.OptimizerSignals`): Adam's update
   RMS, spike fraction, gradient-momentum cosine, moment norms and diagonal Fisher trace, global
   and per layer.
+* ``logits`` (:class:`~distgrad.record.logits.LogitStats`): the maximum attention logit (over
+  layers, and per layer), the output log-sum-exp z (mean, max) and max |logit|.
 
 Findings (rules; ``W`` = :data:`WINDOW` sampled steps):
 
@@ -31,6 +33,8 @@ Findings (rules; ``W`` = :data:`WINDOW` sampled steps):
   ``DistgradAdamUpdateExcursion`` alert; named at the first step it held, with the layer of
   largest update RMS then.
 * ``update_rms_rise``: the rise rule (below) on the update RMS.
+* ``attention_logit_rise``: the rise rule on the maximum attention logit (over layers or in a
+  layer); named at the first step it held, with the layer of largest rise then.
 * ``curvature_rise``: the median curvature of the last ``W`` sampled steps is at least
   :data:`RISE_FACTOR` (3) times the median of the ``W`` before them, both positive, globally or in
   a layer (sharpening); named at the first step it held, with the layer of largest rise then.
@@ -165,14 +169,29 @@ SPECS["optimizer_signals"] = [
     ("exp_avg_sq_norm", "|v| (second moment)", True, _opt("exp_avg_sq_norm")),
     ("fisher_trace", "diagonal Fisher trace sum(v_hat)", True, _opt("fisher_trace")),
 ]
+SPECS["logits"] = [
+    ("attention_max", "max attention logit q.k/sqrt(d) (over layers; per layer)", True,
+     lambda p: (max(p.attention_max.values()) if p.attention_max else math.nan, dict(p.attention_max))),
+    ("z_mean", "output log-sum-exp z, mean over positions (nats)", False,
+     lambda p: (_f(p.z_mean) if p.z_mean is not None else math.nan, None)),
+    ("z_max", "output log-sum-exp z, max over positions (nats)", False,
+     lambda p: (_f(p.z_max) if p.z_max is not None else math.nan, None)),
+    ("output_abs_max", "output logits max |logit|", True,
+     lambda p: (_f(p.output_abs_max) if p.output_abs_max is not None else math.nan, None)),
+]
 TITLES = {"grad_histogram": "Gradient value distribution", "noise_scale": "Gradient noise scale",
-          "curvature": "Curvature along the last update", "optimizer_signals": "Optimizer (Adam) signals"}
+          "curvature": "Curvature along the last update", "optimizer_signals": "Optimizer (Adam) signals",
+          "logits": "Logit precursors"}
 #: (signal, metric) -> (finding kind, what rose, what to do) of the rise rule
 RISES = {
     ("optimizer_signals", "update_rms"): (
         "update_rms_rise", "Adam update RMS",
         "the gradient is outgrowing Adam's second moment (loss spikes tend to follow within a few steps): lower the "
         "learning rate, lower beta2 (e.g. 0.95) so v follows the gradient faster, raise eps, or enable clipping"),
+    ("logits", "attention_max"): (
+        "attention_logit_rise", "maximum attention logit",
+        "the attention logits are growing (attention-entropy collapse and loss spikes follow): lower the learning "
+        "rate of the attention projections, add QK-norm or QK-clip"),
     ("curvature", "curvature"): (
         "curvature_rise", "curvature along the update",
         "the loss is sharpening along the steps (towards the edge of stability, where loss spikes follow): lower "
