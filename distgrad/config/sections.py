@@ -112,7 +112,7 @@ class StatisticsConfig(Section):
     per_param: bool = Field(True, description=(
         "Export per-parameter series (distgrad_param_*{param}); layer-level series and the global "
         "statistics are always exported."))
-    max_param_series: int = Field(2000, ge=50, description=(
+    max_param_series: int = Field(2500, ge=50, description=(
         "Upper bound on exported Prometheus series; per-parameter detail is reduced to the top-k "
         "parameters by norm (non-finite ones always kept) when the bound would be exceeded."))
     replica_check: bool = Field(True, description=(

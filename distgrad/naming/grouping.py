@@ -64,12 +64,15 @@ metric; ``Metric.series()`` is the series of one metric per value of its scope l
   (prometheus_client's ``*_created`` samples and process collectors are not served by distgrad's
   exporter.)
 
-The default budget is :data:`DEFAULT_SERIES_BUDGET` ``= 2000`` and the default ``top_k`` is
+The default budget is :data:`DEFAULT_SERIES_BUDGET` ``= 2500`` and the default ``top_k`` is
 :data:`DEFAULT_TOP_K` ``= 100``. Example, LLaMA-70B (723 tensors, 80 blocks): L = 83 (80 blocks +
-embed, norm, head), K = 10, fixed part LAYER_SERIES*83 + 10 + GLOBAL_SERIES (856 with
-LAYER_SERIES = 8 and GLOBAL_SERIES = 182), so at most floor((2000 - 856) / 10) = 114 parameters
-can have per-parameter series; with the default top-k, 10*100 + 856 = 1856 series (1956 with the
-update ratio), and a step with many non-finite parameters is capped below the budget
+embed, norm, head), K = 10, fixed part LAYER_SERIES*83 + 10 + GLOBAL_SERIES (966 with
+LAYER_SERIES = 9 and GLOBAL_SERIES = 209 on 2026-12-02; both grow as metrics are declared), so at
+most floor((2500 - 966) / 10) = 153 parameters can have per-parameter series; with the default
+top-k, 10*100 + 966 = 1966 series (2066 with the update ratio), and a step with many non-finite
+parameters is capped below the budget. The budget was 2000 until the opt-in families of 2026-12
+(per-layer attention logits, incidents, replica checks) pushed the update-ratio case to 2066:
+opt-in families are counted whether on or not, so the bound holds whatever is enabled
 (:func:`select_series`).
 """
 
@@ -103,7 +106,7 @@ __all__ = [
 GRANULARITIES = ("param", "module", "layer", "module_kind")
 
 #: Default maximum number of Prometheus series exported by distgrad.
-DEFAULT_SERIES_BUDGET = 2000
+DEFAULT_SERIES_BUDGET = 2500
 #: Default number of largest-norm parameters that get per-parameter series.
 DEFAULT_TOP_K = 100
 #: Series kept free in the global part for exporter extras and future metrics.
@@ -311,7 +314,7 @@ def select_series(
 
     Args:
         stats: per-parameter statistics (float64 arrays of shape ``[P]``).
-        budget: maximum number of exported series (default 2000).
+        budget: maximum number of exported series (default 2500).
         top_k: number of largest-norm parameters kept besides the non-finite ones (>= 0).
         rules: user naming rules, as for :func:`distgrad.naming.classify.classify`.
         update_ratio: count the optional ``distgrad_param_update_ratio`` family.
