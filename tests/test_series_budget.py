@@ -1,6 +1,6 @@
 """The series budget, counted on what a scrape actually returns: a 70B-LLaMA-shaped model
 (723 parameter tensors, widths scaled down) through Diagnostics and the Prometheus collector
-with default settings stays under DistgradConfig.statistics.max_param_series (2,000), keeps every
+with default settings stays under DistgradConfig.statistics.max_param_series (2,500), keeps every
 non-finite parameter, drops stale label sets when the top-k changes, and the exported layer
 norms equal the root-sum-square of the per-parameter float64 reference."""
 
