@@ -262,9 +262,8 @@ def _groups() -> dict[str, Any]:
             "DistgradLossDivergence", "divergence", "The training loss of {{ $labels.job }} diverged.",
             f"the loss rose at step {tincident('distgrad_incident_step', 'divergence', held=held_div)} to "
             f"{tincident('distgrad_incident_value', 'divergence', '%.4g', held=held_div)} "
-            "and did not come back (it stayed above "
-            "incidents.divergence_factor times its pre-spike level for incidents.divergence_steps sampled steps, "
-            "or its rolling median drifted up incidents.drift_factor times from its lowest).",
+            "and did not come back: it stayed well above its level before that step for several sampled "
+            "steps, or its running median kept climbing (thresholds: the incidents config section).",
         ),
         _incident_rule(
             "DistgradBadBatch", "bad_batch", "A bad batch on one rank of {{ $labels.job }}.",
@@ -276,7 +275,8 @@ def _groups() -> dict[str, Any]:
         ),
         _incident_rule(
             "DistgradRecurringSpikes", "spike_burst", "Loss or gradient-norm spikes keep recurring in {{ $labels.job }}.",
-            f"incidents.burst_spikes robust spikes within incidents.burst_window sampled steps, the last at step "
+            f"the loss or gradient norm spiked again and again within a short window of sampled steps "
+            f"(thresholds: the incidents config section), the last spike at step "
             f"{tincident('distgrad_incident_step', 'spike_burst', held=held_burst)} (value "
             f"{tincident('distgrad_incident_value', 'spike_burst', '%.4g', held=held_burst)}); "
             "each recovered, but the run is "
