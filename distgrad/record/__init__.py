@@ -426,6 +426,8 @@ class StepRecord:
             None when off, on the first optimizer step (no moment yet) and on overflow steps.
         incidents: the detection policy's state (:class:`~distgrad.record.incidents.Incidents`: incidents
             opened so far, the one opened on this step), None when ``incidents.enabled`` is false.
+        logits: the logit precursors (:class:`~distgrad.record.logits.LogitStats`, :mod:`distgrad.signals.logits`),
+            None unless ``logits.attention`` / ``logits.output`` and observed on every rank.
 
     The parts declared by plug-ins (a packed signal's or a diagnostic's nested ``Part``,
     :mod:`distgrad.config.contract`; :data:`~distgrad.record.base.PLUGIN_PARTS`) are attributes
