@@ -1,13 +1,17 @@
 """Static checks of the package: ``ruff check distgrad`` (the rule set and line length of
-pyproject.toml's ``[tool.ruff]``) passes, and the configuration is live (a known defect in a copy
-is reported). docs/contributing.md ("Checks") gives the same commands to run by hand.
+pyproject.toml's ``[tool.ruff]``) and ``mypy`` (``[tool.mypy]``: distgrad/, its baseline of
+unchecked modules) pass, and each configuration is live (a known defect in a copy is reported).
+docs/contributing.md ("Checks") gives the same commands to run by hand.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = REPO / "pyproject.toml"
@@ -35,3 +39,32 @@ def test_ruff_reports_defects(tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     found = {line.split()[1] for line in r.stdout.splitlines() if line.startswith("distgrad/bad.py:")}
     assert found == {"F401", "F821", "E501"}, r.stdout
+
+
+def _mypy(cache: Path, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mypy", "--no-error-summary", "--cache-dir", str(cache),
+                           "--config-file", str(PYPROJECT)],
+                          cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def mypy_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("mypy-cache")
+
+
+def test_mypy_passes_on_distgrad(mypy_cache):
+    r = _mypy(mypy_cache)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_mypy_reports_type_errors(tmp_path, mypy_cache):
+    # a copy of the package where a checked module assigns a str to an int and an untyped function
+    # (check_untyped_defs) calls a method that does not exist: both are reported
+    shutil.copytree(REPO / "distgrad", tmp_path / "distgrad", ignore=shutil.ignore_patterns("__pycache__"))
+    mod = tmp_path / "distgrad" / "_version.py"
+    mod.write_text(mod.read_text() + "\n_n: int = 'one'\n\n\ndef _f():\n    return 'x'.no_such_method()\n")
+    r = _mypy(mypy_cache, cwd=tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    errors = [line for line in r.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 2 and all(e.startswith("distgrad/_version.py:") for e in errors), r.stdout
+    assert "[assignment]" in errors[0] and "[attr-defined]" in errors[1], r.stdout

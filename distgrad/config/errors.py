@@ -110,7 +110,7 @@ def describe(exc: Any, *, prefix: str = "", root: Any = None) -> str:
         typ, ctx = err["type"], err.get("ctx") or {}
         section = _section_at(root, loc) if root is not None else None
         cause = ctx.get("error")
-        if typ == "value_error" and getattr(cause, "field", None):  # sections.SettingError
+        if typ == "value_error" and cause is not None and getattr(cause, "field", None):  # sections.SettingError
             loc = (*loc, cause.field)
             why, got = cause.why, cause.value
         elif typ == "extra_forbidden":

@@ -45,7 +45,8 @@ def _type(info: FieldInfo) -> str:
     args = typing.get_args(ann)
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), ann) if args else ann
-    name = {bool: "bool", int: "integer", float: "number", str: "string"}.get(base, None)
+    names: dict[Any, str] = {bool: "bool", int: "integer", float: "number", str: "string"}
+    name = names.get(base, None)
     if name is None:
         name = "list of rules" if typing.get_origin(ann) is list else getattr(base, "__name__", str(base))
     bounds = []
@@ -80,7 +81,7 @@ def render_yaml() -> str:
             if _is_section(info):
                 lines.extend(_comment((info.annotation.__doc__ or "").split("\n\n")[0].replace("\n", " "), indent))
                 lines.append(f"{indent}{name}:")
-                model(info.annotation, indent + "  ")
+                model(typing.cast(type[BaseModel], info.annotation), indent + "  ")
                 continue
             lines.extend(_comment(info.description or "", indent))
             if info.examples:
@@ -112,17 +113,17 @@ def render_markdown() -> str:
         "them unset).",
         "",
     ]
-    sections = []
-    top = []
+    sections: list[tuple[str, FieldInfo]] = []
+    top: list[tuple[str, FieldInfo]] = []
     for name, info in DistgradConfig.model_fields.items():
         (sections if _is_section(info) else top).append((name, info))
 
     def table(prefix: str, cls: type[BaseModel]) -> None:
         rows = []
-        nested = []
+        nested: list[tuple[str, type[BaseModel]]] = []
         for name, info in cls.model_fields.items():
             if _is_section(info):
-                nested.append((f"{prefix}.{name}", info.annotation))
+                nested.append((f"{prefix}.{name}", typing.cast(type[BaseModel], info.annotation)))
                 continue
             desc = (info.description or "").replace("|", "\\|")
             if info.examples:
@@ -142,7 +143,7 @@ def render_markdown() -> str:
     out.append("")
     for name, info in sections:
         out.extend([f"## `{name}`", "", (info.annotation.__doc__ or "").strip(), ""])
-        table(name, info.annotation)
+        table(name, typing.cast(type[BaseModel], info.annotation))
     out.extend([
         "## Naming rules example",
         "",

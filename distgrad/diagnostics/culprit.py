@@ -49,7 +49,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -209,7 +209,7 @@ def _fsdp2_unsharded(unit: nn.Module) -> tuple[list[torch.Tensor], bool]:
     """The unit's unsharded parameters that exist (private FSDP2 state, read in torch 2.13:
     ``_get_fsdp_state()._fsdp_param_groups[*].fsdp_params[*]._unsharded_param``) and whether
     every trainable one exists."""
-    state = unit._get_fsdp_state()
+    state = cast(Any, unit)._get_fsdp_state()  # an FSDPModule method (not on nn.Module's type)
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:  # older torch: one group per state
         g = getattr(state, "_fsdp_param_group", None)

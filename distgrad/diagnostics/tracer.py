@@ -135,7 +135,7 @@ class OverflowTracer:
                 raise ValueError(f"max_micro_batches must be >= 1, got {max_micro_batches}")
             self.max_micro_batches = int(max_micro_batches)
         self._reset()
-        self._names = {}
+        self._names: dict[nn.Module, str] = {}
         for name, m in self.model.named_modules():
             self._names.setdefault(m, name)
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))

@@ -283,7 +283,7 @@ class DeepSpeedSource(GradSource):
             if v is not None:
                 return float(v)
         try:
-            return float(self.engine.config["fp16"].get("min_loss_scale", 1))  # type: ignore[index]
+            return float(self.engine.config["fp16"].get("min_loss_scale", 1))
         except Exception:  # noqa: BLE001
             return 1.0
 

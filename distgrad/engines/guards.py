@@ -105,7 +105,7 @@ class GradSignature:
         for a, b in zip(self.refs, prev.refs):
             if (a is None) != (b is None):
                 return False
-            if a is None:
+            if a is None or b is None:  # both None (the test above)
                 continue
             if a[0]() is None or a[0]() is not b[0]() or a[1] != b[1]:
                 return False

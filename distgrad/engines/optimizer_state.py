@@ -105,5 +105,5 @@ def torch_slots(optimizer: Any, entries: list[tuple[torch.Tensor, Callable] | No
     out: list[OptimizerSlot | None] = []
     for e in entries:
         g = None if e is None else index.get(id(e[0]))
-        out.append(None if g is None else OptimizerSlot(optimizer, g, e[0], e[1]))
+        out.append(None if g is None or e is None else OptimizerSlot(optimizer, g, e[0], e[1]))
     return out

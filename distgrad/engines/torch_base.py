@@ -38,7 +38,7 @@ def _fsdp2_module_type() -> type | None:
         from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
     except ImportError:
         try:
-            from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
+            from torch.distributed._composable.fsdp import FSDPModule
         except ImportError:
             return None
     return FSDPModule

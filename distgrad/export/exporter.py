@@ -26,6 +26,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import IO
 
 import prometheus_client
 
@@ -122,9 +123,13 @@ class ExporterProcess:
             # its own session: with the kernel's autogroup scheduling, serving scrapes then does
             # not come out of the training job's CPU share (it exits when our pipe closes)
             start_new_session=True)
-        line = self._proc.stdout.readline().decode().strip()
+        # both pipes were asked for (PIPE), so Popen set both; typed without the Optional
+        assert self._proc.stdout is not None and self._proc.stdin is not None
+        self._stdout: IO[bytes] = self._proc.stdout
+        self._stdin: IO[bytes] = self._proc.stdin
+        line = self._stdout.readline().decode().strip()
         if not line.startswith("OK "):
-            self._proc.stdin.close()
+            self._stdin.close()
             self._proc.wait(5)
             self._shm.close()
             self._shm_file.close()
@@ -176,7 +181,7 @@ class ExporterProcess:
             time.sleep(0.05 if gap <= 0 else min(0.05, gap / 4))
 
     def _serve(self) -> None:
-        r, w = self._proc.stdout, self._proc.stdin
+        r, w = self._stdout, self._stdin
         while True:
             line = r.readline()
             if not line:
@@ -207,7 +212,7 @@ class ExporterProcess:
             return
         self._closed = True
         try:
-            self._proc.stdin.close()
+            self._stdin.close()
         except OSError:
             pass
         try:
@@ -215,7 +220,7 @@ class ExporterProcess:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait(5)
-        self._proc.stdout.close()
+        self._stdout.close()
         self._thread.join(5)
         self._shm.close()
         self._shm_file.close()

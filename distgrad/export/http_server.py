@@ -403,8 +403,11 @@ class HttpServer:
         self._write(c, time.monotonic())
 
     def _write(self, c: _Conn, now: float) -> None:
+        out = c.out
+        if out is None:  # nothing to send (only called after _respond set it)
+            return
         try:
-            n = c.sock.send(c.out[c.sent:])
+            n = c.sock.send(out[c.sent:])
         except (BlockingIOError, InterruptedError):
             n = 0
         except OSError:
@@ -413,7 +416,7 @@ class HttpServer:
         if n:
             c.sent += n
             c.last = now
-        if c.sent < len(c.out):
+        if c.sent < len(out):
             self._sel.modify(c.sock, selectors.EVENT_WRITE, c)
             return
         c.out = None

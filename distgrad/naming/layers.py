@@ -17,7 +17,7 @@ _INT_RE = re.compile(r"[./]")
 
 def _load_classify() -> Callable[[str], Any] | None:
     try:
-        from distgrad.naming.classify import classify  # type: ignore[attr-defined]
+        from distgrad.naming.classify import classify
     except Exception:  # not written yet, or broken: fall back
         return None
     return classify

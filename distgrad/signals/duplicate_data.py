@@ -105,7 +105,7 @@ class SameDataStreaks:
             buckets: dict[tuple[float, float], list[int]] = {}
             for r in g:
                 if key[r] is not None:
-                    buckets.setdefault(key[r], []).append(r)  # type: ignore[index]
+                    buckets.setdefault(key[r], []).append(r)
             for members in buckets.values():
                 if len(members) >= 2:
                     for r in members:

@@ -160,5 +160,6 @@ def replica_outliers(fingerprints: np.ndarray, rtol: float) -> list[int]:
             return (np.isnan(a) and np.isnan(b)) or a == b
         return abs(a - b) <= rtol * max(abs(a), abs(b))
 
-    best = max(range(w), key=lambda i: (sum(same(fp[i], fp[j]) for j in range(w)), -i))
-    return [j for j in range(w) if not same(fp[best], fp[j])]
+    vals: list[float] = fp.tolist()
+    best = max(range(w), key=lambda i: (sum(same(vals[i], vals[j]) for j in range(w)), -i))
+    return [j for j in range(w) if not same(vals[best], vals[j])]
