@@ -64,7 +64,10 @@ def with_micro_batch_size(config: Any, overrides: dict[str, Any], batch_size: An
     from distgrad.config import ConfigError, DistgradConfig
 
     out = dict(overrides)
-    ns = DistgradConfig.load(config).with_overrides(out).noise_scale
+    # noise_scale is a plug-in section (a field added at import, distgrad.config.contract): not
+    # on DistgradConfig's static type
+    cfg: Any = DistgradConfig.load(config).with_overrides(out)
+    ns = cfg.noise_scale
     if not ns.enabled or ns.micro_batch_size is not None:
         return out
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
