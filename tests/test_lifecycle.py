@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -169,17 +170,21 @@ SCRIPT = textwrap.dedent("""
         sys.exit(0)  # no close(): the interpreter exit ends the run cleanly
     if mode == "crash":
         raise RuntimeError("the loop crashed")
+    if mode == "sigterm":  # a launcher or scheduler stopping the run on purpose
+        import os, signal
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
     if mode == "with_crash":
         with inst:
             raise RuntimeError("the loop crashed inside `with instrument`")
 """)
 
 
-def test_process_end_clean_exit_crash_and_with_crash(tmp_path):
+def test_process_end_clean_exit_sigterm_crash_and_with_crash(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    modes = ["exit", "crash", "with_crash"]
+    modes = ["exit", "sigterm", "crash", "with_crash"]
     sd = tmp_path / "targets"
     sd.mkdir()
     procs = {m: subprocess.Popen([sys.executable, str(script), m, str(sd), str(tmp_path / f"{m}.port")], env=env,
@@ -214,6 +219,11 @@ def test_process_end_clean_exit_crash_and_with_crash(tmp_path):
     # clean end: the last page said finished, and the target file is gone
     assert states["exit"][-1] == 2.0 and states["exit"][0] == 1.0, states
     assert not scrapers["exit"][1].exists()
+    # SIGTERM (deepspeed's launcher on Ctrl-C, a scheduler's preemption): ends like a clean exit,
+    # then the process still dies of SIGTERM
+    assert procs["sigterm"].returncode == -signal.SIGTERM, outs["sigterm"]
+    assert states["sigterm"][-1] == 2.0 and states["sigterm"][0] == 1.0, states
+    assert not scrapers["sigterm"][1].exists()
     # crashes: never said finished, the target file stays (the dead target pages)
     for m in ("crash", "with_crash"):
         assert states[m] and set(states[m]) == {1.0}, (m, states[m])

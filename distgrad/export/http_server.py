@@ -51,6 +51,7 @@ import os
 import pickle
 import select
 import selectors
+import signal
 import socket
 import struct
 import sys
@@ -431,6 +432,11 @@ class HttpServer:
 def main(argv: list[str]) -> int:
     """Helper process entry: ``HOST PORT TIMEOUT_S MAX_CONNECTIONS SHM_FD REFRESH_S LIBDIR`` (module docstring)."""
     host, port, timeout_s, max_conn, shm_fd = argv[0], int(argv[1]), float(argv[2]), int(argv[3]), int(argv[4])
+    # Its lifetime is the training process's (it exits when stdin closes). A launcher that ends a
+    # run passes SIGTERM/SIGINT to the whole process tree (deepspeed's terminate_process_tree, a
+    # terminal's Ctrl-C): ignored here, so the final "finished" state can still be served.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     refresh_s = float(argv[5])
     if len(argv) > 6 and argv[6] not in sys.path:
         sys.path.append(argv[6])

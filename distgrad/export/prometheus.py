@@ -17,6 +17,7 @@ import errno
 import logging
 import math
 import os
+import signal
 import socket
 import sys
 import threading
@@ -569,11 +570,34 @@ _live: weakref.WeakSet[PrometheusSink] = weakref.WeakSet()
 
 
 def _at_exit(sink: PrometheusSink) -> None:
-    """Register ``sink`` for :func:`_close_at_exit` (one atexit hook per process)."""
+    """Register ``sink`` for :func:`_close_at_exit` (one atexit hook per process) and, where
+    SIGTERM still has its default action and this is the main thread, for :func:`_on_sigterm`
+    (a handler the program installed itself is never replaced)."""
     if not _live:
         atexit.unregister(_close_at_exit)
         atexit.register(_close_at_exit)
+        try:
+            if (threading.current_thread() is threading.main_thread()
+                    and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+                signal.signal(signal.SIGTERM, _on_sigterm)
+        except (ValueError, OSError):  # not the main interpreter / no signals here
+            pass
     _live.add(sink)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM with its default action: a stop on purpose (a scheduler's preemption, a launcher
+    passing on Ctrl-C: deepspeed's sends SIGTERM to every rank). End the sinks as a clean exit
+    does (``distgrad_run_state`` 2 served until scraped, bounded by ``exporter.linger_seconds``;
+    the file_sd target removed), so a deliberate stop does not page as a dead exporter, then
+    die of SIGTERM as the process would have. ``kill -9`` and crashes still page."""
+    for sink in list(_live):
+        try:
+            sink.close(clean=True)
+        except Exception:  # noqa: BLE001
+            pass
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _close_at_exit() -> None:
