@@ -221,9 +221,11 @@ CATALOGUE: tuple[Metric, ...] = (
        doc="static run info (value 1)"),
     _g("distgrad_world_size", "ranks", "Number of ranks.", "always"),
     _g("distgrad_run_state", "1", "Run lifecycle: 1 = running (from instrument() on), 2 = finished (closed "
-       "cleanly: close(), interpreter exit without an uncaught exception, or SIGTERM; served until scraped once).", "always",
+       "cleanly: close(), interpreter exit without an uncaught exception, or SIGTERM; served until scraped "
+       "once).", "always",
        doc="run lifecycle: 1 running (from `instrument()` on), 2 finished (closed cleanly by `close()`, at "
-           "interpreter exit without an uncaught exception, or on SIGTERM with its default action; rank 0 keeps serving until a scrape has read it, at most "
+           "interpreter exit without an uncaught exception, or on SIGTERM with its default action; rank 0 keeps "
+           "serving until a scrape has read it, at most "
            "`exporter.linger_seconds`). The exporter-down alerts page only for a target whose last state was 1"),
     # --- global statistics --------------------------------------------------------------------
     _g("distgrad_grad_norm", "grad", "Global L2 norm of the reduced gradient (NaN if an element is NaN, "
