@@ -72,8 +72,16 @@ def tlist(promql_fmt: str, item: str, sort_label: str, otherwise: str, held: str
     return one(promql_fmt, one(_held(promql_fmt, held), otherwise) if held else otherwise)
 
 
+#: The run an alert is about, for the one-line summary a pager shows: the job, and the run label
+#: where the target has one (every self-registered run shares the job ``distgrad-file-sd``).
+JOB_RUN = "{{ $labels.job }}{{ with $labels.run }} run {{ . }}{{ end }}"
+
+
 def _rule(name: str, expr: str, summary: str, description: str) -> dict[str, Any]:
+    """One alerting rule from :data:`grafana.config.ALERTS` ``[name]``; the summary's
+    ``{{ $labels.job }}`` becomes :data:`JOB_RUN`, so the pager's one line names the run."""
     c = config.ALERTS[name]
+    summary = summary.replace("{{ $labels.job }}", JOB_RUN)
     return {
         "alert": name,
         "expr": expr,
