@@ -285,8 +285,9 @@ def quiet_deepspeed_noise() -> None:
     """Silence, in this example only, two messages DeepSpeed 0.19 prints on every CPU run that
     say nothing about the run (the library installs no filter; README, "The example job"):
 
-    - ``FutureWarning: torch.distributed.all_gather_into_tensor is deprecated``, once per rank:
-      ZeRO's all-gather of the updated partitions calls it (``deepspeed/comm/torch.py``);
+    - ``FutureWarning: torch.distributed.all_gather_into_tensor is deprecated`` (and, under ZeRO-3,
+      ``reduce_scatter_tensor``), once per rank: ZeRO's all-gather of the updated partitions and
+      ZeRO-3's reduce-scatter call them (``deepspeed/comm/torch.py``);
       distgrad's own all-gathers use ``all_gather_single``;
     - ``Attempting to get learning rate from scheduler before it has started``, once per rank:
       ``WarmupLR.__init__`` calls its own ``get_lr()`` before its first step.
@@ -298,6 +299,8 @@ def quiet_deepspeed_noise() -> None:
 
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
                             category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_scatter_tensor` is deprecated",
+                            category=FutureWarning)  # the same, from ZeRO-3's reduce-scatter
 
     class _DropLrNotStarted(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
@@ -540,8 +543,9 @@ def main(argv: list[str] | None = None) -> None:
         overrides[key.strip()] = yaml.safe_load(val)
     dg = None if args.no_distgrad else runner.instrument(distgrad, args.distgrad_config, **overrides)
     runner.start()
-    n_params = sum(p.numel() for p in model.parameters())
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # under ZeRO-3 a parameter's own tensor is an empty shard: DeepSpeed keeps the full count in ds_numel
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    n_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
     data = load_corpus(args.data, args.max_bytes)
     if rank == 0:
         where = f"http://{dg.config.exporter.host}:{dg.port}/metrics" if dg and dg.port else "off"
