@@ -34,7 +34,7 @@ def _highest_loss_rank(rec: StepRecord) -> str:
     (``rec.ranks``, the step's SUM collective: no extra communication), or ``""`` when unknown."""
     rs = rec.ranks
     r = rs.loss_max_rank if rs is not None else None
-    if r is None or not 0 <= r < len(rs.loss_max):
+    if rs is None or r is None or not 0 <= r < len(rs.loss_max):
         return ""
     finite = [float(v) for v in rs.loss_max if math.isfinite(v)]
     median = f", median over ranks {float(np.median(finite)):.4g}" if finite else ""

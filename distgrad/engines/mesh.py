@@ -107,8 +107,8 @@ def mesh_ownership(placements: list[list[Any]], root: Any, group: Any) -> Owners
     to_group = (lambda r: r) if group is None else (lambda r: dist.get_group_rank(group, r))
     groups: dict[tuple, list[int]] = {}
     if check_dims:
-        for g, c in where.items():
-            key = tuple(x for d, x in enumerate(c) if d not in check_dims)
+        for g, at in where.items():
+            key = tuple(x for d, x in enumerate(at) if d not in check_dims)
             groups.setdefault(key, []).append(to_group(g))
     to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
 

@@ -195,7 +195,8 @@ def render_plots(a: RunAnalysis, out: Path) -> tuple[list[tuple[str, str, bytes]
             notes.append("No update-to-weight ratios in the records: plot omitted.")
 
         # 6. loss analysis: components, token-loss distribution, trend
-        got = render_loss(a.loss, subplots) if getattr(a, "loss", None) is not None else None
+        loss = getattr(a, "loss", None)
+        got = render_loss(loss, subplots) if loss is not None else None
         if got is not None:
             images.append(("loss_analysis.png", got[1], _save(got[0], out / "loss_analysis.png")))
 
@@ -203,7 +204,8 @@ def render_plots(a: RunAnalysis, out: Path) -> tuple[list[tuple[str, str, bytes]
         for fname, caption, fig in render_signals(getattr(a, "signals", None), subplots):
             images.append((fname, caption, _save(fig, out / fname)))
         # 8. gradient value distribution (histogram.enabled runs)
-        if getattr(a, "grad_histogram", None) is not None:
-            fig, caption = render_histogram(a.grad_histogram, subplots)
+        hist = getattr(a, "grad_histogram", None)
+        if hist is not None:
+            fig, caption = render_histogram(hist, subplots)
             images.append(("grad_histogram.png", caption, _save(fig, out / "grad_histogram.png")))
     return images, notes

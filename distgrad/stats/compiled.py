@@ -4,6 +4,7 @@ compilation failure (logged once)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -23,7 +24,8 @@ def _fused_reduction(x: torch.Tensor) -> torch.Tensor:
         xf.amax().to(f64), -xf.amin().to(f64)])
 
 
-_compiled = None  # compiled _fused_reduction, False once compilation failed
+# compiled _fused_reduction, False once compilation failed
+_compiled: Callable[[torch.Tensor], torch.Tensor] | bool | None = None
 
 
 def _compiled_fn():
