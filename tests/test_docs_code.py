@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import shlex
 import sys
@@ -141,6 +142,12 @@ def test_shell_blocks_name_existing_scripts_flags_and_extras():
                 for py in set(re.findall(r"launch/\w+\.py", text)):  # extra arguments passed on
                     known |= _options(ROOT / py)
                 assert set(_flags(toks[2:])) <= known, where
+            elif name in ("ruff", "mypy"):  # the checks of docs/contributing.md: pinned in the test extra
+                assert (venv_bin / name).exists(), where
+                assert any(d.startswith(f"{name}==") for d in
+                           tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]), where
+            elif name.startswith("python") and toks[1:2] == ["-m"]:  # python -m MODULE ...
+                assert importlib.util.find_spec(toks[2]) is not None, where
             else:  # a launcher or python running a script: the script's flags after it
                 scripts = [i for i, t in enumerate(toks) if t.endswith(".py")]
                 assert scripts, where
