@@ -144,8 +144,8 @@ def test_shell_blocks_name_existing_scripts_flags_and_extras():
                 assert set(_flags(toks[2:])) <= known, where
             elif name in ("ruff", "mypy"):  # the checks of docs/contributing.md: pinned in the test extra
                 assert (venv_bin / name).exists(), where
-                assert any(d.startswith(f"{name}==") for d in
-                           tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]), where
+                test_extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+                assert any(d.startswith(f"{name}==") for d in test_extra), where
             elif name.startswith("python") and toks[1:2] == ["-m"]:  # python -m MODULE ...
                 assert importlib.util.find_spec(toks[2]) is not None, where
             else:  # a launcher or python running a script: the script's flags after it
