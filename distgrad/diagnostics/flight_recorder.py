@@ -114,7 +114,7 @@ def provenance_from(
     keys = _order_keys(names, order_key)
     tot = nan + inf
     hit = np.flatnonzero(tot.sum(axis=0) > 0)
-    hit = sorted(hit.tolist(), key=lambda j: keys[j])
+    order = sorted(hit.tolist(), key=lambda j: keys[j])
     rows = [
         {
             "name": names[j],
@@ -122,7 +122,7 @@ def provenance_from(
             "inf": int(round(inf[:, j].sum())),
             "ranks": np.flatnonzero(tot[:, j] > 0).tolist(),
         }
-        for j in hit
+        for j in order
     ]
     return {"params": rows, "first_param": rows[-1]["name"] if rows else None}
 
@@ -401,7 +401,8 @@ class FlightRecorder:
                 w(f"non-finite parameter last in forward order: {fp} ({why})")
             src = " (ranks from the record, not per parameter)" if doc.get(
                 "provenance_derived_from_record") else ""
-            at = first_nf.step if doc.get("provenance_derived_from_record") else doc["step"]
+            derived = first_nf is not None and doc.get("provenance_derived_from_record")
+            at = first_nf.step if first_nf is not None and derived else doc["step"]
             w(f"parameters with NaN/Inf at step {at}, forward order{src}:")
             width = max(8, min(60, max(len(r["name"]) for r in rows)))
             w(f"  {'name':<{width}} {'nan':>12} {'inf':>12}  ranks")
