@@ -125,7 +125,8 @@ class VerdictChecks:
         self.spike = {"loss": loss_spike_factor, "grad_norm": grad_spike_factor}
         self.vanish_threshold, self.stall_factor, self.stall_seconds = vanish_threshold, stall_factor, stall_seconds
         self._roll = {"loss": _Rolling(window), "grad_norm": _Rolling(window)}
-        self._div_buf: deque[float] = deque(maxlen=max(3, window // 2))
+        self._div_len = max(3, window // 2)
+        self._div_buf: deque[float] = deque(maxlen=self._div_len)
         self._first_med: float | None = None
         self._best: tuple[float, int] | None = None
         self._losses_head: list[float] = []
@@ -222,7 +223,7 @@ class VerdictChecks:
         while len(self._losses_tail) > max(10, self._n_loss // 10):
             self._losses_tail.popleft()
         self._div_buf.append(loss)
-        if len(self._div_buf) < self._div_buf.maxlen:
+        if len(self._div_buf) < self._div_len:
             return
         med = statistics.median(self._div_buf)
         if self._first_med is None:
@@ -278,7 +279,7 @@ class VerdictChecks:
         adapter = np.array([bool(_ADAPTER.search(n)) for n in self._names], bool)
 
         def listing(sel: np.ndarray) -> str:
-            def why(k: int) -> str:
+            def why(k: np.integer) -> str:
                 return "no update" if frozen[k] else "zero gradient" if self._present[k] else "no gradient"
 
             picked = [f"{n} ({why(k)})" for k, n in zip(np.nonzero(sel)[0], names[sel])]
