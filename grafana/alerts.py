@@ -77,6 +77,14 @@ def tlist(promql_fmt: str, item: str, sort_label: str, otherwise: str, held: str
 JOB_RUN = "{{ $labels.job }}{{ with $labels.run }} run {{ . }}{{ end }}"
 
 
+def rose(metric: str, window: str) -> str:
+    """PromQL: the counter ``metric`` (a selector) rose within ``window``, or its series is younger
+    than ``window`` and already above 0. ``increase()`` alone misses an event made before the
+    series' first scrape (a run that goes NaN or diverges in its first seconds, before Prometheus
+    has read its self-registered target): its first sample is already 1, so nothing increases."""
+    return f"(increase({metric}[{window}]) > 0 or ({metric} > 0 unless {metric} offset {window}))"
+
+
 def _rule(name: str, expr: str, summary: str, description: str) -> dict[str, Any]:
     """One alerting rule from :data:`grafana.config.ALERTS` ``[name]``; the summary's
     ``{{ $labels.job }}`` becomes :data:`JOB_RUN`, so the pager's one line names the run."""
@@ -97,7 +105,7 @@ def _nonfinite_rule() -> dict[str, Any]:
     # fp16 overflow steps the loss scaler skips are not in distgrad_nonfinite_steps_total (they
     # count in distgrad_overflow_steps_total; persistent fp16 trouble pages through
     # DistgradRepeatedOverflow and DistgradLossScaleCollapsed), so nothing is subtracted here.
-    expr = f"increase(distgrad_nonfinite_steps_total{sel()}[{w}]) > 0"
+    expr = rose(f"distgrad_nonfinite_steps_total{sel()}", w)
     note = "; fp16 overflow steps, which the loss scaler skips, do not count"
     params = tlist(
         "topk(5, distgrad_nonfinite_params{job=%q,instance=%q} > 0)",
@@ -199,7 +207,7 @@ def _incident_rule(name: str, incident: str, summary: str, what: str) -> dict[st
     w = config.ALERTS[name]["window"]
     return _rule(
         name,
-        f"increase(distgrad_incidents_total{sel(f'incident={chr(34)}{incident}{chr(34)}')}[{w}]) > 0",
+        rose(f"distgrad_incidents_total{sel(f'incident={chr(34)}{incident}{chr(34)}')}", w),
         summary,
         f"{WHO}: {what}{_component(incident, w)} Last sampled step: {tvalue('distgrad_optimizer_step', held=w)}; "
         f"{tincident('distgrad_incidents_total', incident, held=w)} such incident(s) since the start.",
@@ -292,7 +300,7 @@ def _groups() -> dict[str, Any]:
         ),
         _rule(
             "DistgradReplicaMismatch",
-            f"increase(distgrad_replica_mismatch_total{sel()}[{a['DistgradReplicaMismatch']['window']}]) > 0",
+            rose(f"distgrad_replica_mismatch_total{sel()}", a["DistgradReplicaMismatch"]["window"]),
             "Replicated gradients differ across ranks in {{ $labels.job }}.",
             f"{WHO}: replicated gradients disagreed across ranks on sampled steps in the last "
             f"{a['DistgradReplicaMismatch']['window']}; the last disagreeing rank was "
