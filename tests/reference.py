@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from distgrad.record import StepRecord
-from distgrad.record.histogram import GradHistogram
+from distgrad.signals.histogram import GradHistogram
 
 
 def case(results: dict, key: str) -> dict:

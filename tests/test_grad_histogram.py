@@ -16,7 +16,7 @@ import torch.nn as nn
 import distgrad
 from distgrad.naming.grouping import group_keys
 from distgrad.record import StepRecord
-from distgrad.record.histogram import GradHistogram
+from distgrad.signals.histogram import GradHistogram
 from distgrad.signals import histogram as hist_mod
 from distgrad.signals import histogram_native
 from distgrad.signals.histogram import TRAINING_DTYPES, GradHistogramSignal

@@ -22,7 +22,7 @@ from distgrad.signals.noise_scale import GradientNoiseScale
 from distgrad.signals.curvature import Curvature
 from distgrad.record.action import ActionPart
 from distgrad.record import Culprit, LossComponents, ParamStats, RankCount, ScalerState, StepRecord, TokenLossStats
-from distgrad.record.histogram import GradHistogram
+from distgrad.signals.histogram import GradHistogram
 from distgrad.record.culprit import CulpritModule
 from distgrad.record.optimizer import OptimizerSignals
 from distgrad.record.logits import LogitStats

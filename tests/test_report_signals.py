@@ -19,7 +19,7 @@ import torch.nn as nn
 import distgrad
 from distgrad.cli import main
 from distgrad.record import StepRecord
-from distgrad.record.histogram import GradHistogram
+from distgrad.signals.histogram import GradHistogram
 from distgrad.report import analyze
 from distgrad.report import signals as sig
 

@@ -31,7 +31,6 @@ from distgrad.config.sections import (
     ExporterConfig,
     FlightRecorderConfig,
     HealthConfig,
-    HistogramConfig,
     IncidentsConfig,
     JsonlConfig,
     LogitsConfig,
@@ -143,7 +142,6 @@ class DistgradConfig(BaseModel):
     sinks: SinksConfig = Field(default_factory=SinksConfig, description=SinksConfig.__doc__)
     naming: NamingConfig = Field(default_factory=NamingConfig, description=NamingConfig.__doc__)
     loss: LossConfig = Field(default_factory=LossConfig, description=LossConfig.__doc__)
-    histogram: HistogramConfig = Field(default_factory=HistogramConfig, description=HistogramConfig.__doc__)
     action: ActionConfig = Field(default_factory=ActionConfig, description=ActionConfig.__doc__)
     logits: LogitsConfig = Field(default_factory=LogitsConfig, description=LogitsConfig.__doc__)
     optimizer_signals: OptimizerSignalsConfig = Field(default_factory=OptimizerSignalsConfig,

@@ -340,35 +340,6 @@ class LossConfig(Section):
         "trend_window."))
 
 
-class HistogramConfig(Section):
-    """Gradient value distribution (distgrad.signals.histogram): per layer and globally, a histogram of
-    log2|g| over fixed exponent bins, and the zero, underflow and non-finite counts, carried in the
-    sampled step's SUM collective."""
-
-    section_key: ClassVar[str] = "histogram"
-    enabled: bool = Field(False, description=(
-        "Compute the histogram on every sampled step (about five elementwise passes over the local "
-        "gradient shard and (max_exponent - min_exponent + 6) float64 per layer in the SUM collective; "
-        "see docs/signals.md for the measured cost)."))
-    min_exponent: int = Field(-64, ge=-126, le=127, description=(
-        "Lowest exponent bin: |g| in [2**e, 2**(e+1)) for min_exponent <= e < max_exponent, of the "
-        "gradient as the engine holds it (loss-scaled under fp16); smaller non-zero values are "
-        "counted in one 'below' bin. At least -126 (the smallest fp32/bf16 normal exponent)."))
-    max_exponent: int = Field(16, ge=-125, le=128, description=(
-        "One past the highest exponent bin; larger finite values are counted in one 'above' bin "
-        "(16 covers every finite fp16 value, 128 every fp32/bf16 one)."))
-    dtype: Literal["auto", "fp16", "bf16", "fp32", "fp64"] = Field("auto", description=(
-        "The training dtype the underflow counts refer to (|g| below its smallest normal, as held, "
-        "i.e. loss-scaled): auto = the dtype the engine's backward computes gradients in (DeepSpeed "
-        "fp16/bf16, FSDP MixedPrecision param_dtype, else the parameters' dtype). Set it under "
-        "torch.autocast, whose dtype distgrad cannot see."))
-
-    @model_validator(mode="after")
-    def _range(self) -> HistogramConfig:
-        if self.max_exponent <= self.min_exponent:
-            raise SettingError("max_exponent", f"must be greater than min_exponent ({self.min_exponent})",
-                               self.max_exponent)
-        return self
 class LogitsConfig(Section):
     """Logit precursors at sampled steps: the maximum pre-softmax attention logit per layer (and
     head) and the output head's max |logit| and log-sum-exp (z) statistics (see docs/signals.md,
@@ -522,7 +493,7 @@ SECTIONS: dict[str, type[Section]] = {
     "spikes": SpikesConfig, "incidents": IncidentsConfig, "health": HealthConfig, "loss_scale": LossScaleConfig,
     "clip": ClipConfig,
     "flight_recorder": FlightRecorderConfig, "tracer": TracerConfig, "sinks": SinksConfig,
-    "naming": NamingConfig, "loss": LossConfig, "histogram": HistogramConfig,
+    "naming": NamingConfig, "loss": LossConfig,
     "action": ActionConfig,
     "logits": LogitsConfig,
     "optimizer_signals": OptimizerSignalsConfig,

@@ -107,7 +107,6 @@ CONDITIONS: dict[str, str] = {
     "nonfinite": "after the first non-finite step; kept after the streak ends",
     "components": "after a sampled step whose loop passed `components=` to `observe_loss`",
     "tokens": "after a sampled step whose loop passed per-token losses (or logits and labels) to `observe_loss`",
-    "histogram": "`histogram.enabled: true`, after a sampled step",
     "action": "with an opt-in action configured (`action.on_nonfinite` / `action.on_spike`): the counter from "
               "`instrument()` on, at 0 for each cause; the gauge after the first sampled step",
     "logits": "`logits.attention: true` (attention series) / `logits.output: true` (output series), after a "
@@ -352,11 +351,6 @@ CATALOGUE: tuple[Metric, ...] = (
     _g("distgrad_param_grad_headroom_ratio", "ratio", "max |g| over the largest finite value of the training dtype.",
        "per_param", _P, doc="abs max / largest finite value of the training dtype (1 = overflow)"),
     _g("distgrad_param_update_ratio", "ratio", "||dw|| / ||w|| of the last applied step.", "update_ratio", _P),
-    # --- gradient value distribution (histogram.enabled; per layer below) ----------------------
-    _g("distgrad_grad_underflow_ratio", "ratio", "Fraction of all gradient elements that are non-zero but below "
-       "the smallest normal value of the training dtype (as held, loss-scaled).", "histogram",
-       doc="`distgrad_layer_grad_underflow_ratio` over the whole model"),
-    _g("distgrad_grad_zero_ratio", "ratio", "Fraction of all gradient elements exactly 0.", "histogram"),
     # --- optimizer-aware signals (Adam family; distgrad/signals/adam.py, docs/signals.md) -----------
     _g("distgrad_update_rms", "1", "sqrt(mean(g^2 / max(v_hat, eps^2))) over the model: the RMS of Adam's update "
        "with the second moment before this step.", "adam",
@@ -380,11 +374,6 @@ CATALOGUE: tuple[Metric, ...] = (
     _g("distgrad_layer_grad_nonfinite", "elements", "NaN+Inf gradient elements in the layer.", labels=("layer",)),
     _g("distgrad_layer_grad_zero_ratio", "ratio", "Fraction of exact-zero elements in the layer.", labels=("layer",)),
     _g("distgrad_layer_grad_headroom_ratio", "ratio", "Max headroom ratio over the layer.", labels=("layer",)),
-    _g("distgrad_layer_grad_underflow_ratio", "ratio", "Fraction of the layer's gradient elements that are non-zero "
-       "but below the smallest normal value of the training dtype (as held, loss-scaled).", "histogram", ("layer",),
-       doc="fraction of the layer's gradient elements with `0 < |g| < tiny`, `tiny` the smallest normal value of "
-           "the training dtype (`histogram.dtype`; 2^-14 for fp16, 2^-126 for bf16/fp32), compared with the gradient "
-           "as held, i.e. loss-scaled under fp16: subnormal in that dtype, or lost to 0 (see docs/signals.md)"),
     _g("distgrad_layer_update_rms", "1", "distgrad_update_rms over the layer's elements.", "adam", ("layer",)),
     _g("distgrad_layer_adam_spike_fraction", "ratio", "distgrad_adam_spike_fraction over the layer's elements.",
        "adam", ("layer",)),

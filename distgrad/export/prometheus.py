@@ -76,9 +76,6 @@ _PART_GAUGES: dict[str, Callable[[StepRecord], Any]] = {
     "distgrad_vanishing_params": lambda r: r.health.n_vanishing if r.health else None,
     "distgrad_params_without_grad": lambda r: r.health.n_no_grad if r.health else None,
     "distgrad_exploding_params": lambda r: r.health.n_exploding if r.health else None,
-    "distgrad_grad_underflow_ratio": lambda r: (
-        r.grad_histogram.total().underflow_ratio()["global"] if r.grad_histogram else None),
-    "distgrad_grad_zero_ratio": lambda r: r.grad_histogram.total().zero_ratio()["global"] if r.grad_histogram else None,
     "distgrad_action_stop_requested": lambda r: int(r.action.stop_requested) if r.action else None,
     "distgrad_output_logit_abs_max": lambda r: r.logits.output_abs_max if r.logits else None,
     "distgrad_output_logsumexp_mean": lambda r: r.logits.z_mean if r.logits else None,
@@ -98,7 +95,6 @@ _PART_MAPS: dict[str, Callable[[StepRecord], Any]] = {
     "distgrad_layer_grad_nonfinite": lambda r: r.aggregates.layer_nonfinite if r.aggregates else None,
     "distgrad_layer_grad_zero_ratio": lambda r: r.aggregates.layer_zero_ratio if r.aggregates else None,
     "distgrad_layer_grad_headroom_ratio": lambda r: r.aggregates.layer_headroom if r.aggregates else None,
-    "distgrad_layer_grad_underflow_ratio": lambda r: r.grad_histogram.underflow_ratio() if r.grad_histogram else None,
     "distgrad_layer_attention_logit_max": lambda r: r.logits.attention_max if r.logits else None,
     "distgrad_layer_update_rms": lambda r: r.optimizer_signals.layer_update_rms if r.optimizer_signals else None,
     "distgrad_layer_adam_spike_fraction": lambda r: (r.optimizer_signals.layer_spike_fraction

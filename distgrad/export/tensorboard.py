@@ -26,7 +26,7 @@ Tags written (``global_step`` = ``record.step``):
 ``grad/underflow_ratio``           with ``histogram.enabled``: underflow elements / all elements
 =================================  ================================================================
 
-The ``grad_log2_abs`` histograms are the record's :class:`~distgrad.record.histogram.GradHistogram`
+The ``grad_log2_abs`` histograms are the record's :class:`~distgrad.signals.histogram.GradHistogramSignal.Part`
 bins, written as they are (no re-binning): one bucket per exponent bin ``[e - s, e + 1 - s)`` of
 the unscaled gradient (``s = log2`` of the fp16 loss scale, 0 otherwise), the ``below`` count in
 one bucket ``[lo - 1 - s, lo - s)`` and the ``above`` count in one bucket ``[hi - s, hi + 1 - s)``
@@ -71,7 +71,7 @@ def _norm_histogram(norms: np.ndarray, max_bins: int) -> tuple[list[float], list
 def log2_histogram(h: Any, j: int) -> dict[str, Any] | None:
     """``add_histogram_raw`` arguments (``min``, ``max``, ``num``, ``sum``, ``sum_squares``,
     ``bucket_limits``, ``bucket_counts``) of layer ``j`` of a
-    :class:`~distgrad.record.histogram.GradHistogram`: log2|g| of its finite non-zero elements
+    :class:`~distgrad.signals.histogram.GradHistogramSignal.Part`: log2|g| of its finite non-zero elements
     (unscaled), buckets as in the module docstring; None when it has no such element."""
     edges = h.log2_edges()  # [n + 1], unscaled
     lefts = np.concatenate([[edges[0] - 1.0], edges[:-1], [edges[-1]]])

@@ -416,8 +416,6 @@ class StepRecord:
         loss_components: :class:`LossComponents`, None unless the loop passes components.
         token_loss: :class:`TokenLossStats`, None unless the loop passes per-token losses.
         loss_trend: :class:`LossTrend`, None before the first observed loss.
-        grad_histogram: :class:`~distgrad.record.histogram.GradHistogram`, the per-layer
-            distribution of gradient values; None unless ``histogram.enabled``.
         action: :class:`~distgrad.record.action.ActionPart` with an opt-in action configured, else None.
         culprit_module: the first step of a non-finite streak replayed: the module whose forward
             output first went NaN/Inf on the culprit rank, or why none is named
@@ -431,7 +429,8 @@ class StepRecord:
 
     The parts declared by plug-ins (a packed signal's or a diagnostic's nested ``Part``,
     :mod:`distgrad.config.contract`; :data:`~distgrad.record.base.PLUGIN_PARTS`) are attributes
-    too, None when unset: ``noise_scale`` (:mod:`distgrad.signals.noise_scale`), ``curvature``
+    too, None when unset: ``grad_histogram`` (the per-layer distribution of gradient values,
+    :mod:`distgrad.signals.histogram`), ``noise_scale`` (:mod:`distgrad.signals.noise_scale`), ``curvature``
     (:mod:`distgrad.signals.curvature`), ``duplicate_data`` and ``replica_weights``
     (:mod:`distgrad.signals.duplicate_data`, :mod:`distgrad.signals.weight_hash`).
     """
@@ -470,7 +469,6 @@ class StepRecord:
     loss_components: LossComponents | None = None
     token_loss: TokenLossStats | None = None
     loss_trend: LossTrend | None = None
-    grad_histogram: GradHistogram | None = None
     action: ActionPart | None = None
     culprit_module: CulpritModule | None = None
     optimizer_signals: OptimizerSignals | None = None
@@ -530,7 +528,6 @@ class StepRecord:
 # _part_fields() resolves those names on first use
 from distgrad.record.action import ActionPart  # noqa: E402,F401
 from distgrad.record.culprit import CulpritModule  # noqa: E402,F401
-from distgrad.record.histogram import GradHistogram  # noqa: E402,F401
 from distgrad.record.incidents import Incidents  # noqa: E402,F401
 from distgrad.record.logits import LogitStats  # noqa: E402,F401
 from distgrad.record.loss import LossComponents, LossTrend, RankStats, TokenLossStats  # noqa: E402,F401

@@ -4,7 +4,7 @@ like the other curves, and FINDINGS, each with what to do and its runbook sectio
 
 Signals read from the records (a signal absent from every record is simply not reported):
 
-* ``grad_histogram`` (:class:`~distgrad.record.histogram.GradHistogram`): underflow ratio and
+* ``grad_histogram`` (:class:`~distgrad.signals.histogram.GradHistogramSignal.Part`): underflow ratio and
   zero ratio, global and per layer.
 * ``noise_scale`` (:class:`distgrad.signals.noise_scale.GradientNoiseScale.Part`): ``B_simple`` with the step's batch,
   and the two moving averages it is the ratio of.

@@ -31,14 +31,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
+from pydantic import Field, model_validator
 
+from distgrad.config.sections import Section, SettingError
+from distgrad.export.metrics import condition, gauge
 from distgrad.naming.grouping import group_keys
-from distgrad.record.histogram import GradHistogram
-from distgrad.signals import PackedSignal, histogram_native, register
+from distgrad.record.base import _Part
+from distgrad.signals import PackedSignal, histogram_native
 
 #: training dtype name -> (torch dtype, exponent of its smallest positive normal value)
 TRAINING_DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -81,6 +85,153 @@ class GradHistogramSignal(PackedSignal):
     """
 
     name = "grad_histogram"
+
+    class Config(Section):
+        """Gradient value distribution (distgrad.signals.histogram): per layer and globally, a histogram of
+        log2|g| over fixed exponent bins, and the zero, underflow and non-finite counts, carried in the
+        sampled step's SUM collective."""
+
+        section_key: ClassVar[str] = "histogram"
+        enabled: bool = Field(False, description=(
+            "Compute the histogram on every sampled step (about five elementwise passes over the local "
+            "gradient shard and (max_exponent - min_exponent + 6) float64 per layer in the SUM collective; "
+            "see docs/signals.md for the measured cost)."))
+        min_exponent: int = Field(-64, ge=-126, le=127, description=(
+            "Lowest exponent bin: |g| in [2**e, 2**(e+1)) for min_exponent <= e < max_exponent, of the "
+            "gradient as the engine holds it (loss-scaled under fp16); smaller non-zero values are "
+            "counted in one 'below' bin. At least -126 (the smallest fp32/bf16 normal exponent)."))
+        max_exponent: int = Field(16, ge=-125, le=128, description=(
+            "One past the highest exponent bin; larger finite values are counted in one 'above' bin "
+            "(16 covers every finite fp16 value, 128 every fp32/bf16 one)."))
+        dtype: Literal["auto", "fp16", "bf16", "fp32", "fp64"] = Field("auto", description=(
+            "The training dtype the underflow counts refer to (|g| below its smallest normal, as held, "
+            "i.e. loss-scaled): auto = the dtype the engine's backward computes gradients in (DeepSpeed "
+            "fp16/bf16, FSDP MixedPrecision param_dtype, else the parameters' dtype). Set it under "
+            "torch.autocast, whose dtype distgrad cannot see."))
+
+        @model_validator(mode="after")
+        def _range(self) -> GradHistogramSignal.Config:
+            if self.max_exponent <= self.min_exponent:
+                raise SettingError("max_exponent", f"must be greater than min_exponent ({self.min_exponent})",
+                                   self.max_exponent)
+            return self
+
+    @dataclass
+    class Part(_Part):
+        """Distribution of the reduced gradient's values on one sampled step, per layer.
+
+        Bins are those of the gradient *as the engine holds it* (loss-scaled under fp16): exponent
+        bin ``k`` counts the elements with ``2**e <= |g_held| < 2**(e+1)``, ``e = min_exponent + k``.
+        The gradient itself is ``g_held / 2**scale_log2``, so the same bin holds the unscaled values
+        in ``[2**(e - scale_log2), 2**(e + 1 - scale_log2))``: integer exponents when the loss scale
+        is a power of two (DeepSpeed's and ``torch.amp.GradScaler``'s are), fractional ones
+        otherwise (the counts are exact either way; only the edges move). Every count is an exact
+        element count over all ranks (each element counted once). Lists are per layer, in the
+        order of :attr:`layers`.
+
+        Attributes:
+            dtype: the training dtype the underflow counts refer to (``"fp16"``, ``"bf16"``,
+                ``"fp32"``, ``"fp64"``; ``histogram.dtype``).
+            tiny: the smallest positive normal value of ``dtype`` (2**-14 for fp16, 2**-126 for
+                bf16 and fp32), in held (loss-scaled) units.
+            min_exponent, max_exponent: the exponent bins are ``min_exponent <= e < max_exponent``.
+            scale_log2: ``log2(grad_scale)`` of the step (0 without loss scaling).
+            layers: layer labels (:func:`distgrad.naming.grouping.group_keys` at ``"layer"``).
+            counts: ``[L][max_exponent - min_exponent]`` exponent-bin counts.
+            below: ``[L]`` elements with ``0 < |g_held| < 2**min_exponent``.
+            above: ``[L]`` finite elements with ``|g_held| >= 2**max_exponent``.
+            zeros: ``[L]`` elements exactly 0 (either sign).
+            underflow: ``[L]`` elements with ``0 < |g_held| < tiny``: subnormal in the training
+                dtype, or flushed to 0 had they been held in it (a subset of ``below`` and the
+                lowest exponent bins; zeros are not counted).
+            nonfinite: ``[L]`` NaN and +/-Inf elements.
+            numel: ``[L]`` elements (``zeros + below + sum(counts) + above + nonfinite``).
+        """
+
+        dtype: str
+        tiny: float
+        min_exponent: int
+        max_exponent: int
+        scale_log2: float = 0.0
+        layers: list[str] = field(default_factory=list)
+        counts: list[list[int]] = field(default_factory=list)
+        below: list[int] = field(default_factory=list)
+        above: list[int] = field(default_factory=list)
+        zeros: list[int] = field(default_factory=list)
+        underflow: list[int] = field(default_factory=list)
+        nonfinite: list[int] = field(default_factory=list)
+        numel: list[int] = field(default_factory=list)
+
+        def exponents(self) -> list[int]:
+            """The lower exponents ``e`` of the exponent bins (held units), length
+            ``max_exponent - min_exponent``."""
+            return list(range(self.min_exponent, self.max_exponent))
+
+        def log2_edges(self) -> np.ndarray:
+            """Edges of the exponent bins in log2 of the *unscaled* gradient: float64
+            ``[max_exponent - min_exponent + 1]``, ``e - scale_log2``."""
+            return np.arange(self.min_exponent, self.max_exponent + 1, dtype=np.float64) - self.scale_log2
+
+        def total(self) -> GradHistogramSignal.Part:
+            """The whole model: every list summed over the layers (one layer named ``"global"``)."""
+            def s(v: list[int]) -> list[int]:
+                return [int(sum(v))]
+            cols = [int(x) for x in np.asarray(self.counts, dtype=np.int64).reshape(len(self.layers), -1).sum(axis=0)] \
+                if self.layers else [0] * (self.max_exponent - self.min_exponent)
+            return type(self)(self.dtype, self.tiny, self.min_exponent, self.max_exponent, self.scale_log2, ["global"],
+                                 [cols], s(self.below), s(self.above), s(self.zeros), s(self.underflow),
+                                 s(self.nonfinite), s(self.numel))
+
+        def underflow_ratio(self) -> dict[str, float]:
+            """``{layer: underflow / numel}`` (NaN for a layer without elements), in [0, 1]."""
+            return {k: (u / n if n else math.nan) for k, u, n in zip(self.layers, self.underflow, self.numel)}
+
+        def zero_ratio(self) -> dict[str, float]:
+            """``{layer: zeros / numel}`` (NaN for a layer without elements), in [0, 1]."""
+            return {k: (z / n if n else math.nan) for k, z, n in zip(self.layers, self.zeros, self.numel)}
+
+    #: the record attribute (``StepRecord.grad_histogram``; the section is ``histogram``)
+    part_name = "grad_histogram"
+
+    _when = condition("histogram", "`histogram.enabled: true`, after a sampled step")
+    METRICS = (
+        gauge("distgrad_grad_underflow_ratio", "ratio", "Fraction of all gradient elements that are non-zero but "
+              "below the smallest normal value of the training dtype (as held, loss-scaled).", _when,
+              doc="`distgrad_layer_grad_underflow_ratio` over the whole model"),
+        gauge("distgrad_grad_zero_ratio", "ratio", "Fraction of all gradient elements exactly 0.", _when),
+        gauge("distgrad_layer_grad_underflow_ratio", "ratio", "Fraction of the layer's gradient elements that are "
+              "non-zero but below the smallest normal value of the training dtype (as held, loss-scaled).", _when,
+              ("layer",),
+              doc="fraction of the layer's gradient elements with `0 < |g| < tiny`, `tiny` the smallest normal value "
+                  "of the training dtype (`histogram.dtype`; 2^-14 for fp16, 2^-126 for bf16/fp32), compared with the "
+                  "gradient as held, i.e. loss-scaled under fp16: subnormal in that dtype, or lost to 0 (see "
+                  "docs/signals.md)"),
+    )
+
+    @staticmethod
+    def samples(part: GradHistogramSignal.Part) -> dict[str, Any]:
+        """The model's underflow and zero ratios (``"global"`` of :meth:`Part.total`) and the
+        underflow ratio per layer (NaN for a layer without elements, as the ratios give it)."""
+        total = part.total()
+        return {"distgrad_grad_underflow_ratio": total.underflow_ratio()["global"],
+                "distgrad_grad_zero_ratio": total.zero_ratio()["global"],
+                "distgrad_layer_grad_underflow_ratio": part.underflow_ratio()}
+
+    @classmethod
+    def build(cls, inst: Any) -> GradHistogramSignal | None:
+        """``histogram.enabled``: the signal for ``inst``'s parameters (``histogram.dtype``
+        ``auto``: the source's compute dtype), else None.
+
+        Raises:
+            ValueError: as the constructor.
+        """
+        cfg = inst.config.histogram
+        if not cfg.enabled:
+            return None
+        dtype = cfg.dtype
+        if dtype == "auto":
+            dtype = _NAMES.get(getattr(inst.source, "compute_dtype", torch.float32), "fp32")
+        return cls(inst.names, cfg.min_exponent, cfg.max_exponent, dtype, inst.config.naming.tuples)
 
     def __init__(self, names: Sequence[str], min_exponent: int, max_exponent: int, dtype: str,
                  rules: Any = None) -> None:
@@ -177,7 +328,7 @@ class GradHistogramSignal(PackedSignal):
     def finish(self, inst: Any, rec: Any, sum_part: np.ndarray, max_part: np.ndarray, grad_scale: float) -> None:
         rec.grad_histogram = self.decode(sum_part, grad_scale)
 
-    def decode(self, sum_part: np.ndarray, grad_scale: float) -> GradHistogram:
+    def decode(self, sum_part: np.ndarray, grad_scale: float) -> GradHistogramSignal.Part:
         """The record part from the reduced SUM part (float64 ``[L * (nb + 1)]``) and the step's
         ``grad_scale`` (> 0).
 
@@ -197,20 +348,13 @@ class GradHistogramSignal(PackedSignal):
         if self.et > self.lo:
             under = under + ebins[:, :min(self.et, self.hi) - self.lo].sum(axis=1)
         scale = float(grad_scale) if grad_scale else 1.0
-        return GradHistogram(
+        return GradHistogramSignal.Part(
             dtype=self.dtype, tiny=math.ldexp(1.0, self.et), min_exponent=self.lo, max_exponent=self.hi,
             scale_log2=math.log2(scale), layers=list(self.layers), counts=ebins.tolist(),
             below=(held_sub + u + b).tolist(), above=above.tolist(), zeros=zeros.tolist(),
             underflow=under.tolist(), nonfinite=nonfinite.tolist(), numel=numel.tolist())
 
 
-@register("grad_histogram")
-def _factory(inst: Any) -> GradHistogramSignal | None:
-    """``histogram.enabled``: the signal for ``inst``'s parameters, else None."""
-    cfg = inst.config.histogram
-    if not cfg.enabled:
-        return None
-    dtype = cfg.dtype
-    if dtype == "auto":
-        dtype = _NAMES.get(getattr(inst.source, "compute_dtype", torch.float32), "fp32")
-    return GradHistogramSignal(inst.names, cfg.min_exponent, cfg.max_exponent, dtype, inst.config.naming.tuples)
+
+#: the record part (``StepRecord.grad_histogram``), by its earlier name
+GradHistogram = GradHistogramSignal.Part
