@@ -207,7 +207,7 @@ class RunAnalyzer:
 
         # ---- spikes (both sources; which one is reported is decided in finish())
         for metric, v in (("grad_norm", gn), ("loss", loss if r.loss is not None else None)):
-            if self._det[metric].update(v):
+            if v is not None and self._det[metric].update(v):
                 self._n_spk_mad[metric] += 1
                 if len(self._spikes_mad) < MAX_MARKERS:
                     self._spikes_mad.append((step, metric, float(v)))

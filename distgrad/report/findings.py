@@ -113,6 +113,12 @@ class RunAnalysis:
     loss: LossReport | None = None  #: components, token losses, trend, per-rank attribution
     signals: SignalsReport | None = None  #: packed signals' series and findings (advice, not problems)
     grad_histogram: HistogramReport | None = None  #: log2|g| distribution (histogram.enabled runs)
+    #: malformed lines skipped by :func:`~distgrad.report.analysis.analyze` (0 from a bare
+    #: :class:`~distgrad.report.analysis.RunAnalyzer`), the first one's message, and how often the
+    #: step went back (several runs appended to one file)
+    bad_lines: int = 0
+    first_bad_line: str | None = None
+    restarts: int = 0
 
     @property
     def healthy(self) -> bool:

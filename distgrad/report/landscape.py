@@ -270,7 +270,7 @@ class Landscape:
         for p in self.params:
             n0 = p.shape[0] if len(p.shape) >= 2 else 0
             s = torch.zeros(n0, dtype=torch.float64)
-            if n0 and p.owned is not None and p.owned.numel():
+            if n0 and p.owned is not None and p.rows is not None and p.owned.numel():
                 s.index_add_(0, p.rows(), p.owned.detach().double().cpu().pow(2))
             sq.append(s)
         if self.sharded and sq:

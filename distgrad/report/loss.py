@@ -75,7 +75,7 @@ class LossAccumulator:
         step = int(r.step)
         c = r.loss_components
         if c is not None and c.names and not c.error:
-            if not self.components:
+            if self._mean is None or self._share is None:
                 self.components = list(c.names)
                 self._mean = Downsampler(len(c.names), 0, self.max_points)
                 self._share = Downsampler(len(c.names), 0, self.max_points)
@@ -145,8 +145,8 @@ def summary_lines(rep: LossReport) -> list[str]:
                    f"steps over {t['points']} sampled steps (window {t['window']}); "
                    + (f"plateau on {rep.plateau_steps} sampled step(s), first at step {rep.first_plateau}"
                       if rep.plateau_steps else "no plateau"))
-    if rep.components and rep.component_mean is not None:
-        cm, cs = rep.component_mean, rep.component_share
+    cm, cs = rep.component_mean, rep.component_share
+    if rep.components and cm is not None and cs is not None:
         out.append("loss components (last sampled step): " + ", ".join(
             f"{n} {_f(float(cm.last[-1, i]))} (share {_f(float(cs.last[-1, i]))})"
             for i, n in enumerate(rep.components)))
@@ -173,16 +173,20 @@ def summary_lines(rep: LossReport) -> list[str]:
 def render(rep: LossReport, subplots: Any) -> tuple[Any, str] | None:
     """A figure (component shares, token-loss histogram, perplexity and trend slope) and its
     caption, or None when the run has none of them. ``subplots`` makes an Agg figure."""
-    panels = [p for p, ok in (("comp", rep.component_share is not None), ("hist", rep.tokens > 0),
-                              ("ppl", rep.perplexity is not None), ("slope", rep.slope is not None)) if ok]
+    # each panel with its downsampled series (None for the histogram, drawn from rep's counts)
+    series: list[tuple[str, Downsampled | None]] = [
+        (p, d) for p, d, ok in (("comp", rep.component_share, rep.component_share is not None),
+                                ("hist", None, rep.tokens > 0), ("ppl", rep.perplexity, rep.perplexity is not None),
+                                ("slope", rep.slope, rep.slope is not None)) if ok]
+    panels = [p for p, _ in series]
     if not panels:
         return None
     fig, axes = subplots(len(panels), 1, figsize=(11, 2.8 * len(panels)), squeeze=False)
-    for ax, p in zip(axes[:, 0], panels):
+    for ax, (p, s) in zip(axes[:, 0], series):
         if p == "comp":
-            cs = rep.component_share
+            assert s is not None
             for i, n in enumerate(rep.components):
-                ax.plot(cs.x, cs.last[:, i], label=n)
+                ax.plot(s.x, s.last[:, i], label=n)
             ax.set_ylabel("share of loss")
             ax.legend(fontsize=8)
         elif p == "hist":
@@ -193,10 +197,11 @@ def render(rep: LossReport, subplots: Any) -> tuple[Any, str] | None:
             ax.set_ylabel("tokens")
             ax.set_xlabel("per-token loss (nats), whole run")
         elif p == "ppl":
-            ax.plot(rep.perplexity.x, rep.perplexity.last[:, 0], color="tab:orange")
+            assert s is not None
+            ax.plot(s.x, s.last[:, 0], color="tab:orange")
             ax.set_ylabel("perplexity")
         else:
-            s = rep.slope
+            assert s is not None
             ax.plot(s.x, s.last[:, 0], color="tab:green", label="slope per 1000 steps")
             ax.fill_between(s.x, s.last[:, 0] - 2 * s.last[:, 1], s.last[:, 0] + 2 * s.last[:, 1], color="tab:green",
                             alpha=0.2, label="+-2 standard errors")

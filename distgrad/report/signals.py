@@ -353,7 +353,7 @@ class SignalsAccumulator:
             return
         if self._excursion is None:
             lay = {k: _f(v) for k, v in dict(o.layer_update_rms).items()}
-            worst = max((k for k in lay if math.isfinite(lay[k])), key=lay.get, default=None)
+            worst = max((k for k in lay if math.isfinite(lay[k])), key=lay.__getitem__, default=None)
             self._excursion = [step, worst, float(rms), float(frac), lay.get(worst, math.nan), 1]
         else:
             self._excursion[5] += 1

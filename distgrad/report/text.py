@@ -53,9 +53,9 @@ def format_summary(a: RunAnalysis, top: int = 10) -> str:
     out.append(f"last step: {a.last_step}  loss {_fmt(a.last['loss'])}  grad norm {_fmt(a.last['grad_norm'])}"
                f"  loss scale {_fmt(a.last['loss_scale'])}")
     out.append("verdict: " + a.verdict())
-    if getattr(a, "bad_lines", 0):
+    if a.bad_lines:
         out.append(f"warning: skipped {a.bad_lines} malformed line(s); first: {a.first_bad_line}")
-    if getattr(a, "restarts", 0):
+    if a.restarts:
         out.append(f"warning: the optimizer step went back {a.restarts} time(s): several runs were "
                    "appended to this file; use one sinks.jsonl.path per run")
     out.append("")
@@ -68,10 +68,10 @@ def format_summary(a: RunAnalysis, top: int = 10) -> str:
     out += _table(("anomaly", "count", "first step"), rows)
     out.append(f"(spikes: {'from the records' if a.spikes_source == 'record' else 'rolling median/MAD rule'})")
     out.append("")
-    loss_lines = summary_lines(a.loss) if getattr(a, "loss", None) is not None else []
+    loss_lines = summary_lines(a.loss) if a.loss is not None else []
     if loss_lines:
         out += loss_lines + [""]
-    sig_lines = signal_lines(getattr(a, "signals", None))
+    sig_lines = signal_lines(a.signals)
     if sig_lines:
         out += sig_lines + [""]
     idx = worst_layers(a, top)
