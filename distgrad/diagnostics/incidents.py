@@ -202,7 +202,7 @@ class IncidentPolicy:
     def _drift_rule(self, step: int, loss: float, gn: float | None, opened: list[Incident]) -> None:
         c = self.cfg
         self._drift.append(loss)
-        if len(self._drift) < self._drift.maxlen:
+        if len(self._drift) < self.cfg.drift_window:
             return
         med = statistics.median(self._drift)
         if self._first_med is None:
@@ -225,8 +225,9 @@ class IncidentPolicy:
     # ---- bad batch on one rank ---------------------------------------------------------------
     def _bad_batch(self, step: int, loss: float | None, gn: float | None, rank_losses: list[float] | None,
                    comps: dict[str, float], opened: list[Incident]) -> None:
-        vals = [_finite(v) for v in (rank_losses or [])]
-        if len(vals) < 2 or any(v is None or v <= 0 for v in vals):
+        got = [_finite(v) for v in (rank_losses or [])]
+        vals = [v for v in got if v is not None and v > 0]
+        if len(vals) < 2 or len(vals) != len(got):  # a missing, non-finite or non-positive loss
             return
         top = max(range(len(vals)), key=lambda r: (vals[r], -r))
         others = statistics.median(v for r, v in enumerate(vals) if r != top)

@@ -63,18 +63,18 @@ class LossScaleCollapse:
             reference yet or ``loss_scale`` is not usable; ``inf`` for a scale of 0) and
             ``drop_factor >= factor``.
         """
-        usable = loss_scale is not None and math.isfinite(loss_scale) and loss_scale >= 0
-        if usable and applied and loss_scale > 0:
-            while self._applied and self._applied[-1][1] <= loss_scale:
+        ls = float(loss_scale) if loss_scale is not None and math.isfinite(loss_scale) and loss_scale >= 0 else None
+        if ls is not None and applied and ls > 0:
+            while self._applied and self._applied[-1][1] <= ls:
                 self._applied.pop()  # a monotone deque: the window max is at the left
-            self._applied.append((int(step), float(loss_scale)))
-            self._last_applied = float(loss_scale)
+            self._applied.append((int(step), ls))
+            self._last_applied = ls
         while self._applied and self._applied[0][0] <= step - self.window:
             self._applied.popleft()
         ref = self._applied[0][1] if self._applied else self._last_applied
-        if not usable or ref is None:
+        if ls is None or ref is None:
             return None, False
-        drop = math.inf if loss_scale == 0 else max(1.0, ref / loss_scale)
+        drop = math.inf if ls == 0 else max(1.0, ref / ls)
         return drop, drop >= self.factor
 
     def state_dict(self) -> dict[str, Any]:

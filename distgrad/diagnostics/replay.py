@@ -255,11 +255,10 @@ class ForwardReplay:
         if self._in_streak:
             return  # only the first step of a non-finite streak
         self._in_streak = True
-        for outcome, why in (("off", self.budget == 0), ("budget", self.replays >= self.budget),
-                             (self.impossible, self.impossible is not None)):
-            if why:
-                self.result = CulpritModule(step, outcome)
-                return
+        why_not = "off" if self.budget == 0 else "budget" if self.replays >= self.budget else self.impossible
+        if why_not is not None:
+            self.result = CulpritModule(step, why_not)
+            return
         self.replays += 1
         if self.sharded and not self._even(len(kept)):
             self.result = CulpritModule(step, "uneven_micro_batches")
@@ -274,7 +273,7 @@ class ForwardReplay:
                 row = (_FAILED, -1, -1)
         gathered = self._gather(row)
         outcome, rank, idx, mb = decide(gathered, culprits)
-        if outcome == "found":
+        if outcome == "found" and idx is not None:  # decide() names the module of a "found"
             self.result = CulpritModule(step, outcome, rank, self.modules[idx], mb)
         else:
             self.result = CulpritModule(step, outcome, rank)
@@ -412,20 +411,15 @@ def _reshard(root: nn.Module) -> None:
     copies. FSDP2: the public ``FSDPModule.reshard()``. FSDP1 has no public equivalent: what its
     post-backward callback does (``_runtime_utils._reshard`` with ``_should_free_in_backward``,
     torch 2.4-2.13)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        FSDPModule = ()  # type: ignore[assignment]
+    # FSDP2's FSDPModule is in every torch the package supports (pyproject.toml: 2.13)
+    from torch.distributed.fsdp import FSDPModule, _runtime_utils
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
-    fsdp1 = None
     for m in root.modules():
-        if FSDPModule and isinstance(m, FSDPModule):
+        if isinstance(m, FSDPModule):
             m.reshard()
-        elif isinstance(m, FSDP1) and getattr(m, "_handle", None) is not None:
-            if fsdp1 is None:
-                from torch.distributed.fsdp import _runtime_utils as fsdp1
-            fsdp1._reshard(m, m._handle, fsdp1._should_free_in_backward(m, m._handle))
+        elif isinstance(m, FSDP1) and (handle := getattr(m, "_handle", None)) is not None:
+            _runtime_utils._reshard(m, handle, _runtime_utils._should_free_in_backward(m, handle))
 
 
 class _autocast:

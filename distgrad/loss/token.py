@@ -155,7 +155,7 @@ class TokenLoss:
         block = block[:S]
         mx = (torch.where(keep, x, torch.full_like(x, -math.inf)).max() if n
               else torch.full((), -math.inf, dtype=torch.float64, device=dev))
-        if self.block is None:
+        if self.block is None or self.max is None:  # both None or both set
             self.block, self.max = block, mx
         else:
             self.block = self.block + block.to(self.block.device)
@@ -164,7 +164,7 @@ class TokenLoss:
     def take(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's ``(sum_part [sum_size], max_part [1])`` for the collectives, then start
         over (zeros and -inf when nothing was added)."""
-        if self.block is None:
+        if self.block is None or self.max is None:  # both None or both set
             s = torch.zeros(self.sum_size, dtype=torch.float64, device=device)
             m = torch.full((1,), -math.inf, dtype=torch.float64, device=device)
         else:

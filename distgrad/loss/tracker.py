@@ -108,7 +108,7 @@ class LossTracker:
         or 1-D integer tensor; kept by reference, read only for a spike report)."""
         s = self.cur
         micro = s.count
-        if s.sum is None:
+        if s.sum is None or s.max is None or s.argmax is None:  # all None or all set
             s.sum, s.max = t, t
             s.argmax = torch.zeros((), dtype=torch.float64, device=t.device)
         else:
@@ -169,7 +169,7 @@ class LossTracker:
         the step or failed; its components and token losses are dropped)."""
         out = torch.zeros((self.world_size, len(RANK_LOSS_COLS)), dtype=torch.float64, device=device)
         if s is not None:
-            if s.sum is not None and s.count:
+            if s.sum is not None and s.max is not None and s.argmax is not None and s.count:
                 total = s.sum.to(device)
                 out[rank, 0] = total
                 out[rank, 1] = float(s.count if reduction == "mean" else 1)

@@ -90,6 +90,7 @@ def stats_table(pieces: Sequence[torch.Tensor | None], device: torch.device) -> 
             kernel = "eager"
     rows: list[torch.Tensor | None] = [None] * P
     native_idx: list[int] = []
+    native_in: list[torch.Tensor] = []
     fn = None
     if kernel in ("auto", "native") and any(
             p is not None and p.device.type == "cpu" and p.dtype in _NATIVE_DTYPES for p in pieces):
@@ -99,7 +100,8 @@ def stats_table(pieces: Sequence[torch.Tensor | None], device: torch.device) -> 
             continue
         if fn is not None and p.device.type == "cpu" and p.dtype in _NATIVE_DTYPES and p.is_contiguous():
             native_idx.append(i)
-    native = _call_native(fn, [pieces[i] for i in native_idx]) if native_idx else None
+            native_in.append(p)
+    native = _call_native(fn, native_in) if native_idx else None
     _count("native", len(native_idx))
     if native is not None and len(native_idx) == P:
         return native.to(device)
@@ -120,9 +122,10 @@ def stats_table(pieces: Sequence[torch.Tensor | None], device: torch.device) -> 
     if native is not None:
         for j, i in enumerate(native_idx):
             rows[i] = native[j]
-    if not rows:
+    done_rows = [r for r in rows if r is not None]  # all P of them: every row is filled above
+    if not done_rows:
         return torch.zeros((0, len(SUM_COLS) + len(MAX_COLS)), dtype=torch.float64, device=device)
-    return torch.stack([r.to(device) for r in rows])
+    return torch.stack([r.to(device) for r in done_rows])
 
 
 def _triton_table(pieces: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor | None:
