@@ -42,6 +42,12 @@ def is_deepspeed_engine(obj: object) -> bool:
     return isinstance(cls, type) and isinstance(obj, cls)
 
 
+
+def _ds_numel(p: torch.nn.Parameter) -> int:
+    """ZeRO-3's element count of the full parameter ``p``: DeepSpeed sets ``ds_numel`` on the
+    parameters it partitions (whose own ``numel()`` is then 0); torch's type does not declare it."""
+    return int(p.ds_numel)  # type: ignore[attr-defined]
+
 class DeepSpeedSource(GradSource):
     """Reads the post-reduction local gradient pieces of a ``deepspeed.DeepSpeedEngine``.
 
@@ -88,7 +94,9 @@ class DeepSpeedSource(GradSource):
             self.grad_dtype = self.compute_dtype = torch.bfloat16
         else:
             self.grad_dtype = self.compute_dtype = torch.float32
-        self.rank = engine.global_rank if self.zero_stage == 3 else None
+        # ZeRO-3 partitions each parameter over the optimizer's data-parallel group: this rank's
+        # index in it and its size (unused, 0 and 1, under the other stages)
+        self.rank, self.world = 0, 1
         if self.zero_stage == 3:
             import torch.distributed as dist
 
@@ -179,7 +187,7 @@ class DeepSpeedSource(GradSource):
                 out.append(None)
                 continue
             w = w.detach().reshape(-1)
-            keep = max(0, min(w.numel(), int(p.ds_numel) - self.rank * w.numel()))
+            keep = max(0, min(w.numel(), _ds_numel(p) - self.rank * w.numel()))
             out.append(w.narrow(0, 0, keep))
         return out
 
@@ -209,7 +217,7 @@ class DeepSpeedSource(GradSource):
             for p in self._params:
                 g, offset, numel = zopt.grad_position[zopt.get_param_id(p)]
                 key = zopt.fp32_partitioned_groups_flat[g]
-                keep = max(0, min(int(numel), int(p.ds_numel) - self.rank * int(numel)))
+                keep = max(0, min(int(numel), _ds_numel(p) - self.rank * int(numel)))
                 # the inner optimizer's groups hold the flat only during its step
                 grp = inner.param_groups[zopt.sub_group_to_group_id[g]]
                 out.append(None if keep == 0 else
@@ -237,7 +245,8 @@ class DeepSpeedSource(GradSource):
         mapping = getattr(p, "_hp_mapping", None)
         if mapping is None:
             return None
-        frag = mapping.get_lp_grad_fragment(p._index_in_param_group)
+        # set by DeepSpeed's ZeRO-1/2 optimizer on its parameters; torch's type does not declare it
+        frag = mapping.get_lp_grad_fragment(p._index_in_param_group)  # type: ignore[attr-defined]
         if frag is None:
             return None
         flat = frag.reshape(-1)
@@ -254,7 +263,7 @@ class DeepSpeedSource(GradSource):
             return None
         g = g.reshape(-1)
         part = g.numel()
-        keep = max(0, min(part, int(p.ds_numel) - self.rank * part))
+        keep = max(0, min(part, _ds_numel(p) - self.rank * part))
         return g.narrow(0, 0, keep)
 
     # ------------------------------------------------------------------------------------

@@ -117,7 +117,9 @@ class FSDP1Source(TorchSource):
             self.grad_dtype = mp.param_dtype
         self.compute_dtype = (mp.param_dtype if mp is not None and mp.param_dtype is not None
                               else _first_float_dtype(ref))
-        self._device = _comm_device(self.group, units[0].compute_device)
+        # set by FSDP's initialisation (None only before it): the fallback is never taken on a wrapped model
+        dev = units[0].compute_device
+        self._device = _comm_device(self.group, dev if dev is not None else torch.device("cpu"))
 
     def ownership(self, rank: int, world: int) -> Ownership:
         """Hybrid sharding: of its shard, held identically by the ranks of its replica group
@@ -190,19 +192,23 @@ class FSDP1Source(TorchSource):
         self._exclude_unmanaged(skipped, "not reduced by FSDP (ignored_modules?)")
 
     def _init_flat(self, root: nn.Module) -> None:
+        # isinstance(t, FlatParameter) is FSDP's own test of the ``_is_flat_param`` flag
+        from torch.distributed.fsdp._flat_param import FlatParameter
+
         order = {id(m): i for i, m in enumerate(root.modules())}
         rows, skipped = [], []
         for pname, fp in root.named_parameters():
             if not fp.requires_grad:
                 continue
-            if not getattr(fp, "_is_flat_param", False):
+            if not isinstance(fp, FlatParameter):
                 skipped.append(clean_name(pname, strip_module=False))
                 continue
             prefix = pname[: -len("_flat_param")] if pname.endswith("_flat_param") else ""
             _check_flat_layout(fp, prefix.rstrip("."))
             for i, (fqn, numel, info, pinfo) in enumerate(
                     zip(fp._fqns, fp._numels, fp._shard_param_infos, fp._param_infos)):
-                where = (fp, int(info.offset_in_shard), int(info.numel_in_shard)) if info.in_shard else None
+                off, cnt = info.offset_in_shard, info.numel_in_shard  # both set when in_shard
+                where = (fp, int(off), int(cnt)) if info.in_shard and off is not None and cnt is not None else None
                 key = (order.get(id(pinfo.module), len(order)), i)
                 rows.append((key, clean_name(prefix + fqn, strip_module=False), int(numel), where,
                              _intra(info, int(numel), self.replicated)))

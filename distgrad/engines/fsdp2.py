@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -18,6 +18,9 @@ from distgrad.engines.torch_base import (
     is_fsdp2,
 )
 from distgrad.naming.canonical import clean_name
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 class FSDP2Source(TorchSource):
@@ -48,7 +51,7 @@ class FSDP2Source(TorchSource):
         root = _unwrap_compiled(model)
         if not is_fsdp2(root):
             raise TypeError(f"no fully_shard module in {type(model).__name__}")
-        self._params: list[torch.Tensor] = []
+        self._params: list[DTensor] = []
         self.names, self.numels, skipped = [], [], []
         for name, p in root.named_parameters():
             if not p.requires_grad:
@@ -114,12 +117,13 @@ class FSDP2Source(TorchSource):
         from torch.distributed.tensor import Shard
 
         out: list[tuple[int, int] | None] = []
-        coord = list(self.mesh.get_coordinate() or []) if self.mesh is not None else []
+        mesh = self.mesh  # None only without parameters
+        coord = list(mesh.get_coordinate() or []) if mesh is not None else []
         for p, n, pls in zip(self._params, self.numels, self._placements):
             shard = [d for d, pl in enumerate(pls) if not pl.is_replicate()]
             if len(shard) > 1 or any(type(pls[d]) is not Shard or pls[d].dim != 0 for d in shard):
                 raise NotImplementedError(f"local_offsets: placements {pls} are not contiguous blocks")
-            rank, world = (coord[shard[0]], self.mesh.size(shard[0])) if shard else (0, 1)
+            rank, world = (coord[shard[0]], mesh.size(shard[0])) if shard and mesh is not None else (0, 1)
             d0 = p.shape[0] if p.dim() else 1
             row = n // d0 if d0 else 0
             c = -(-d0 // world)
@@ -133,13 +137,13 @@ class FSDP2Source(TorchSource):
 
     def local_param_pieces(self) -> Sequence[torch.Tensor | None]:
         """This rank's chunk of each sharded parameter, ``p.to_local()`` flattened."""
-        return [p.detach().to_local().reshape(-1) for p in self._params]
+        return [p.to_local().detach().reshape(-1) for p in self._params]
 
     def local_pieces(self) -> Sequence[torch.Tensor | None]:
         """P 1-D views of ``p.grad.to_local()``: this rank's rows of the dim-0 sharded reduced
         gradient (possibly empty), None without gradient. dtype: the sharded parameter's (fp32
         under ``MixedPrecisionPolicy(param_dtype=bf16)``; measured, pinned by the tests)."""
-        pieces = [p.grad.to_local().reshape(-1) if p.grad is not None else None for p in self._params]
+        pieces = [_local_flat(p.grad) if p.grad is not None else None for p in self._params]
         self._note_dtype(pieces)
         return pieces
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
 from distgrad.core.step import StepOutcome, StepToken
 from distgrad.engines.torch_base import TorchSource, _unwrap_compiled
+
+if TYPE_CHECKING:
+    from distgrad.engines.guards import GradSignature
 
 log = logging.getLogger("distgrad")
 
@@ -71,8 +74,8 @@ class OptimizerBoundary:
         self.refusals = Refusals()
         self._opt_ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self._clipped = False
-        self._last_sig = None
-        self._pending: tuple | None = None  # (StepToken, grad_scale, fused_overflow)
+        self._last_sig: GradSignature | None = None
+        self._pending: tuple[StepToken, float, bool | None] | None = None  # (StepToken, grad_scale, fused_overflow)
         self._in_scaler = False
         self._fired = False
         self._in_step = False  # the step pre-hook of the current optimizer step has run
@@ -82,7 +85,7 @@ class OptimizerBoundary:
                          optimizer.register_step_post_hook(self._post),
                          model.register_forward_pre_hook(self._forward_pre),
                          model.register_forward_hook(self._forward)]
-        self._scaler_step: Callable | None = None
+        self._scaler_step: Callable[..., Any] | None = None
         self._scaler_own_step = scaler is not None and "step" in vars(scaler)
         if scaler is not None:
             self._scaler_step = scaler.step
@@ -222,7 +225,10 @@ class OptimizerBoundary:
             return 1.0
 
     def _end(self, overflow: bool | None, applied: bool, loss_scale: float | None) -> None:
-        token, gscale, _ = self._pending
+        pending = self._pending
+        if pending is None:  # nothing read this step ("external" and the integration did not read): count it
+            pending = (StepToken(self.step, False, None), 1.0, None)
+        token, gscale, _ = pending
         self._pending = None
         self._clipped = False
         if self._skip:
@@ -246,12 +252,13 @@ class OptimizerBoundary:
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._in_scaler:
             return
-        if self._pending is None:  # "external" and the integration did not read: count the step
-            self._pending = (StepToken(self.step, False, None), 1.0, None)
-        self._end(None, True, None)
+        self._end(None, True, None)  # "external" and the integration did not read: counted by _end
 
     def _wrapped_scaler_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         step_fn = self._scaler_step
+        if step_fn is None:  # remove() restored scaler.step: only a reference taken before it gets here
+            raise RuntimeError("distgrad: the GradScaler.step wrapper was called after the instrument was closed; "
+                               "call scaler.step")
         if optimizer is not self.optimizer or not self.scaler.is_enabled() or self._in_scaler:
             return step_fn(optimizer, *args, **kwargs)
         loss_scale = None

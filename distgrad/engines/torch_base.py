@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from distgrad.engines.base import GradSource
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 log = logging.getLogger("distgrad")
 
@@ -33,7 +36,7 @@ def _unwrap_compiled(model: Any) -> Any:
     return model
 
 
-def _fsdp2_module_type() -> type | None:
+def _fsdp2_module_type() -> type[FSDPModule] | None:
     try:
         from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
     except ImportError:
