@@ -24,7 +24,7 @@ from distgrad.record.action import ActionPart
 from distgrad.record import Culprit, LossComponents, ParamStats, RankCount, ScalerState, StepRecord, TokenLossStats
 from distgrad.signals.histogram import GradHistogram
 from distgrad.record.culprit import CulpritModule
-from distgrad.record.optimizer import OptimizerSignals
+from distgrad.signals.adam import OptimizerSignals
 from distgrad.record.logits import LogitStats
 from distgrad.signals.duplicate_data import DuplicateDataSignal
 from distgrad.signals.weight_hash import WeightHash

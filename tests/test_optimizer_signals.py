@@ -17,7 +17,7 @@ import torch.nn as nn
 import distgrad
 from distgrad.config import ConfigError
 from distgrad.naming.grouping import group_keys
-from distgrad.export.prometheus import _PART_GAUGES
+from distgrad.signals.adam import AdamSignal
 
 
 def reference(grads: dict, state: dict, group: dict, theta: float, keys: dict, clip: float | None = None) -> dict:
@@ -128,7 +128,7 @@ def test_adamw_signals_match_float64(async_records, clip, kernel, monkeypatch):
         assert o.elements_without_state == 0
         # the clip scales these steps (c < 0.9): the pre-clip count is kept in JSONL only; the
         # spike fraction proper is NaN (not the applied update's) and not served to Prometheus
-        served = _PART_GAUGES["distgrad_adam_spike_fraction"](by_step[step])
+        served = AdamSignal.samples(o)["distgrad_adam_spike_fraction"]  # what the Prometheus sink serves
         if clip is not None:
             assert math.isnan(o.spike_fraction) and o.layer_spike_fraction == {} and served is None
         else:

@@ -386,7 +386,7 @@ def test_adam_findings_from_real_runs(tmp_path):
 
 
 def adam_record(step: int, rms: float, frac: float):
-    from distgrad.record.optimizer import OptimizerSignals
+    from distgrad.signals.adam import OptimizerSignals
 
     return SimpleNamespace(step=step, optimizer_signals=OptimizerSignals(
         update_rms=rms, spike_fraction=frac, layer_update_rms={"a": rms, "b": 1.0}, layer_spike_fraction={"a": frac},

@@ -38,7 +38,6 @@ from distgrad.config.sections import (
     LossScaleConfig,
     NamingConfig,
     NamingRule,
-    OptimizerSignalsConfig,
     SamplingConfig,
     Section,
     SinksConfig,
@@ -144,8 +143,6 @@ class DistgradConfig(BaseModel):
     loss: LossConfig = Field(default_factory=LossConfig, description=LossConfig.__doc__)
     action: ActionConfig = Field(default_factory=ActionConfig, description=ActionConfig.__doc__)
     logits: LogitsConfig = Field(default_factory=LogitsConfig, description=LogitsConfig.__doc__)
-    optimizer_signals: OptimizerSignalsConfig = Field(default_factory=OptimizerSignalsConfig,
-                                                      description=OptimizerSignalsConfig.__doc__)
 
     def __init__(self, **data: Any) -> None:
         self._validate_into(_normalise(data) if data else {})
@@ -252,7 +249,7 @@ __all__ = [
     "SinksConfig", "JsonlConfig", "TensorBoardConfig", "NamingConfig", "NamingRule", "LossConfig",
     "LogitsConfig",
     "ActionConfig",
-    "OptimizerSignalsConfig", "IncidentsConfig",
+    "IncidentsConfig",
 ]
 
 # plug-in sections (a signal's nested Config): those registered so far, and every later one

@@ -469,24 +469,6 @@ class NamingConfig(Section):
         return tuple(r.as_tuple() for r in self.rules)
 
 
-class OptimizerSignalsConfig(Section):
-    """Optimizer-aware signals of Adam-family optimizers (distgrad.signals.adam): update RMS,
-    second-moment spike fraction, moment norms, diagonal Fisher trace, gradient-momentum cosine."""
-
-    section_key: ClassVar[str] = "optimizer_signals"
-    enabled: Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)] = Field("auto", description=(
-        "auto: on when the optimizer is Adam or AdamW (torch.optim, DeepSpeed FusedAdam / DeepSpeedCPUAdam) "
-        "and its state can be located next to the gradient shards, else off with one warning naming why. "
-        "on: the same, but a configuration it cannot serve raises at instrument(). off: not computed. "
-        "Costs one read of exp_avg and exp_avg_sq per sampled step (docs/signals.md)."))
-    spike_threshold: float = Field(50.0, gt=0, description=(
-        "theta: an element is a second-moment spike when g^2 > theta * max(v_hat, eps^2), v_hat being "
-        "Adam's bias-corrected second moment before this step (its gradient is theta**0.5 standard "
-        "deviations beyond what the optimizer expects; Wortsman et al. 2023, SPAM 2025)."))
-    top_layers: int = Field(5, ge=1, description=(
-        "Layers named in the record's fisher_top_layers (largest diagonal Fisher trace first)."))
-
-
 #: the sections of DistgradConfig, in the order of the generated files
 SECTIONS: dict[str, type[Section]] = {
     "sampling": SamplingConfig, "exporter": ExporterConfig, "statistics": StatisticsConfig,
@@ -496,7 +478,6 @@ SECTIONS: dict[str, type[Section]] = {
     "naming": NamingConfig, "loss": LossConfig,
     "action": ActionConfig,
     "logits": LogitsConfig,
-    "optimizer_signals": OptimizerSignalsConfig,
 }
 
 #: the sections declared by plug-ins (a signal's nested ``Config``, see :mod:`distgrad.signals`),

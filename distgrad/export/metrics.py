@@ -111,8 +111,6 @@ CONDITIONS: dict[str, str] = {
               "`instrument()` on, at 0 for each cause; the gauge after the first sampled step",
     "logits": "`logits.attention: true` (attention series) / `logits.output: true` (output series), after a "
               "sampled step whose forward passes were observed on every rank (see docs/signals.md)",
-    "adam": "an Adam-family optimizer (`optimizer_signals.enabled: auto`, the default), after a sampled step "
-            "from the second optimizer step on (no moment exists before the first)",
     "incident": "after the detection policy opened an incident of that kind (`incidents.enabled`, the default); "
                 "`distgrad_incident_rank` only for incidents that name a rank (`bad_batch`), "
                 "`distgrad_incident_component` only for incidents that name a loss component",
@@ -351,32 +349,11 @@ CATALOGUE: tuple[Metric, ...] = (
     _g("distgrad_param_grad_headroom_ratio", "ratio", "max |g| over the largest finite value of the training dtype.",
        "per_param", _P, doc="abs max / largest finite value of the training dtype (1 = overflow)"),
     _g("distgrad_param_update_ratio", "ratio", "||dw|| / ||w|| of the last applied step.", "update_ratio", _P),
-    # --- optimizer-aware signals (Adam family; distgrad/signals/adam.py, docs/signals.md) -----------
-    _g("distgrad_update_rms", "1", "sqrt(mean(g^2 / max(v_hat, eps^2))) over the model: the RMS of Adam's update "
-       "with the second moment before this step.", "adam",
-       doc="`sqrt(mean(g^2 / max(v_hat, eps^2)))` over every element: `g` the reduced, unscaled, pre-clip gradient, "
-           "`v_hat` Adam's bias-corrected `exp_avg_sq` before this step's update (~1 when the second moment "
-           "tracks the gradient, well above 1 when the gradient outgrows it: an early warning of loss spikes, "
-           "Wortsman et al. 2023; see docs/signals.md)"),
-    _g("distgrad_adam_spike_fraction", "ratio", "Fraction of gradient elements with g^2 > theta * max(v_hat, eps^2) "
-       "(theta: optimizer_signals.spike_threshold); no sample on a step the gradient clip scales (c < 0.99).",
-       "adam"),
-    _g("distgrad_grad_momentum_cosine", "1", "Cosine between the gradient and Adam's first moment (exp_avg) before "
-       "the step.", "adam"),
-    _g("distgrad_optimizer_moment_norm", "grad", "L2 norm of an Adam state over the model (exp_avg in the gradient's "
-       "unit, exp_avg_sq in its square).", "adam", ("moment",)),
-    _g("distgrad_fisher_trace", "grad^2", "sum(v_hat): trace of the diagonal empirical Fisher estimate Adam keeps "
-       "(gradient unit squared).", "adam",
-       doc="`sum(v_hat)` over the model: trace of the diagonal empirical Fisher estimate of the mini-batch gradient "
-           "that Adam's second moment is (gradient unit squared); the top layers are in the JSONL record"),
     # --- per layer / module kind ------------------------------------------------------------
     _g("distgrad_layer_grad_norm", "grad", "Root-sum-square of the layer's parameter grad norms.", labels=("layer",)),
     _g("distgrad_layer_grad_nonfinite", "elements", "NaN+Inf gradient elements in the layer.", labels=("layer",)),
     _g("distgrad_layer_grad_zero_ratio", "ratio", "Fraction of exact-zero elements in the layer.", labels=("layer",)),
     _g("distgrad_layer_grad_headroom_ratio", "ratio", "Max headroom ratio over the layer.", labels=("layer",)),
-    _g("distgrad_layer_update_rms", "1", "distgrad_update_rms over the layer's elements.", "adam", ("layer",)),
-    _g("distgrad_layer_adam_spike_fraction", "ratio", "distgrad_adam_spike_fraction over the layer's elements.",
-       "adam", ("layer",)),
     _g("distgrad_module_kind_grad_norm", "grad", "Root-sum-square grad norm over all parameters of a module kind.",
        labels=("module_kind",)),
     # --- non-finite events ----------------------------------------------------------------------

@@ -34,7 +34,6 @@ from distgrad.export.base import Sink
 from distgrad.export.exporter import ExporterProcess, PageCache
 from distgrad.record import StepRecord
 from distgrad.record.incidents import KINDS
-from distgrad.signals.adam import SPIKE_CLIP_MIN
 
 log = logging.getLogger("distgrad")
 
@@ -81,13 +80,6 @@ _PART_GAUGES: dict[str, Callable[[StepRecord], Any]] = {
     "distgrad_output_logsumexp_mean": lambda r: r.logits.z_mean if r.logits else None,
     "distgrad_output_logsumexp_sq_mean": lambda r: r.logits.z_sq_mean if r.logits else None,
     "distgrad_output_logsumexp_max": lambda r: r.logits.z_max if r.logits else None,
-    "distgrad_update_rms": lambda r: r.optimizer_signals.update_rms if r.optimizer_signals else None,
-    # absent (no sample) on a step the clip scales: the fraction is not the applied update's
-    "distgrad_adam_spike_fraction": lambda r: (r.optimizer_signals.spike_fraction if r.optimizer_signals
-                                               and r.optimizer_signals.clip_ratio >= SPIKE_CLIP_MIN else None),
-    "distgrad_grad_momentum_cosine": lambda r: (r.optimizer_signals.grad_momentum_cosine
-                                                if r.optimizer_signals else None),
-    "distgrad_fisher_trace": lambda r: r.optimizer_signals.fisher_trace if r.optimizer_signals else None,
 }
 #: ``{label value: number}`` dicts of the record's typed parts with one label
 _PART_MAPS: dict[str, Callable[[StepRecord], Any]] = {
@@ -96,12 +88,6 @@ _PART_MAPS: dict[str, Callable[[StepRecord], Any]] = {
     "distgrad_layer_grad_zero_ratio": lambda r: r.aggregates.layer_zero_ratio if r.aggregates else None,
     "distgrad_layer_grad_headroom_ratio": lambda r: r.aggregates.layer_headroom if r.aggregates else None,
     "distgrad_layer_attention_logit_max": lambda r: r.logits.attention_max if r.logits else None,
-    "distgrad_layer_update_rms": lambda r: r.optimizer_signals.layer_update_rms if r.optimizer_signals else None,
-    "distgrad_layer_adam_spike_fraction": lambda r: (r.optimizer_signals.layer_spike_fraction
-                                                     if r.optimizer_signals else None),
-    "distgrad_optimizer_moment_norm": lambda r: ({"exp_avg": r.optimizer_signals.exp_avg_norm,
-                                                  "exp_avg_sq": r.optimizer_signals.exp_avg_sq_norm}
-                                                 if r.optimizer_signals else None),
     "distgrad_module_kind_grad_norm": lambda r: r.aggregates.module_kind_norm if r.aggregates else None,
     "distgrad_grad_norm_zscore": lambda r: r.spikes.zscore.get("grad_norm") if r.spikes else None,
     "distgrad_loss_zscore": lambda r: r.spikes.zscore.get("loss") if r.spikes else None,

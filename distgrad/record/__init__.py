@@ -420,8 +420,6 @@ class StepRecord:
         culprit_module: the first step of a non-finite streak replayed: the module whose forward
             output first went NaN/Inf on the culprit rank, or why none is named
             (:class:`~distgrad.record.culprit.CulpritModule`, :mod:`distgrad.diagnostics.replay`).
-        optimizer_signals: Adam-family signals (:class:`~distgrad.record.optimizer.OptimizerSignals`),
-            None when off, on the first optimizer step (no moment yet) and on overflow steps.
         incidents: the detection policy's state (:class:`~distgrad.record.incidents.Incidents`: incidents
             opened so far, the one opened on this step), None when ``incidents.enabled`` is false.
         logits: the logit precursors (:class:`~distgrad.record.logits.LogitStats`, :mod:`distgrad.signals.logits`),
@@ -430,7 +428,9 @@ class StepRecord:
     The parts declared by plug-ins (a packed signal's or a diagnostic's nested ``Part``,
     :mod:`distgrad.config.contract`; :data:`~distgrad.record.base.PLUGIN_PARTS`) are attributes
     too, None when unset: ``grad_histogram`` (the per-layer distribution of gradient values,
-    :mod:`distgrad.signals.histogram`), ``noise_scale`` (:mod:`distgrad.signals.noise_scale`), ``curvature``
+    :mod:`distgrad.signals.histogram`), ``optimizer_signals`` (Adam-family signals,
+    :mod:`distgrad.signals.adam`; None when off, on the first optimizer step and on overflow
+    steps), ``noise_scale`` (:mod:`distgrad.signals.noise_scale`), ``curvature``
     (:mod:`distgrad.signals.curvature`), ``duplicate_data`` and ``replica_weights``
     (:mod:`distgrad.signals.duplicate_data`, :mod:`distgrad.signals.weight_hash`).
     """
@@ -471,7 +471,6 @@ class StepRecord:
     loss_trend: LossTrend | None = None
     action: ActionPart | None = None
     culprit_module: CulpritModule | None = None
-    optimizer_signals: OptimizerSignals | None = None
     incidents: Incidents | None = None
     logits: LogitStats | None = None
 
@@ -531,4 +530,3 @@ from distgrad.record.culprit import CulpritModule  # noqa: E402,F401
 from distgrad.record.incidents import Incidents  # noqa: E402,F401
 from distgrad.record.logits import LogitStats  # noqa: E402,F401
 from distgrad.record.loss import LossComponents, LossTrend, RankStats, TokenLossStats  # noqa: E402,F401
-from distgrad.record.optimizer import OptimizerSignals  # noqa: E402,F401

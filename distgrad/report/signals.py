@@ -10,7 +10,7 @@ Signals read from the records (a signal absent from every record is simply not r
   and the two moving averages it is the ratio of.
 * ``curvature`` (:class:`distgrad.signals.curvature.Curvature.Part`): curvature along the last update,
   global and per layer.
-* ``optimizer_signals`` (:class:`~distgrad.record.optimizer.OptimizerSignals`): Adam's update
+* ``optimizer_signals`` (:class:`~distgrad.signals.adam.AdamSignal.Part`): Adam's update
   RMS, spike fraction, gradient-momentum cosine, moment norms and diagonal Fisher trace, global
   and per layer.
 * ``logits`` (:class:`~distgrad.record.logits.LogitStats`): the maximum attention logit (over

@@ -47,12 +47,19 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 import torch
+from pydantic import BeforeValidator, Field
 
-from distgrad.signals import PackedSignal, adam_native, register
+from distgrad.config.errors import ConfigError
+from distgrad.config.sections import Section, _on_off
+from distgrad.export.metrics import condition, gauge
+from distgrad.naming.grouping import group_keys
+from distgrad.record.base import _Part
+from distgrad.signals import PackedSignal, adam_native
 
 log = logging.getLogger("distgrad")
 
@@ -134,6 +141,143 @@ class AdamSignal(PackedSignal):
     """
 
     name = "optimizer_signals"
+
+    class Config(Section):
+        """Optimizer-aware signals of Adam-family optimizers (distgrad.signals.adam): update RMS,
+        second-moment spike fraction, moment norms, diagonal Fisher trace, gradient-momentum cosine."""
+
+        section_key: ClassVar[str] = "optimizer_signals"
+        enabled: Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)] = Field("auto", description=(
+            "auto: on when the optimizer is Adam or AdamW (torch.optim, DeepSpeed FusedAdam / DeepSpeedCPUAdam) "
+            "and its state can be located next to the gradient shards, else off with one warning naming why. "
+            "on: the same, but a configuration it cannot serve raises at instrument(). off: not computed. "
+            "Costs one read of exp_avg and exp_avg_sq per sampled step (docs/signals.md)."))
+        spike_threshold: float = Field(50.0, gt=0, description=(
+            "theta: an element is a second-moment spike when g^2 > theta * max(v_hat, eps^2), v_hat being "
+            "Adam's bias-corrected second moment before this step (its gradient is theta**0.5 standard "
+            "deviations beyond what the optimizer expects; Wortsman et al. 2023, SPAM 2025)."))
+        top_layers: int = Field(5, ge=1, description=(
+            "Layers named in the record's fisher_top_layers (largest diagonal Fisher trace first)."))
+
+    @dataclass
+    class Part(_Part):
+        """Adam-family signals of one sampled step, exact over all ranks' shards (see
+        :mod:`distgrad.signals.adam` for the definitions). ``g`` is the reduced, unscaled, pre-clip
+        gradient read at the boundary; ``m``, ``v`` Adam's ``exp_avg`` / ``exp_avg_sq`` before this
+        step's update; ``v_hat = v / (1 - beta2**t)`` with the optimizer's own step count ``t`` (the
+        updates already applied) and ``beta2``; ``d = max(v_hat, eps**2)``.
+
+        Attributes:
+            optimizer: the optimizer's class name (``"AdamW"``, ``"FusedAdam"``, ...).
+            spike_threshold: theta of the spike fraction (``optimizer_signals.spike_threshold``).
+            clip_ratio: ``c = min(1, max_norm / (|g| + 1e-6))`` of global-norm clipping (the engine's
+                threshold or ``clip.max_grad_norm``; 1.0 when none is known), applied to the update RMS.
+            elements: gradient elements with optimizer state (over all ranks, each counted once).
+            elements_without_state: gradient elements the optimizer holds no moment for (not in
+                the optimizer, or never stepped); left out of every value below.
+            update_rms: ``clip_ratio * sqrt(mean(g**2 / d))``: the RMS of the update of the clipped
+                gradient the optimizer applies (dimensionless; ~1 when the second moment tracks the
+                gradient, >> 1 when the gradient outgrows it: Wortsman et al. 2023).
+            spike_fraction: fraction of elements with ``g**2 > spike_threshold * d`` (pre-clip ``g``);
+                NaN on a step the clip scales by ``clip_ratio < 0.99``: ``v`` tracks the *clipped*
+                gradient, so every pre-clip ratio ``g**2 / d`` is inflated by about ``1 / clip_ratio**2``
+                and the count would read as spikes on a healthy, steadily clipped run (not exported to
+                Prometheus then; the raw count is kept in ``spike_fraction_preclip``).
+            spike_fraction_preclip: the same fraction on every step, clipped or not (JSONL only).
+            grad_momentum_cosine: ``g . m / (|g| |m|)`` (NaN when a norm is 0).
+            exp_avg_norm, exp_avg_sq_norm: L2 norms of the raw states ``m`` (gradient unit) and ``v``
+                (gradient unit squared).
+            fisher_trace: ``sum(v_hat)``: trace of the empirical diagonal Fisher estimate Adam keeps
+                (gradient unit squared; of the mini-batch gradient, Kunstner et al. 2019's caveats).
+            layer_*: the same per layer label (``{layer: value}``; ``layer_spike_fraction`` is empty
+                on a step the clip scales, like ``spike_fraction``).
+            fisher_top_layers: the ``optimizer_signals.top_layers`` layers of largest Fisher trace,
+                largest first.
+        """
+
+        optimizer: str = ""
+        spike_threshold: float = float("nan")
+        clip_ratio: float = 1.0
+        elements: float = 0.0
+        elements_without_state: float = 0.0
+        update_rms: float = float("nan")
+        spike_fraction: float = float("nan")
+        spike_fraction_preclip: float = float("nan")
+        grad_momentum_cosine: float = float("nan")
+        exp_avg_norm: float = float("nan")
+        exp_avg_sq_norm: float = float("nan")
+        fisher_trace: float = float("nan")
+        layer_update_rms: dict[str, float] = field(default_factory=dict)
+        layer_spike_fraction: dict[str, float] = field(default_factory=dict)
+        layer_grad_momentum_cosine: dict[str, float] = field(default_factory=dict)
+        layer_exp_avg_norm: dict[str, float] = field(default_factory=dict)
+        layer_exp_avg_sq_norm: dict[str, float] = field(default_factory=dict)
+        layer_fisher_trace: dict[str, float] = field(default_factory=dict)
+        fisher_top_layers: list[str] = field(default_factory=list)
+
+    _when = condition("adam", "an Adam-family optimizer (`optimizer_signals.enabled: auto`, the default), after a "
+                      "sampled step from the second optimizer step on (no moment exists before the first)")
+    METRICS = (
+        gauge("distgrad_update_rms", "1", "sqrt(mean(g^2 / max(v_hat, eps^2))) over the model: the RMS of Adam's "
+              "update with the second moment before this step.", _when,
+              doc="`sqrt(mean(g^2 / max(v_hat, eps^2)))` over every element: `g` the reduced, unscaled, pre-clip "
+                  "gradient, `v_hat` Adam's bias-corrected `exp_avg_sq` before this step's update (~1 when the second "
+                  "moment tracks the gradient, well above 1 when the gradient outgrows it: an early warning of loss "
+                  "spikes, Wortsman et al. 2023; see docs/signals.md)"),
+        gauge("distgrad_adam_spike_fraction", "ratio", "Fraction of gradient elements with g^2 > theta * "
+              "max(v_hat, eps^2) (theta: optimizer_signals.spike_threshold); no sample on a step the gradient clip "
+              "scales (c < 0.99).", _when),
+        gauge("distgrad_grad_momentum_cosine", "1", "Cosine between the gradient and Adam's first moment (exp_avg) "
+              "before the step.", _when),
+        gauge("distgrad_optimizer_moment_norm", "grad", "L2 norm of an Adam state over the model (exp_avg in the "
+              "gradient's unit, exp_avg_sq in its square).", _when, ("moment",)),
+        gauge("distgrad_fisher_trace", "grad^2", "sum(v_hat): trace of the diagonal empirical Fisher estimate Adam "
+              "keeps (gradient unit squared).", _when,
+              doc="`sum(v_hat)` over the model: trace of the diagonal empirical Fisher estimate of the mini-batch "
+                  "gradient that Adam's second moment is (gradient unit squared); the top layers are in the JSONL "
+                  "record"),
+        gauge("distgrad_layer_update_rms", "1", "distgrad_update_rms over the layer's elements.", _when, ("layer",)),
+        gauge("distgrad_layer_adam_spike_fraction", "ratio", "distgrad_adam_spike_fraction over the layer's "
+              "elements.", _when, ("layer",)),
+    )
+
+    @staticmethod
+    def samples(part: AdamSignal.Part) -> dict[str, Any]:
+        """The model's and each layer's values; the spike fraction is absent (no sample) on a step
+        the clip scales by less than :data:`SPIKE_CLIP_MIN` (the pre-clip count is not the
+        applied update's; ``layer_spike_fraction`` is then empty)."""
+        return {
+            "distgrad_update_rms": part.update_rms,
+            "distgrad_adam_spike_fraction": part.spike_fraction if part.clip_ratio >= SPIKE_CLIP_MIN else None,
+            "distgrad_grad_momentum_cosine": part.grad_momentum_cosine,
+            "distgrad_optimizer_moment_norm": {"exp_avg": part.exp_avg_norm, "exp_avg_sq": part.exp_avg_sq_norm},
+            "distgrad_fisher_trace": part.fisher_trace,
+            "distgrad_layer_update_rms": part.layer_update_rms,
+            "distgrad_layer_adam_spike_fraction": part.layer_spike_fraction,
+        }
+
+    @classmethod
+    def build(cls, inst: Any) -> AdamSignal | None:
+        """On for Adam-family optimizers whose state the adapter locates (``enabled: auto``, with
+        one warning on rank 0 naming why when it cannot); None when ``off``.
+
+        Raises:
+            ConfigError: ``enabled: on`` and the optimizer or its state cannot be served (names
+                ``optimizer_signals.enabled`` and why).
+        """
+        mode = inst.config.optimizer_signals.enabled
+        if mode == "off":
+            return None
+        why = refusal(inst)
+        if why is not None:
+            if mode == "on":
+                raise ConfigError(f"distgrad config: 'optimizer_signals.enabled' is on but {why}; set "
+                                  "optimizer_signals.enabled: auto (or off) to train without these signals")
+            if inst.global_rank == 0:
+                log.warning("distgrad: optimizer-aware signals (update RMS, spike fraction, Fisher, momentum cosine) "
+                            "are off: %s", why)
+            return None
+        return cls(inst, group_keys(inst.names, "layer", inst.config.naming.tuples))
 
     def __init__(self, inst: Any, layer_keys: list[str]) -> None:
         cfg = inst.config.optimizer_signals
@@ -246,8 +390,6 @@ class AdamSignal(PackedSignal):
         return torch.cat([torch.full((1,), float(g.numel()), dtype=f64, device=g.device), body])
 
     def finish(self, inst: Any, rec: Any, sum_part: np.ndarray, max_part: np.ndarray, grad_scale: float) -> None:
-        from distgrad.record.optimizer import OptimizerSignals
-
         L = len(self.layers)
         cols = sum_part[: L * len(COLS)].reshape(L, len(COLS))
         missing = float(sum_part[-1])
@@ -264,7 +406,7 @@ class AdamSignal(PackedSignal):
         per = {k: v for k, v, r in zip(self.layers, vals, cols) if r[0] > 0}
         fisher = {k: per[k]["fisher"] for k in keep}
         top = sorted(keep, key=lambda k: -fisher[k] if math.isfinite(fisher[k]) else math.inf)[: self.top]
-        rec.optimizer_signals = OptimizerSignals(
+        rec.optimizer_signals = AdamSignal.Part(
             optimizer=self.opt_name, spike_threshold=self.theta, clip_ratio=c, elements=float(tot[0]),
             elements_without_state=missing, update_rms=g["rms"],
             spike_fraction=g["spikes"] if spikes_vouched else math.nan, spike_fraction_preclip=g["spikes"],
@@ -305,23 +447,6 @@ def _values(r: np.ndarray, clip: float = 1.0) -> dict[str, float]:
             "m": math.sqrt(mm), "v": math.sqrt(vv), "fisher": vhat}
 
 
-@register("optimizer_signals")
-def _factory(inst: Any) -> AdamSignal | None:
-    """On for Adam-family optimizers whose state the adapter locates (``enabled: auto``); a
-    ConfigError naming ``optimizer_signals.enabled`` when ``on`` and it cannot be served."""
-    from distgrad.config.errors import ConfigError
-    from distgrad.naming.grouping import group_keys
 
-    mode = inst.config.optimizer_signals.enabled
-    if mode == "off":
-        return None
-    why = refusal(inst)
-    if why is not None:
-        if mode == "on":
-            raise ConfigError(f"distgrad config: 'optimizer_signals.enabled' is on but {why}; set "
-                              "optimizer_signals.enabled: auto (or off) to train without these signals")
-        if inst.global_rank == 0:
-            log.warning("distgrad: optimizer-aware signals (update RMS, spike fraction, Fisher, momentum cosine) "
-                        "are off: %s", why)
-        return None
-    return AdamSignal(inst, group_keys(inst.names, "layer", inst.config.naming.tuples))
+#: the record part (``StepRecord.optimizer_signals``), by its earlier name
+OptimizerSignals = AdamSignal.Part
