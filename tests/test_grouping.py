@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from distgrad.config.sections import StatisticsConfig
 from distgrad.naming.grouping import (
     DEFAULT_SERIES_BUDGET,
     DEFAULT_TOP_K,
@@ -272,7 +273,7 @@ def test_llama70b_nonfinite_params_kept_and_budget_holds(llama70b):
     nan_all = np.arange(len(names), dtype=np.float64) % 7 + 1
     s3 = ParamStats(**{**{f: getattr(stats, f) for f in STAT_FIELDS}, "nan": nan_all, "names": names})
     fixed = LAYER_SERIES * 83 + KIND_SERIES * 10 + GLOBAL_SERIES  # layers, kinds and the global part
-    for budget in (2000, 1000, fixed, fixed + 1, fixed + 10):
+    for budget in (2000, (fixed + 2000) // 2, fixed, fixed + 1, fixed + 10):  # one between fixed and 2000
         sel = select_series(s3, budget=budget, top_k=10)
         assert series_count(len(names), 83, 10, sel) <= budget
         assert len(sel) == series_capacity(budget, 83, 10) == max(0, (budget - fixed) // 10)
@@ -307,9 +308,10 @@ def test_series_count_arithmetic():
     assert series_count(723, 83, 10, 0) == fixed
     assert series_count(723, 83, 10, [1, 2, 3]) == fixed + 3 * PARAM_SERIES
     assert series_count(723, 83, 10, 3, update_ratio=True) == fixed + 3 * (PARAM_SERIES + UPDATE_RATIO_SERIES)
-    cap = series_capacity(2000, 83, 10)
-    assert cap == (2000 - fixed) // PARAM_SERIES >= DEFAULT_TOP_K
-    assert series_count(723, 83, 10, cap) <= 2000 < series_count(723, 83, 10, cap + 1)
+    budget = StatisticsConfig().max_param_series  # the default budget (2,500)
+    cap = series_capacity(budget, 83, 10)
+    assert cap == (budget - fixed) // PARAM_SERIES >= DEFAULT_TOP_K
+    assert series_count(723, 83, 10, cap) <= budget < series_count(723, 83, 10, cap + 1)
     with pytest.raises(ValueError):
         series_count(3, 1, 1, 4)
     with pytest.raises(ValueError):

@@ -20,6 +20,7 @@ from distgrad.diagnostics import Diagnostics
 from distgrad.loss.tracker import rank_stats
 from distgrad.signals.noise_scale import GradientNoiseScale
 from distgrad.signals.curvature import Curvature
+from distgrad.signals.underflow import Underflow
 from distgrad.record.action import ActionPart
 from distgrad.record import Culprit, LossComponents, ParamStats, RankCount, ScalerState, StepRecord, TokenLossStats
 from distgrad.signals.histogram import GradHistogram
@@ -98,6 +99,9 @@ def _sink(features: set[str]) -> PrometheusSink:
                                      ema_noise_trace=10.0, noise_scale=10.0 / 0.7, ema_steps=1)
     if "curvature" in f:
         rec.curvature = Curvature.Part(layer={"0": 0.5, "1": -0.1}, total=0.3, update_sq=1e-4)
+    if "underflow" in f:
+        rec.underflow = Underflow.Part(step=0, lost={"0": 0.8, "1": 0.7}, zero={"0": 0.0},
+                                       total_lost=0.6, total_zero_low=0.7, total_zero_ref=0.1, worst=["0", "1"])
     if "adam" in f:
         rec.optimizer_signals = OptimizerSignals(
             optimizer="AdamW", spike_threshold=50.0, elements=8.0, update_rms=0.9, spike_fraction=0.0,

@@ -14,6 +14,7 @@ from distgrad.signals import (
     histogram,  # noqa: F401,E402
     logits,  # noqa: F401,E402 - attention and output logit precursors
     noise_scale,  # noqa: F401,E402 - gradient noise scale
+    underflow,  # noqa: F401,E402 - lost to underflow vs genuinely zero (recomputation)
     weight_hash,  # noqa: F401,E402 - replica weight hashes
 )
 

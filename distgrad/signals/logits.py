@@ -346,7 +346,9 @@ class LogitSignal(PackedSignal):
         self._error: Exception | bool = False  # the first failure of a hook this step
 
     def _active(self) -> bool:
-        return self.armed and torch.is_grad_enabled()
+        from distgrad.signals.underflow import in_replay  # not the underflow recomputation's forwards
+
+        return self.armed and torch.is_grad_enabled() and not in_replay()
 
     def observe_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
                           is_causal: bool, scale: float | None) -> None:

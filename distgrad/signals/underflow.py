@@ -1,0 +1,436 @@
+"""Gradient elements lost to underflow, told from genuinely zero ones (opt-in,
+``underflow.enabled``), per layer.
+
+Why a recomputation. Under fp16 autocast without loss scaling a layer's weight gradient is
+computed in fp16 and cast to the parameter's dtype: every element whose true value is below
+fp16's smallest subnormal (2^-24) arrives as an exact 0. From the gradient alone nothing tells
+such a zero from a genuinely zero element (an embedding row not in the batch, a dead unit, a
+masked branch), and the histogram's underflow ratio (:mod:`distgrad.signals.histogram`) counts
+only the *non-zero* elements below the smallest normal: on a tiny decoder whose layers lose most
+of their elements to exact zeros it names the final norm (whose gradient is summed in fp32 from
+fp16 inputs: subnormal, not lost) as the worst layer. The zero fraction's jump when a dynamic
+loss scale halves would tell the two apart only on runs with a scaler, only at a scale change,
+and only as a difference of two steps' batches; the recomputation answers on any run.
+
+Method. Every ``underflow.interval``-th sampled step each rank recomputes *one* micro-batch of
+that step (the first one of the step with gradients enabled; its inputs kept by reference, with
+the CPU/CUDA RNG state and the autocast state its forward ran under) twice, at the step's
+boundary, before the optimizer consumes the gradients (the weights are those of the forward):
+
+1. *low precision*: the model's forward under the kept autocast state, with the parameters in
+   their own dtype, the loss (the forward's returned loss, times ``underflow.loss_factor``)
+   multiplied by the loss scale in force (``GradScaler`` / DeepSpeed fp16; 1 without one), then
+   ``torch.autograd.grad`` w.r.t. the parameters: the gradient the training backward produced
+   for that micro-batch, element for element;
+2. *reference*: the same forward with autocast off and float32 copies of the parameters,
+   buffers and floating inputs, its gradient w.r.t. the float32 parameters.
+
+Per parameter element: **lost to underflow** = non-zero in the reference, exactly zero in the
+low-precision gradient; **genuinely zero** = zero in the reference. Per layer the counts (lost,
+low-precision zeros, reference zeros, elements, low-precision non-finite) are summed over the
+layer's parameters and ride in the step's SUM all-reduce (``2 + 5 L`` float64: a per-rank
+"recomputed" count and the loss scale used first), so the job's ratio is over the W recomputed micro-batches. No extra
+collective and no host synchronisation (counts stay on the device until the step's one copy);
+the loss scale of a ``GradScaler`` is its device tensor.
+
+The replay runs through ``functional_call`` on the user's module (DDP: the inner module, so no
+DDP hook or collective), with detached parameter copies (no ``.grad`` is written, no parameter
+hook fires) and every module forward/backward hook of the model set aside for its duration
+(distgrad's own loss, logit, tracer and replay hooks do not see it; :func:`in_replay` tells the
+attention hook point). Dropout masks are the training forward's (its RNG state restored inside
+``torch.random.fork_rng``); floating buffers are passed as copies (BatchNorm statistics are not
+updated). Sharded engines (FSDP1/2, ZeRO-3) and model-parallel layouts are refused at
+``instrument()``: no rank holds the parameters the forward needs.
+
+Cost, paid only on a recomputation step: two forward + backward passes of one micro-batch on
+each rank (the reference in float32), a float32 copy of the parameters when they are held in
+16 bits, one bool mask per parameter (1 byte per element) and per-layer sums. Every step: a
+reference to the first micro-batch's inputs and a copy of the CPU RNG state (~5 KB).
+
+Needs the loss: the forward of the module must return it (a scalar tensor, a dict with
+``"loss"``, or an object with ``.loss``, as Hugging Face models with labels). A loop that
+divides the loss outside the forward (gradient accumulation) says so with
+``underflow.loss_factor``; DeepSpeed's division by the accumulation steps is applied
+automatically. When the forward returns no loss the step's measurement is dropped (counted as an
+internal error, warned once).
+
+Everything the signal adds lives in this module (the contract of :mod:`distgrad.signals`): its
+configuration section ``underflow`` (:class:`Underflow.Config`), its record part
+``StepRecord.underflow`` (:class:`Underflow.Part`), its metrics (:attr:`Underflow.METRICS`,
+:meth:`Underflow.samples`) and its factory (:meth:`Underflow.build`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from distgrad.config.errors import ConfigError
+from distgrad.config.sections import Section
+from distgrad.export.metrics import Metric, condition
+from distgrad.naming.canonical import clean_name
+from distgrad.naming.grouping import group_keys
+from distgrad.record.base import _Part
+from distgrad.signals import PackedSignal
+
+log = logging.getLogger("distgrad")
+
+__all__ = ["Underflow", "in_replay", "loss_of"]
+
+#: columns per layer in the SUM part
+COLS = ("lost", "zero_low", "zero_ref", "numel", "nonfinite_low")
+
+_DEPTH = [0]
+#: the module hook dictionaries set aside during a recomputation (torch 2.13 ``nn.Module``)
+_HOOK_ATTRS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+               "_backward_pre_hooks")
+
+
+def in_replay() -> bool:
+    """True while an underflow recomputation runs its forward passes (observers of the
+    training forward, e.g. :func:`distgrad.signals.logits.observe_attention`, ignore them)."""
+    return _DEPTH[0] > 0
+
+
+@contextlib.contextmanager
+def _replaying(root: torch.nn.Module) -> Iterator[None]:
+    saved = []
+    _DEPTH[0] += 1
+    try:
+        for m in root.modules():
+            for a in _HOOK_ATTRS:
+                d = getattr(m, a, None)
+                if isinstance(d, dict) and d:
+                    saved.append((m, a, d))
+                    setattr(m, a, OrderedDict())
+        yield
+    finally:
+        for m, a, d in saved:
+            setattr(m, a, d)
+        _DEPTH[0] -= 1
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss a forward returned: a 0-d floating tensor, ``output["loss"]`` or ``output.loss``.
+
+    Raises:
+        TypeError: no such loss (the forward returns logits only)."""
+    loss = output
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    elif not isinstance(output, torch.Tensor):
+        loss = getattr(output, "loss", None)
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
+        raise TypeError("underflow: the model's forward returns no scalar loss (a tensor, a dict with 'loss' "
+                        "or an object with .loss); the recomputation needs it")
+    return loss
+
+
+@dataclass
+class _Kept:
+    args: tuple
+    kwargs: dict
+    versions: list[tuple[torch.Tensor, int]]
+    cpu_rng: torch.Tensor
+    cuda_rng: tuple[int, torch.Tensor] | None
+    autocast: list[tuple[str, torch.dtype]]
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+def _to_fp32(obj: Any) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point()
+                    and t.dtype in (torch.float16, torch.bfloat16) else t, obj)
+
+
+class Underflow(PackedSignal):
+    """Lost-to-underflow vs genuinely zero gradient elements per layer (see the module docstring).
+
+    Args:
+        layers: the layer labels (``naming.tuples`` applied to the module's parameter names).
+        param_layer: per trainable parameter of the module (``named_parameters`` order), its
+            index into ``layers``.
+        interval: recompute every ``interval``-th sampled step.
+        loss_factor: multiplies the forward's loss in both passes.
+
+    SUM part (float64 ``[2 + 5 L]``): ``[ranks that recomputed, sum of their loss scales, then per
+    layer lost, zero_low, zero_ref, numel, nonfinite_low]``. Record part: :class:`Underflow.Part`
+    (``StepRecord.underflow``).
+    """
+
+    name = "underflow"
+
+    class Config(Section):
+        """Gradient elements lost to underflow (non-zero in a float32 recomputation, exactly zero
+        in the training precision), told from genuinely zero ones, per layer (see docs/signals.md,
+        "Lost to underflow")."""
+
+        section_key: ClassVar[str] = "underflow"
+        enabled: bool = Field(False, description=(
+            "Every underflow.interval-th sampled step, recompute one micro-batch per rank in the training "
+            "precision and in float32 and count, per layer, the gradient elements that are non-zero in float32 "
+            "but exactly zero in the training precision (lost to underflow). Costs two forward+backward passes of "
+            "one micro-batch on that step. Needs the model's forward to return the loss; not on sharded engines."))
+        interval: int = Field(10, ge=1, description=(
+            "Recompute on every interval-th sampled step (the first sampled step included); the last measurement "
+            "is served until the next one (distgrad_underflow_measured_step says which step)."))
+        loss_factor: float = Field(1.0, gt=0.0, description=(
+            "Factor the training loop applies to the forward's loss before backward (e.g. 1/accumulation steps); "
+            "underflow depends on it. DeepSpeed's own division by the accumulation steps is applied automatically."))
+        worst: int = Field(3, ge=1, le=20, description="Layers named in the record's worst list (most lost first).")
+
+    @dataclass
+    class Part(_Part):
+        """One recomputation's result (served until the next one).
+
+        Attributes:
+            step: the sampled step whose micro-batches were recomputed.
+            lost: ``{layer: lost / elements}``: the fraction of the layer's gradient elements non-zero
+                in the float32 recomputation and exactly zero in the training precision, over the W
+                recomputed micro-batches (ratio, 0-1).
+            zero: ``{layer: reference zeros / elements}``: the genuinely zero fraction.
+            total_lost: lost / elements over the whole model (ratio).
+            total_zero_low: exact zeros of the training-precision gradient / elements (ratio).
+            total_zero_ref: exact zeros of the float32 gradient / elements (ratio).
+            nonfinite_low: non-finite elements of the training-precision gradients (count).
+            worst: up to ``underflow.worst`` layers with lost > 0, most lost first.
+            loss_scale: the loss scale the training-precision pass used (1.0 without a scaler).
+        """
+
+        step: int = 0
+        lost: dict[str, float] = field(default_factory=dict)
+        zero: dict[str, float] = field(default_factory=dict)
+        total_lost: float = 0.0
+        total_zero_low: float = 0.0
+        total_zero_ref: float = 0.0
+        nonfinite_low: float = 0.0
+        worst: list[str] = field(default_factory=list)
+        loss_scale: float = 1.0
+
+    _when = condition("underflow", "`underflow.enabled: true`, from the first recomputation on (every "
+                                   "`underflow.interval`-th sampled step; see docs/signals.md)")
+    METRICS = (
+        Metric("distgrad_grad_lost_to_underflow_ratio", "gauge", (), "ratio",
+               "Fraction of the gradient elements lost to underflow: non-zero in a float32 recomputation of a "
+               "sampled micro-batch, exactly zero in the training precision.", _when,
+               doc="fraction of all gradient elements (of one recomputed micro-batch per rank) that are non-zero in "
+                   "float32 and exactly zero in the training precision: lost to underflow, not genuinely zero. "
+                   "Measured every `underflow.interval`-th sampled step, served until the next measurement"),
+        Metric("distgrad_layer_grad_lost_to_underflow_ratio", "gauge", ("layer",), "ratio",
+               "Fraction of the layer's gradient elements lost to underflow (see "
+               "distgrad_grad_lost_to_underflow_ratio).", _when,
+               doc="`distgrad_grad_lost_to_underflow_ratio` over the layer's parameters"),
+        Metric("distgrad_grad_genuine_zero_ratio", "gauge", (), "ratio",
+               "Fraction of the gradient elements exactly zero in the float32 recomputation (genuinely zero).", _when,
+               doc="fraction of all gradient elements of the recomputed micro-batches that are zero in float32 as "
+                   "well (unused embedding rows, dead units): zeros that are no precision loss"),
+        Metric("distgrad_underflow_measured_step", "gauge", (), "steps",
+               "The sampled step of the last underflow recomputation (the underflow ratios are its).", _when),
+    )
+
+    @staticmethod
+    def samples(part: Underflow.Part) -> dict[str, Any]:
+        """The whole-model and per-layer lost ratios, the genuine zero ratio, the measured step."""
+        return {"distgrad_grad_lost_to_underflow_ratio": part.total_lost,
+                "distgrad_layer_grad_lost_to_underflow_ratio": part.lost,
+                "distgrad_grad_genuine_zero_ratio": part.total_zero_ref,
+                "distgrad_underflow_measured_step": float(part.step)}
+
+    @classmethod
+    def build(cls, inst: Any) -> Underflow | None:
+        """``underflow.enabled``: the signal (its layers are found at :meth:`attach`), or None.
+
+        Raises:
+            ConfigError: a sharded engine (FSDP1/2, DeepSpeed ZeRO-3) or a model-parallel layout
+                (pipeline stages, experts elsewhere): no rank holds the whole model's parameters.
+        """
+        cfg = inst.config.underflow
+        if not cfg.enabled:
+            return None
+        engine = getattr(inst.source, "engine_name", "")
+        stage = getattr(inst.source, "zero_stage", None)
+        if engine in ("fsdp1", "fsdp2") or stage == 3 or getattr(inst, "job", None) is not None:
+            raise ConfigError(f"distgrad config: 'underflow.enabled' is not supported on engine {engine!r}"
+                              + (" with ZeRO-3" if stage == 3 else "") + " or with pipeline/expert parallelism: "
+                              "the recomputation needs every parameter of the model on each rank")
+        return cls(int(cfg.interval), float(cfg.loss_factor), int(cfg.worst), inst.config.naming.tuples)
+
+    def __init__(self, interval: int, loss_factor: float = 1.0, worst: int = 3, naming_rules: Any = None) -> None:
+        self.interval, self.loss_factor, self.n_worst = int(interval), float(loss_factor), int(worst)
+        self.naming_rules = naming_rules
+        self.root: torch.nn.Module | None = None
+        self.params: list[tuple[str, torch.nn.Parameter]] = []
+        self.layers: list[str] = []
+        self.param_layer: list[int] = []
+        self._n = 0  # sampled steps seen (local() calls): the same on every rank
+        self._kept: _Kept | None = None
+        self._last: Underflow.Part | None = None
+        self._warned = False
+
+    @property
+    def sum_size(self) -> int:
+        return 2 + len(COLS) * len(self.layers)
+
+    @property
+    def armed(self) -> bool:
+        """The next sampled step recomputes."""
+        return self._n % self.interval == 0
+
+    def attach(self, inst: Any, module: Any) -> Any:
+        """Find the layers of ``module``'s trainable parameters and keep the first micro-batch of
+        each step (a forward pre-hook on ``module``).
+
+        Raises:
+            ConfigError: ``module`` is not a module, or has no trainable parameter."""
+        if not isinstance(module, torch.nn.Module):
+            raise ConfigError("distgrad config: 'underflow.enabled' needs the model as a torch.nn.Module")
+        self.root = module
+        self.params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not self.params:
+            raise ConfigError("distgrad config: 'underflow.enabled': the model has no trainable parameter")
+        keys = group_keys([clean_name(n) for n, _ in self.params], "layer", self.naming_rules)
+        self.layers = sorted(set(keys))
+        self.param_layer = [self.layers.index(k) for k in keys]
+        ds = getattr(inst.source, "engine", None)
+        gas = getattr(ds, "gradient_accumulation_steps", None)
+        if callable(gas):  # DeepSpeed divides the loss by the accumulation steps in engine.backward
+            self.loss_factor /= float(gas())
+        handle = module.register_forward_pre_hook(self._pre, with_kwargs=True)
+        return handle.remove
+
+    def _pre(self, module: Any, args: Any, kwargs: Any) -> None:
+        if in_replay() or not torch.is_grad_enabled() or self._kept is not None or not self.armed:
+            return None
+        try:
+            cuda = None
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                dev = torch.cuda.current_device()
+                cuda = (dev, torch.cuda.get_rng_state(dev))
+            ac = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+            self._kept = _Kept(tuple(args), dict(kwargs or {}), [(t, t._version) for t in _tensors((args, kwargs))],
+                               torch.get_rng_state(), cuda, ac)
+        except Exception:  # noqa: BLE001 - never break the forward pass; local() then finds nothing kept
+            self._kept = None
+        return None
+
+    def skip(self, inst: Any, step: int) -> None:
+        self._kept = None  # an unsampled step's micro-batch
+
+    # ---- the recomputation --------------------------------------------------------------------
+    def _scale(self, inst: Any, device: torch.device) -> torch.Tensor:
+        src = inst.source
+        if not src.has_loss_scaler():
+            return torch.ones((), dtype=torch.float32, device=device)
+        t = getattr(getattr(src, "scaler", None), "_scale", None)  # GradScaler's device tensor: no sync
+        if isinstance(t, torch.Tensor):
+            return t.detach().reshape(()).float()
+        return torch.tensor(float(src.loss_scale()), dtype=torch.float32, device=device)
+
+    def _pass(self, k: _Kept, reference: bool, scale: torch.Tensor | None) -> list[torch.Tensor | None]:
+        assert self.root is not None
+        root = self.root
+        if reference:
+            params = {n: p.detach().float().requires_grad_() for n, p in self.params}
+            bufs = {n: (b.float() if b.is_floating_point() else b.clone()) for n, b in root.named_buffers()}
+            args, kwargs = _to_fp32(k.args), _to_fp32(k.kwargs)
+            ctx: Any = [torch.autocast(d, enabled=False) for d in ("cpu", "cuda")
+                        if d == "cpu" or torch.cuda.is_available()]
+        else:
+            params = {n: p.detach().requires_grad_() for n, p in self.params}
+            bufs = {n: b.clone() for n, b in root.named_buffers()}
+            args, kwargs = k.args, k.kwargs
+            ctx = [torch.autocast(d, dtype=dt) for d, dt in k.autocast]
+        devices = [k.cuda_rng[0]] if k.cuda_rng is not None else []
+        with torch.random.fork_rng(devices=devices, device_type="cuda"), contextlib.ExitStack() as stack:
+            torch.set_rng_state(k.cpu_rng)
+            if k.cuda_rng is not None:
+                torch.cuda.set_rng_state(k.cuda_rng[1], k.cuda_rng[0])
+            for c in ctx:
+                stack.enter_context(c)
+            out = torch.func.functional_call(root, {**params, **bufs}, args, kwargs, strict=False)
+            loss = loss_of(out) * self.loss_factor
+        if scale is not None:
+            loss = loss * scale.to(loss.device)
+        leaves = list(params.values())
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        return list(grads)
+
+    def local(self, inst: Any, pieces: Sequence[torch.Tensor | None],
+              device: torch.device) -> tuple[torch.Tensor, None]:
+        k, self._kept = self._kept, None
+        run = self.armed
+        self._n += 1
+        out = torch.zeros(self.sum_size, dtype=torch.float64, device=device)
+        if not run or k is None or self.root is None:
+            return out, None
+        if any(t._version != v for t, v in k.versions):
+            return out, None  # an input modified in place since its forward: cannot be vouched for
+        scale = self._scale(inst, device)
+        with _replaying(self.root):
+            try:
+                low = self._pass(k, False, scale)
+                zero_low = [None if g is None else (g == 0) for g in low]
+                bad = [None if g is None else (~torch.isfinite(g)).sum() for g in low]
+                del low
+                ref = self._pass(k, True, None)
+            except TypeError:
+                if not self._warned:
+                    self._warned = True
+                    log.warning("distgrad: underflow.enabled: the model's forward returns no loss: nothing is "
+                                "measured (see docs/signals.md, 'Lost to underflow')")
+                raise
+        f64: dict[str, Any] = dict(dtype=torch.float64, device=device)
+        rows = torch.zeros(len(self.layers), len(COLS), **f64)
+        for (_, p), zl, nb, g, li in zip(self.params, zero_low, bad, ref, self.param_layer):
+            n = p.numel()
+            nz = None if g is None else (g != 0)
+            lost = torch.zeros((), **f64) if zl is None or nz is None else (zl & nz).sum().to(**f64)
+            z_low = torch.tensor(float(n), **f64) if zl is None else zl.sum().to(**f64)
+            z_ref = torch.tensor(float(n), **f64) if nz is None else (n - nz.sum()).to(**f64)
+            nbad = torch.zeros((), **f64) if nb is None else nb.to(**f64)
+            rows[li] += torch.stack([lost, z_low, z_ref, torch.tensor(float(n), **f64), nbad])
+        out[0] = 1.0
+        out[1] = scale.to(**f64)
+        out[2:] = rows.reshape(-1)
+        return out, None
+
+    def finish(self, inst: Any, rec: Any, sum_part: np.ndarray, max_part: np.ndarray,
+               grad_scale: float) -> None:
+        if sum_part[0] >= inst.world_size:
+            rows = np.asarray(sum_part[2:], dtype=np.float64).reshape(len(self.layers), len(COLS))
+            lost, zl, zr, n, bad = rows.T
+            tot = float(n.sum())
+            ratio = {k: float(a / b) for k, a, b in zip(self.layers, lost, n) if b > 0}
+            order = sorted((k for k in ratio if ratio[k] > 0), key=lambda k: -ratio[k])
+            self._last = Underflow.Part(
+                step=int(rec.step), lost=ratio,
+                zero={k: float(a / b) for k, a, b in zip(self.layers, zr, n) if b > 0},
+                total_lost=float(lost.sum() / tot) if tot else math.nan,
+                total_zero_low=float(zl.sum() / tot) if tot else math.nan,
+                total_zero_ref=float(zr.sum() / tot) if tot else math.nan,
+                nonfinite_low=float(bad.sum()), worst=order[:self.n_worst],
+                loss_scale=float(sum_part[1] / sum_part[0]))
+        if self._last is not None:
+            rec.underflow = self._last
+
+    def state_dict(self) -> dict | None:
+        return {"n": self._n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._n = int(state.get("n", 0))

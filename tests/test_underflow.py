@@ -1,0 +1,113 @@
+"""Lost to underflow vs genuinely zero (distgrad/signals/underflow.py), single process: a tiny
+decoder under fp16 autocast on CPU without loss scaling loses most of its decoder layers'
+weight-gradient elements to exact zeros; the signal's per-layer lost and zero ratios equal a
+float64 recomputation compared element by element with the gradient the training backward
+produced; the worst layers are the decoder layers, not the final norm (whose gradient is fp16
+subnormal, the histogram's underflow ratio, and not lost); with a GradScaler the lost fraction
+drops. The 2-rank DDP case: tests/dist/underflow_cases.py."""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+
+import distgrad
+from distgrad.naming.grouping import group_keys
+from distgrad.record import StepRecord
+from tests.underflow_models import Decoder
+
+
+def reference(model, ids, labels, low_grads):
+    """Per layer ``[lost, genuinely zero, elements]`` from the float64 recomputation of one
+    micro-batch (a float64 copy of ``model``, autocast off) against ``low_grads`` (the training
+    backward's gradients, name -> tensor)."""
+    m64 = copy.deepcopy(model).double()
+    m64(ids, labels).backward()
+    names = [n for n, _ in m64.named_parameters()]
+    rows = collections.defaultdict(lambda: [0, 0, 0])
+    for key, (n, p) in zip(group_keys(names, "layer"), m64.named_parameters()):
+        g64, low = p.grad, low_grads[n]
+        r = rows[key]
+        r[0] += int(((low == 0) & (g64 != 0)).sum())
+        r[1] += int((g64 == 0).sum())
+        r[2] += p.numel()
+    return rows
+
+
+def run(scaler=None, steps=2, interval=1):
+    torch.manual_seed(0)
+    model = Decoder(loss_weight=1e-5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dg = distgrad.instrument(model, optimizer=opt, scaler=scaler, exporter={"enabled": False},
+                             statistics={"async_records": "off"}, histogram={"enabled": True, "dtype": "fp16"},
+                             underflow={"enabled": True, "interval": interval})
+    recs, refs = [], []
+    dg.add_hook(recs.append)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        ids, labels = torch.randint(0, 48, (8, 32), generator=g), torch.randint(0, 64, (8, 32), generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(ids, labels)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        refs.append(reference(model, ids, labels, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+    errors = dg.counters["internal_errors"]
+    dg.close()
+    return recs, refs, errors
+
+
+def test_lost_to_underflow_equals_float64_recomputation_and_names_the_decoder_layers():
+    recs, refs, errors = run()
+    assert errors == 0 and [r.step for r in recs] == [0, 1]
+    for rec, ref in zip(recs, refs):
+        u = rec.underflow
+        assert u.step == rec.step and u.loss_scale == 1.0
+        assert set(u.lost) == set(ref)
+        for layer, (lost, zero, n) in ref.items():
+            assert u.lost[layer] == lost / n, layer
+            assert u.zero[layer] == zero / n, layer
+        tot = [sum(r[i] for r in ref.values()) for i in range(3)]
+        assert u.total_lost == pytest.approx(tot[0] / tot[2], rel=1e-12)
+        assert u.total_zero_ref == pytest.approx(tot[1] / tot[2], rel=1e-12)
+        # the decoder layers lose most of their elements; the norm, head and embedding nothing
+        assert u.lost["0"] > 0.5 and u.lost["1"] > 0.5
+        assert u.lost["norm"] == u.lost["head"] == u.lost["other"] == 0.0
+        assert sorted(u.worst) == ["0", "1"]
+        # the unused embedding rows (ids < 48 of 64, at least 16 rows) are genuinely zero, not lost
+        assert u.zero["other"] >= 16 / 64
+        # the histogram's underflow ratio (non-zero, below fp16's smallest normal) names another layer:
+        # the norm / head are all subnormal in fp16 terms, and lose nothing
+        h = rec.grad_histogram.underflow_ratio()
+        assert max(h, key=h.get) in ("norm", "head") and h["norm"] > 0.9
+        # the exact zeros the zero ratio sees are the lost ones plus the genuine ones
+        assert u.total_zero_low == pytest.approx(u.total_lost + u.total_zero_ref, rel=1e-12)
+        assert StepRecord.from_dict(rec.to_dict()).underflow == u
+
+
+def test_a_loss_scaler_recovers_the_lost_elements():
+    plain, _, _ = run()
+    recs, refs, errors = run(scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 16))
+    assert errors == 0 and len(recs) == 2
+    for rec, ref in zip(recs, refs):
+        u = rec.underflow
+        assert u.loss_scale == 2.0 ** 16
+        for layer, (lost, _, n) in ref.items():
+            assert u.lost[layer] == lost / n, layer
+    assert recs[0].underflow.total_lost < 0.01 < 0.5 < plain[0].underflow.total_lost
+
+
+def test_interval_serves_the_last_measurement_until_the_next():
+    recs, _, errors = run(steps=3, interval=2)
+    assert errors == 0
+    assert [r.underflow.step for r in recs] == [0, 0, 2]
