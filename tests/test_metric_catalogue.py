@@ -29,6 +29,7 @@ from distgrad.signals.adam import OptimizerSignals
 from distgrad.record.logits import LogitStats
 from distgrad.signals.duplicate_data import DuplicateDataSignal
 from distgrad.signals.weight_hash import WeightHash
+from distgrad.diagnostics.rerun import RerunAttribution
 from distgrad.loss.token import EDGES
 from distgrad.export.prometheus import PrometheusSink
 from distgrad.record.incidents import KINDS, Incident
@@ -115,6 +116,10 @@ def _sink(features: set[str]) -> PrometheusSink:
         rec.duplicate_data = DuplicateDataSignal.Part(streak=3, groups=[[0, 1]], ranks=[0, 1], first_step=3)
     if "replica_weights" in f:
         rec.replica_weights = WeightHash.Part(interval=10, hash_step=0, checked_ranks=[0, 1])
+    if "rerun" in f:  # a rerun said rank 1's device is at fault
+        rec.rerun = RerunAttribution.Part(step=3, trigger="nonfinite", verdict="device", culprit_rank=1, other_rank=0,
+                                          quarantine_rank=1, quarantine_host="node-7",
+                                          totals={"data": 0, "transient": 0, "device": 1, "inconclusive": 0})
     diag.on_record(rec)
     if "incident" in f:  # the policy opened one (a bad batch naming its rank and a component)
         rec.incidents.total["bad_batch"] = 1

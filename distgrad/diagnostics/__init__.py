@@ -40,6 +40,7 @@ from distgrad.diagnostics.builtin import (
 from distgrad.diagnostics.incidents import IncidentDiagnostic  # noqa: F401  (registers it: runs last)
 from distgrad.diagnostics.loss import ComponentSpikeDiagnostic, LossTrendDiagnostic  # noqa: F401  (registers them)
 from distgrad.diagnostics.loss_scale import LossScaleDiagnostic
+from distgrad.diagnostics.rerun import RerunAttribution  # noqa: F401  (registers it: after the incidents)
 from distgrad.diagnostics.spike_monitor import SpikeMonitor
 from distgrad.export.base import SinkError
 from distgrad.record import StepRecord

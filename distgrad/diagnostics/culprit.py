@@ -46,9 +46,10 @@ flags its own contribution and writes the flags into its slot of the step's SUM 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import torch
@@ -59,7 +60,21 @@ from distgrad.stats.layout import CULPRIT_GRAD, CULPRIT_LOSS
 
 log = logging.getLogger("distgrad")
 
-__all__ = ["LeafHooks", "LocalGradCheck", "culprit_flags", "decode", "pre_reduction_leaves"]
+__all__ = ["LeafHooks", "LocalGradCheck", "culprit_flags", "decode", "leaf_hooks_paused", "pre_reduction_leaves"]
+
+_PAUSED = [0]  # > 0 while a rerun's own backward runs (distgrad.diagnostics.rerun): hooks ignore it
+
+
+@contextlib.contextmanager
+def leaf_hooks_paused() -> Iterator[None]:
+    """Every :class:`LeafHooks` hook does nothing inside this block (nestable). The rerun
+    attribution's backward (:mod:`distgrad.diagnostics.rerun`, ``torch.autograd.grad``, which runs
+    tensor hooks on leaves too) must not count in the next step's culprit flags or noise scale."""
+    _PAUSED[0] += 1
+    try:
+        yield
+    finally:
+        _PAUSED[0] -= 1
 
 
 class LeafHooks:
@@ -90,6 +105,8 @@ class LeafHooks:
         return n
 
     def _hook(self, key: int, grad: torch.Tensor) -> None:
+        if _PAUSED[0]:
+            return None
         try:
             g = grad.detach()
             to_local = getattr(g, "to_local", None)

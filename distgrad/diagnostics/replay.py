@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distgrad.diagnostics.rerun import Rerun
 from distgrad.diagnostics.tracer import OverflowTracer
 from distgrad.naming.canonical import clean_name
 from distgrad.record.culprit import OUTCOMES, CulpritModule
@@ -181,7 +182,13 @@ class ForwardReplay:
         #: the last step's result (attached to its record), or None
         self.result: CulpritModule | None = None
         self.report: str | None = None  #: this rank's tracer text of the last replay
-        self._handle = root.register_forward_pre_hook(self._pre, with_kwargs=True) if self.budget > 0 else None
+        #: the opt-in rerun attribution (distgrad.diagnostics.rerun), fed the same kept micro-batches
+        self.rerun: Rerun | None = None
+        if inst.config.rerun.enabled:
+            self.rerun = Rerun(inst, root, "model_parallel" if impossible is not None
+                               else ("sharded" if sharded else None))
+        keep = self.budget > 0 or self.rerun is not None
+        self._handle = root.register_forward_pre_hook(self._pre, with_kwargs=True) if keep else None
 
     def remove(self) -> None:
         """Remove the forward pre-hook and drop the kept inputs."""
@@ -191,17 +198,23 @@ class ForwardReplay:
         self._kept = []
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"replays": int, "in_streak": bool}`` for a checkpoint (the same on every rank)."""
-        return {"replays": self.replays, "in_streak": self._in_streak}
+        """``{"replays": int, "in_streak": bool}`` for a checkpoint (the same on every rank), and
+        the rerun attribution's under ``"rerun"`` when it is on."""
+        sd: dict[str, Any] = {"replays": self.replays, "in_streak": self._in_streak}
+        if self.rerun is not None:
+            sd["rerun"] = self.rerun.state_dict()
+        return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (the budget of this run's config applies)."""
         self.replays = int(sd.get("replays", 0))
         self._in_streak = bool(sd.get("in_streak", False))
+        if self.rerun is not None and isinstance(sd.get("rerun"), dict):
+            self.rerun.load_state_dict(sd["rerun"])
 
     # ------------------------------------------------------------------------------- keeping
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self._replaying or not torch.is_grad_enabled():
+        if self._replaying or not torch.is_grad_enabled() or (self.rerun is not None and self.rerun.running):
             return None
         try:
             ts: list[torch.Tensor] = []
@@ -239,6 +252,8 @@ class ForwardReplay:
             self.inst.count_error("culprit-module replay")
         finally:
             self._replaying = False
+        if self.rerun is not None:  # after the replay: buffers restored, same weights, same inputs
+            self.rerun.boundary(step, host, kept)
 
     def _decide(self, step: int, host: Any, kept: list[_Kept], dropped: int) -> None:
         inst = self.inst
@@ -284,6 +299,8 @@ class ForwardReplay:
         """Put the result of ``rec``'s step into ``rec.culprit_module`` (when that step was
         replayed, or could not be). With asynchronous records the reduced values arrive after
         the update: the first non-finite record of a streak then says ``async_records``."""
+        if self.rerun is not None:
+            self.rerun.attach(rec)
         if self.result is not None and self.result.step == rec.step:
             rec.culprit_module = self.result
         elif self._async:

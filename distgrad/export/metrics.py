@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Label", "Metric", "LABELS", "CONDITIONS", "CATALOGUE", "SCOPES", "PLUGIN_SAMPLES", "condition",
+__all__ = ["Label", "Metric", "LABELS", "CONDITIONS", "CATALOGUE", "SCOPES", "PLUGIN_SAMPLES", "condition", "label",
            "gauge", "counter", "register", "by_name", "names", "family", "series_per", "markdown"]
 
 
@@ -496,6 +496,21 @@ def condition(key: str, text: str) -> str:
         raise ValueError(f"metric condition {key!r} declared twice")
     CONDITIONS[key] = text
     return key
+
+
+def label(name: str, text: str, values: tuple[str, ...] | None = None) -> str:
+    """Declare a plug-in's label (a :class:`Label` in :data:`LABELS`) and return ``name``, for
+    its metrics' ``labels`` (declare it before them: a :class:`Metric` checks its labels).
+    ``values``: the fixed set of values (bounded), or None (a run-constant value, one series).
+
+    Raises:
+        ValueError: ``name`` already declared with another text or values.
+    """
+    old = LABELS.get(name)
+    if old is not None and (old.doc, old.values) != (text, values):
+        raise ValueError(f"metric label {name!r} declared twice")
+    LABELS[name] = Label(name, text, values)
+    return name
 
 
 def register(entries: Iterable[Metric], part: str | None,
