@@ -57,6 +57,7 @@ def instrument(engine: Any, config: DistgradConfig | Mapping[str, Any] | str | o
     import torch
 
     from distgrad.diagnostics.replay import attach_replay
+    from distgrad.diagnostics.rerun import attach_rerun
     from distgrad.engines.deepspeed import DeepSpeedSource, attach_deepspeed, is_deepspeed_engine
     from distgrad.engines.torch_native import attach_torch
 
@@ -100,6 +101,7 @@ def instrument(engine: Any, config: DistgradConfig | Mapping[str, Any] | str | o
             clip = float(engine.gradient_clipping() or 0.0)
             inst.attach_diagnostics(engine.module, clip if clip > 0 else None)
             attach_replay(inst, engine.module, source.engine_name, source.zero_stage)
+            attach_rerun(inst)
             attach_deepspeed(inst, engine, source)
             if cfg.statistics.culprit_grad_check:
                 inst.attach_local_grad_check(engine.module, "deepspeed")
@@ -109,6 +111,7 @@ def instrument(engine: Any, config: DistgradConfig | Mapping[str, Any] | str | o
             # torch loops clip in user code (clip_grad_norm_): the clip ratio uses config.clip.max_grad_norm
             inst.attach_diagnostics(source.user_module(engine), None)
             attach_replay(inst, source.user_module(engine), source.engine_name, source.zero_stage)
+            attach_rerun(inst)
             inst.boundary = attach_torch(inst, source, engine, optimizer, scaler)
             if cfg.statistics.culprit_grad_check:
                 inst.attach_local_grad_check(source.user_module(engine))

@@ -61,7 +61,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distgrad.diagnostics.rerun import Rerun
 from distgrad.diagnostics.tracer import OverflowTracer
 from distgrad.naming.canonical import clean_name
 from distgrad.record.culprit import OUTCOMES, CulpritModule
@@ -182,12 +181,10 @@ class ForwardReplay:
         #: the last step's result (attached to its record), or None
         self.result: CulpritModule | None = None
         self.report: str | None = None  #: this rank's tracer text of the last replay
-        #: the opt-in rerun attribution (distgrad.diagnostics.rerun), fed the same kept micro-batches
-        self.rerun: Rerun | None = None
-        if inst.config.rerun.enabled:
-            self.rerun = Rerun(inst, root, "model_parallel" if impossible is not None
-                               else ("sharded" if sharded else None))
-        keep = self.budget > 0 or self.rerun is not None
+        #: the opt-in rerun attribution (distgrad.diagnostics.rerun.Rerun, set by its attach_rerun),
+        #: fed the same kept micro-batches at the boundary
+        self.rerun: Any = None
+        keep = self.budget > 0 or bool(inst.config.rerun.enabled)
         self._handle = root.register_forward_pre_hook(self._pre, with_kwargs=True) if keep else None
 
     def remove(self) -> None:

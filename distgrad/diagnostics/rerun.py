@@ -79,6 +79,7 @@ from pydantic import Field
 from distgrad.config.sections import Section
 from distgrad.diagnostics.base import Diagnostic, DiagnosticContext, register
 from distgrad.diagnostics.culprit import leaf_hooks_paused
+from distgrad.diagnostics.replay import _autocast, nonfinite_verdict
 from distgrad.export.metrics import Metric, condition, label
 from distgrad.record import StepRecord
 from distgrad.record.base import _Part
@@ -89,7 +90,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("distgrad")
 
-__all__ = ["RerunAttribution", "Rerun", "VERDICTS", "classify"]
+__all__ = ["RerunAttribution", "Rerun", "VERDICTS", "attach_rerun", "classify"]
 
 #: the verdicts, the values of the ``verdict`` label
 VERDICTS = ("data", "transient", "device", "inconclusive")
@@ -340,8 +341,6 @@ class Rerun:
     # ----------------------------------------------------------------------------- decision
     def _trigger(self, host: np.ndarray) -> tuple[str, int | None] | None:
         """``(trigger, culprit rank or None)`` from the reduced host array, or None (healthy)."""
-        from distgrad.diagnostics.replay import nonfinite_verdict  # replay imports this module
-
         inst = self.inst
         culprits = nonfinite_verdict(host, inst.layout.n_params, inst.world_size,
                                      bool(inst.source.has_loss_scaler()))
@@ -471,8 +470,6 @@ class Rerun:
     def _rerun(self, items: list[tuple]) -> list[float]:
         """Forward and backward of each ``(args, kwargs, cpu_rng, cuda_rng, autocast)``: the
         result row (see :func:`classify`)."""
-        from distgrad.diagnostics.replay import _autocast
-
         root = self.root
         params = [p for p in root.parameters() if p.requires_grad]
         buffers = [(b, b.detach().clone()) for b in root.buffers()]
@@ -544,3 +541,15 @@ class Rerun:
             inst._sink_error("flight_recorder")
             return
         log.warning("distgrad: rerun attribution written to the flight recorder: %s", path)
+
+
+def attach_rerun(inst: Any) -> Rerun | None:
+    """With ``rerun.enabled``, give the instrument's culprit-module replay (``inst.replay``, set by
+    :func:`~distgrad.diagnostics.replay.attach_replay`, which keeps the micro-batches) its
+    :class:`Rerun`; None when off or without a replay."""
+    rep = getattr(inst, "replay", None)
+    if rep is None or not inst.config.rerun.enabled:
+        return None
+    rep.rerun = Rerun(inst, rep.root, "model_parallel" if rep.impossible is not None
+                      else ("sharded" if rep.sharded else None))
+    return rep.rerun
