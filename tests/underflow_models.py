@@ -1,6 +1,6 @@
 """The tiny decoder of the underflow tests (tests/test_underflow.py, tests/dist/underflow_cases.py):
 token embedding, ``layers`` pre-norm MLP blocks (RMSNorm ``ln``, ``up``, GELU, ``down``), a final
-RMSNorm ``norm`` and an untied ``lm_head`` (both run in float32, autocast off);
+RMSNorm ``norm`` and an untied ``lm_head`` (both run in at least float32, autocast off);
 ``forward(ids, labels)`` returns the mean cross-entropy times ``loss_weight``. Initialised like a
 LLaMA (normal, std 0.02). The small
 ``loss_weight`` stands in for the per-element gradient magnitudes of a large model (a mean over
@@ -48,6 +48,7 @@ class Decoder(nn.Module):
         x = self.embed(ids)
         for blk in self.layers:
             x = blk(x)
+        dt = torch.promote_types(self.lm_head.weight.dtype, torch.float32)  # fp16 weights (DeepSpeed fp16): fp32
         with torch.autocast(x.device.type, enabled=False):  # the output head in float32 (as many LLM codes)
-            logits = self.lm_head(self.norm(x.float()))
+            logits = F.linear(self.norm(x.to(dt)), self.lm_head.weight.to(dt))
         return self.loss_weight * F.cross_entropy(logits.flatten(0, 1), labels.flatten())

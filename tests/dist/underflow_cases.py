@@ -1,0 +1,120 @@
+"""Multi-rank driver of the underflow signal (tests/test_underflow_multirank.py) under ``torchrun
+--nproc_per_node 2``, gloo, CPU: cases ``ddp`` (DDP, fp16 autocast, no loss scaling, the loop
+dividing the loss by GAS: ``underflow.loss_factor``) and ``z2`` (DeepSpeed ZeRO-2 fp16: fp16
+parameters, dynamic loss scale, DeepSpeed's own division by GAS).
+
+The model is tests/underflow_models.py's tiny decoder, GAS micro-batches per rank and step (each
+rank its own data), STEPS steps, every step recomputed (``underflow.interval: 1``). Before each
+step's first micro-batch each rank computes its reference another way: a copy of the model
+(a fresh decoder holding the weights of that forward) runs the micro-batch through ``.backward()`` in the training
+precision (autocast / fp16 weights, the same loss factor and loss scale), and a float64 copy
+runs it with autocast off; per layer ``[lost, float64 zeros, elements]``. Rank 0 writes its
+records (``StepRecord.underflow``) and the boundary's collective / host-sync counts.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+import distgrad
+from distgrad.naming.grouping import group_keys
+from tests.dist.common import BoundaryCounter, driver_args, run_cases
+from tests.dist.engines import build_ddp, build_deepspeed, init_distributed
+from tests.underflow_models import Decoder
+
+GAS, STEPS, B, T = 2, 2, 4, 16
+
+
+def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7_000 * step + 70 * micro + rank)
+    return torch.randint(0, 48, (B, T), generator=g), torch.randint(0, 64, (B, T), generator=g)
+
+
+def clone(model: Decoder) -> Decoder:
+    """A fresh decoder with ``model``'s weights and dtype (no hook or attribute an engine or
+    distgrad put on ``model``)."""
+    new = Decoder(loss_weight=model.loss_weight).to(next(model.parameters()).dtype)
+    new.load_state_dict(model.state_dict())
+    return new
+
+
+def reference(model, ids, labels, factor: float, scale: float, autocast: bool) -> dict:
+    low = clone(model)
+    with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+        loss = low(ids, labels)
+    (loss * factor * scale).backward()
+    m64 = clone(model).double()
+    with torch.autocast("cpu", enabled=False):
+        (m64(ids, labels) * factor).backward()
+    names = [n for n, _ in m64.named_parameters()]
+    rows: dict = collections.defaultdict(lambda: [0, 0, 0])
+    for key, p, q in zip(group_keys(names, "layer"), low.parameters(), m64.parameters()):
+        r = rows[key]
+        r[0] += int(((p.grad == 0) & (q.grad != 0)).sum())
+        r[1] += int((q.grad == 0).sum())
+        r[2] += p.numel()
+    return dict(rows)
+
+
+def run(key: str, rank: int, world: int) -> dict:
+    torch.manual_seed(5)
+    cfg = {"exporter": {"enabled": False}, "statistics": {"async_records": "off"},
+           "underflow": {"enabled": True, "interval": 1, "loss_factor": 1.0 / GAS if key == "ddp" else 1.0}}
+    if key == "ddp":
+        model = Decoder(loss_weight=1e-5)
+        w, opt = build_ddp(model, optim=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        inst = distgrad.instrument(w, cfg, optimizer=opt)
+
+        def fwd_bwd(ids, labels, micro):
+            with w.no_sync() if micro < GAS - 1 else torch.enable_grad():
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = w(ids, labels)
+                (loss / GAS).backward()
+
+        def step():
+            opt.step()
+            opt.zero_grad()
+        inner, factor, autocast = model, 1.0 / GAS, True
+        scale = lambda: 1.0  # noqa: E731
+    else:
+        model = Decoder(loss_weight=1e-3)
+        engine, _ = build_deepspeed(model, 2, "fp16", GAS, micro_batch=B, lr=0.1)
+        inst = distgrad.instrument(engine, cfg)
+
+        def fwd_bwd(ids, labels, micro):
+            engine.backward(engine(ids, labels))
+            if micro < GAS - 1:
+                engine.step()
+
+        def step():
+            engine.step()
+        inner, factor, autocast = engine.module, 1.0 / GAS, False
+        scale = lambda: float(inst.source.loss_scale())  # noqa: E731
+    counter = BoundaryCounter(inst)
+    records, refs = [], []
+    for s in range(STEPS):
+        for micro in range(GAS):
+            ids, labels = batch(s, micro, rank)
+            if micro == 0:
+                refs.append(reference(inner, ids, labels, factor, scale(), autocast))
+            fwd_bwd(ids, labels, micro)
+        counter.around(step)
+        rec = inst.last_record
+        records.append(rec.underflow.to_dict() if rec is not None and rec.underflow is not None else None)
+    counter.restore()
+    inst.close()
+    return {"records": records, "refs": refs, "counts": counter.counts,
+            "internal_errors": inst.counters["internal_errors"]}
+
+
+def main() -> None:
+    args = driver_args(cases="all")
+    rank, world = init_distributed(fp16=True)
+    run_cases([(k, lambda r, w, k=k: run(k, r, w)) for k in ("ddp", "z2")], args.cases, args.out, rank, world,
+              "underflow")
+
+
+if __name__ == "__main__":
+    main()
