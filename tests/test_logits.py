@@ -185,7 +185,7 @@ def test_report_attention_logit_rise_rule_and_series(after, fires):
     the layer that rose (layer 1: 10 -> 10 x after; the max over layers only 20 -> 30)."""
     from types import SimpleNamespace
 
-    from distgrad.record.logits import LogitStats
+    from distgrad.signals.logits import LogitStats
     from distgrad.report import signals as sig
 
     acc = sig.SignalsAccumulator(max_points=64)

@@ -26,7 +26,7 @@ from distgrad.record import Culprit, LossComponents, ParamStats, RankCount, Scal
 from distgrad.signals.histogram import GradHistogram
 from distgrad.record.culprit import CulpritModule
 from distgrad.signals.adam import OptimizerSignals
-from distgrad.record.logits import LogitStats
+from distgrad.signals.logits import LogitStats
 from distgrad.signals.duplicate_data import DuplicateDataSignal
 from distgrad.signals.weight_hash import WeightHash
 from distgrad.diagnostics.rerun import RerunAttribution

@@ -33,7 +33,6 @@ from distgrad.config.sections import (
     HealthConfig,
     IncidentsConfig,
     JsonlConfig,
-    LogitsConfig,
     LossConfig,
     LossScaleConfig,
     NamingConfig,
@@ -142,7 +141,6 @@ class DistgradConfig(BaseModel):
     naming: NamingConfig = Field(default_factory=NamingConfig, description=NamingConfig.__doc__)
     loss: LossConfig = Field(default_factory=LossConfig, description=LossConfig.__doc__)
     action: ActionConfig = Field(default_factory=ActionConfig, description=ActionConfig.__doc__)
-    logits: LogitsConfig = Field(default_factory=LogitsConfig, description=LogitsConfig.__doc__)
 
     def __init__(self, **data: Any) -> None:
         self._validate_into(_normalise(data) if data else {})
@@ -247,7 +245,6 @@ __all__ = [
     "ExporterConfig", "StatisticsConfig", "SpikesConfig", "HealthConfig", "ClipConfig", "FlightRecorderConfig",
     "TracerConfig",
     "SinksConfig", "JsonlConfig", "TensorBoardConfig", "NamingConfig", "NamingRule", "LossConfig",
-    "LogitsConfig",
     "ActionConfig",
     "IncidentsConfig",
 ]

@@ -340,31 +340,6 @@ class LossConfig(Section):
         "trend_window."))
 
 
-class LogitsConfig(Section):
-    """Logit precursors at sampled steps: the maximum pre-softmax attention logit per layer (and
-    head) and the output head's max |logit| and log-sum-exp (z) statistics (see docs/signals.md,
-    "Logit precursors")."""
-
-    section_key: ClassVar[str] = "logits"
-    attention: bool = Field(False, description=(
-        "Observe the maximum attention logit q.k*scale per layer and head on the sampled step's "
-        "micro-batches: Hugging Face attention modules (through the attention interface, after "
-        "the rotary embedding) automatically, other attention code where it calls "
-        "distgrad.signals.logits.observe_attention. Recomputes q.k^T once per layer on the "
-        "sampled step's micro-batches (the cost of one eager attention score matrix)."))
-    attention_modules: str | None = Field(None, description=(
-        "Regular expression (re.search) on module names selecting the attention modules (one "
-        "layer each, named by the layer of the module name); default: the modules with both a "
-        "q_proj and a k_proj child (Hugging Face decoders). A module that is not a Hugging Face "
-        "attention module reports its logits by calling observe_attention(self, q, k, ...)."))
-    output: bool = Field(False, description=(
-        "Observe the output head's logits on the sampled step's micro-batches: max |logit| and "
-        "the log-sum-exp z per position (mean, mean of z^2, max)."))
-    output_module: str | None = Field(None, description=(
-        "Name of the module whose output are the logits (e.g. lm_head); default: the model's "
-        "get_output_embeddings() (Hugging Face), else a module named lm_head."))
-
-
 class TracerConfig(Section):
     """Forward-pass tracing of a non-finite step: the replay that names the culprit module, and
     tracing after the event."""
@@ -477,7 +452,6 @@ SECTIONS: dict[str, type[Section]] = {
     "flight_recorder": FlightRecorderConfig, "tracer": TracerConfig, "sinks": SinksConfig,
     "naming": NamingConfig, "loss": LossConfig,
     "action": ActionConfig,
-    "logits": LogitsConfig,
 }
 
 #: the sections declared by plug-ins (a signal's nested ``Config``, see :mod:`distgrad.signals`),

@@ -109,8 +109,6 @@ CONDITIONS: dict[str, str] = {
     "tokens": "after a sampled step whose loop passed per-token losses (or logits and labels) to `observe_loss`",
     "action": "with an opt-in action configured (`action.on_nonfinite` / `action.on_spike`): the counter from "
               "`instrument()` on, at 0 for each cause; the gauge after the first sampled step",
-    "logits": "`logits.attention: true` (attention series) / `logits.output: true` (output series), after a "
-              "sampled step whose forward passes were observed on every rank (see docs/signals.md)",
     "incident": "after the detection policy opened an incident of that kind (`incidents.enabled`, the default); "
                 "`distgrad_incident_rank` only for incidents that name a rank (`bad_batch`), "
                 "`distgrad_incident_component` only for incidents that name a loss component",
@@ -453,21 +451,6 @@ CATALOGUE: tuple[Metric, ...] = (
            "zeros instead (DeepSpeed ZeRO 0-3; FSDP1 when the unit has used parameters) show the same bug as exact "
            "zeros: both are fed to the vanishing test (`distgrad_vanishing_params`) as a zero gradient"),
     _g("distgrad_exploding_params", "params", "Parameters currently flagged as exploding."),
-    # --- logit precursors (distgrad/signals/logits.py, docs/signals.md) -----------------------------
-    _g("distgrad_layer_attention_logit_max", "1", "Maximum pre-softmax attention logit q.k*scale of the layer "
-       "over heads and the sampled step's micro-batches of all ranks (masked positions left out).", "logits",
-       ("layer",), doc="max over heads, batch, query and allowed key positions of `q . k * scale` (after the "
-                       "rotary embedding) on the sampled step's training forwards, all ranks; per-head values in "
-                       "the JSONL record (`logits.attention_head_max`)"),
-    _g("distgrad_output_logit_abs_max", "1", "Maximum |logit| of the output head on the sampled step's "
-       "micro-batches of all ranks.", "logits"),
-    _g("distgrad_output_logsumexp_mean", "nats", "Mean over positions of z = logsumexp(output logits) on the "
-       "sampled step's micro-batches of all ranks.", "logits",
-       doc="mean over every position the head computed (padding included) of `z = log sum_v exp(logit_v)`"),
-    _g("distgrad_output_logsumexp_sq_mean", "nats^2", "Mean over positions of z^2 (PaLM's z-loss quantity).",
-       "logits", doc="mean of `z^2`: the z-loss of PaLM (arXiv 2204.02311 sec. 5) without its coefficient"),
-    _g("distgrad_output_logsumexp_max", "nats", "Maximum over positions of z = logsumexp(output logits).",
-       "logits"),
 )
 
 _BY_NAME: dict[str, Metric] = {}

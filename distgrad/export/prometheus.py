@@ -76,10 +76,6 @@ _PART_GAUGES: dict[str, Callable[[StepRecord], Any]] = {
     "distgrad_params_without_grad": lambda r: r.health.n_no_grad if r.health else None,
     "distgrad_exploding_params": lambda r: r.health.n_exploding if r.health else None,
     "distgrad_action_stop_requested": lambda r: int(r.action.stop_requested) if r.action else None,
-    "distgrad_output_logit_abs_max": lambda r: r.logits.output_abs_max if r.logits else None,
-    "distgrad_output_logsumexp_mean": lambda r: r.logits.z_mean if r.logits else None,
-    "distgrad_output_logsumexp_sq_mean": lambda r: r.logits.z_sq_mean if r.logits else None,
-    "distgrad_output_logsumexp_max": lambda r: r.logits.z_max if r.logits else None,
 }
 #: ``{label value: number}`` dicts of the record's typed parts with one label
 _PART_MAPS: dict[str, Callable[[StepRecord], Any]] = {
@@ -87,7 +83,6 @@ _PART_MAPS: dict[str, Callable[[StepRecord], Any]] = {
     "distgrad_layer_grad_nonfinite": lambda r: r.aggregates.layer_nonfinite if r.aggregates else None,
     "distgrad_layer_grad_zero_ratio": lambda r: r.aggregates.layer_zero_ratio if r.aggregates else None,
     "distgrad_layer_grad_headroom_ratio": lambda r: r.aggregates.layer_headroom if r.aggregates else None,
-    "distgrad_layer_attention_logit_max": lambda r: r.logits.attention_max if r.logits else None,
     "distgrad_module_kind_grad_norm": lambda r: r.aggregates.module_kind_norm if r.aggregates else None,
     "distgrad_grad_norm_zscore": lambda r: r.spikes.zscore.get("grad_norm") if r.spikes else None,
     "distgrad_loss_zscore": lambda r: r.spikes.zscore.get("loss") if r.spikes else None,

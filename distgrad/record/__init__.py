@@ -422,16 +422,16 @@ class StepRecord:
             (:class:`~distgrad.record.culprit.CulpritModule`, :mod:`distgrad.diagnostics.replay`).
         incidents: the detection policy's state (:class:`~distgrad.record.incidents.Incidents`: incidents
             opened so far, the one opened on this step), None when ``incidents.enabled`` is false.
-        logits: the logit precursors (:class:`~distgrad.record.logits.LogitStats`, :mod:`distgrad.signals.logits`),
-            None unless ``logits.attention`` / ``logits.output`` and observed on every rank.
 
     The parts declared by plug-ins (a packed signal's or a diagnostic's nested ``Part``,
     :mod:`distgrad.config.contract`; :data:`~distgrad.record.base.PLUGIN_PARTS`) are attributes
     too, None when unset: ``grad_histogram`` (the per-layer distribution of gradient values,
     :mod:`distgrad.signals.histogram`), ``optimizer_signals`` (Adam-family signals,
     :mod:`distgrad.signals.adam`; None when off, on the first optimizer step and on overflow
-    steps), ``noise_scale`` (:mod:`distgrad.signals.noise_scale`), ``curvature``
-    (:mod:`distgrad.signals.curvature`), ``duplicate_data`` and ``replica_weights``
+    steps), ``logits`` (the logit precursors, :mod:`distgrad.signals.logits`; None unless
+    ``logits.attention`` / ``logits.output`` and observed on every rank), ``noise_scale``
+    (:mod:`distgrad.signals.noise_scale`), ``curvature`` (:mod:`distgrad.signals.curvature`),
+    ``duplicate_data`` and ``replica_weights``
     (:mod:`distgrad.signals.duplicate_data`, :mod:`distgrad.signals.weight_hash`).
     """
 
@@ -472,7 +472,6 @@ class StepRecord:
     action: ActionPart | None = None
     culprit_module: CulpritModule | None = None
     incidents: Incidents | None = None
-    logits: LogitStats | None = None
 
     @property
     def nonfinite(self) -> bool:
@@ -528,5 +527,4 @@ class StepRecord:
 from distgrad.record.action import ActionPart  # noqa: E402,F401
 from distgrad.record.culprit import CulpritModule  # noqa: E402,F401
 from distgrad.record.incidents import Incidents  # noqa: E402,F401
-from distgrad.record.logits import LogitStats  # noqa: E402,F401
 from distgrad.record.loss import LossComponents, LossTrend, RankStats, TokenLossStats  # noqa: E402,F401

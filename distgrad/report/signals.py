@@ -13,7 +13,7 @@ Signals read from the records (a signal absent from every record is simply not r
 * ``optimizer_signals`` (:class:`~distgrad.signals.adam.AdamSignal.Part`): Adam's update
   RMS, spike fraction, gradient-momentum cosine, moment norms and diagonal Fisher trace, global
   and per layer.
-* ``logits`` (:class:`~distgrad.record.logits.LogitStats`): the maximum attention logit (over
+* ``logits`` (:class:`~distgrad.signals.logits.LogitSignal.Part`): the maximum attention logit (over
   layers, and per layer), the output log-sum-exp z (mean, max) and max |logit|.
 
 Findings (rules; ``W`` = :data:`WINDOW` sampled steps):

@@ -53,16 +53,20 @@ import math
 import re
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from distgrad.config.errors import ConfigError
+from distgrad.config.sections import Section
+from distgrad.export.metrics import condition, gauge
 from distgrad.naming.canonical import clean_name
 from distgrad.naming.grouping import group_keys
-from distgrad.record.logits import LogitStats
-from distgrad.signals import PackedSignal, register
+from distgrad.record.base import _Part
+from distgrad.signals import PackedSignal
 
 __all__ = ["LogitSignal", "observe_attention", "attention_head_max", "output_logit_stats"]
 
@@ -236,11 +240,118 @@ class LogitSignal(PackedSignal):
 
     SUM part (float64 ``[5 + L]``): ``[attention observed, output observed, sum z, sum z^2,
     positions, per layer observed]``; MAX part (float64 ``[2 + S]``): ``[max |logit|, max z,
-    per layer its per-head maxima]``. Record part: :class:`~distgrad.record.logits.LogitStats`
-    (``StepRecord.logits``).
+    per layer its per-head maxima]``. Record part: :class:`LogitSignal.Part`
+    (``StepRecord.logits``); its configuration section (``logits``), metrics and factory are
+    declared on this class too (the contract of :mod:`distgrad.signals`).
     """
 
     name = "logits"
+
+    class Config(Section):
+        """Logit precursors at sampled steps: the maximum pre-softmax attention logit per layer (and
+        head) and the output head's max |logit| and log-sum-exp (z) statistics (see docs/signals.md,
+        "Logit precursors")."""
+
+        section_key: ClassVar[str] = "logits"
+        attention: bool = Field(False, description=(
+            "Observe the maximum attention logit q.k*scale per layer and head on the sampled step's "
+            "micro-batches: Hugging Face attention modules (through the attention interface, after "
+            "the rotary embedding) automatically, other attention code where it calls "
+            "distgrad.signals.logits.observe_attention. Recomputes q.k^T once per layer on the "
+            "sampled step's micro-batches (the cost of one eager attention score matrix)."))
+        attention_modules: str | None = Field(None, description=(
+            "Regular expression (re.search) on module names selecting the attention modules (one "
+            "layer each, named by the layer of the module name); default: the modules with both a "
+            "q_proj and a k_proj child (Hugging Face decoders). A module that is not a Hugging Face "
+            "attention module reports its logits by calling observe_attention(self, q, k, ...)."))
+        output: bool = Field(False, description=(
+            "Observe the output head's logits on the sampled step's micro-batches: max |logit| and "
+            "the log-sum-exp z per position (mean, mean of z^2, max)."))
+        output_module: str | None = Field(None, description=(
+            "Name of the module whose output are the logits (e.g. lm_head); default: the model's "
+            "get_output_embeddings() (Hugging Face), else a module named lm_head."))
+
+    @dataclass
+    class Part(_Part):
+        """Attention and output logit statistics of a sampled step, over the training forward
+        passes of the step's micro-batches on every rank (max over ranks; sums over ranks).
+
+        Attributes:
+            attention_max: ``{layer: max over heads, batch, query and allowed key positions of
+                q . k * scale}`` (the pre-softmax attention logit, dimensionless; masked positions
+                left out); layers whose attention was not observed on some rank are left out.
+            attention_head_max: ``{layer: [per-head max]}`` (heads in the module's order), for the
+                layers whose head count distgrad knows.
+            output_abs_max: ``max |logit|`` of the output head's logits (dimensionless), or None when
+                the output head is not observed.
+            z_mean, z_sq_mean, z_max: over every position the head computed (padding included),
+                ``z = log sum_v exp(logit_v)`` (nats): mean, mean of ``z^2`` (PaLM's z-loss
+                quantity, arXiv 2204.02311 sec. 5) and max; None when not observed.
+            positions: the number of positions the z statistics are over (all ranks).
+        """
+
+        attention_max: dict[str, float] = field(default_factory=dict)
+        attention_head_max: dict[str, list[float]] = field(default_factory=dict)
+        output_abs_max: float | None = None
+        z_mean: float | None = None
+        z_sq_mean: float | None = None
+        z_max: float | None = None
+        positions: int = 0
+
+    _when = condition("logits", "`logits.attention: true` (attention series) / `logits.output: true` (output "
+                      "series), after a sampled step whose forward passes were observed on every rank (see "
+                      "docs/signals.md)")
+    METRICS = (
+        gauge("distgrad_layer_attention_logit_max", "1", "Maximum pre-softmax attention logit q.k*scale of the "
+              "layer over heads and the sampled step's micro-batches of all ranks (masked positions left out).",
+              _when, ("layer",),
+              doc="max over heads, batch, query and allowed key positions of `q . k * scale` (after the rotary "
+                  "embedding) on the sampled step's training forwards, all ranks; per-head values in the JSONL "
+                  "record (`logits.attention_head_max`)"),
+        gauge("distgrad_output_logit_abs_max", "1", "Maximum |logit| of the output head on the sampled step's "
+              "micro-batches of all ranks.", _when),
+        gauge("distgrad_output_logsumexp_mean", "nats", "Mean over positions of z = logsumexp(output logits) on "
+              "the sampled step's micro-batches of all ranks.", _when,
+              doc="mean over every position the head computed (padding included) of `z = log sum_v exp(logit_v)`"),
+        gauge("distgrad_output_logsumexp_sq_mean", "nats^2", "Mean over positions of z^2 (PaLM's z-loss quantity).",
+              _when, doc="mean of `z^2`: the z-loss of PaLM (arXiv 2204.02311 sec. 5) without its coefficient"),
+        gauge("distgrad_output_logsumexp_max", "nats", "Maximum over positions of z = logsumexp(output logits).",
+              _when),
+    )
+
+    @staticmethod
+    def samples(part: LogitSignal.Part) -> dict[str, Any]:
+        """The per-layer attention maxima (no series for a layer not observed on every rank) and
+        the output head's statistics (absent when the head was not observed)."""
+        return {"distgrad_layer_attention_logit_max": part.attention_max,
+                "distgrad_output_logit_abs_max": part.output_abs_max,
+                "distgrad_output_logsumexp_mean": part.z_mean,
+                "distgrad_output_logsumexp_sq_mean": part.z_sq_mean,
+                "distgrad_output_logsumexp_max": part.z_max}
+
+    @classmethod
+    def build(cls, inst: Any) -> LogitSignal | None:
+        """``logits.attention`` / ``logits.output``: the signal, or None when both are off.
+
+        Raises:
+            ConfigError: under a pipeline / expert job view (the ranks do not hold the same
+                layers), or ``logits.attention_modules`` not a regular expression.
+        """
+        cfg = inst.config
+        lc = cfg.logits
+        if not (lc.attention or lc.output):
+            return None
+        if getattr(inst, "job", None) is not None:
+            raise ConfigError("distgrad config: 'logits' is not supported with a pipeline / expert job view "
+                              "(the ranks do not hold the same layers)")
+        if lc.attention_modules:
+            try:
+                re.compile(lc.attention_modules)
+            except re.error as e:
+                raise ConfigError(f"distgrad config: 'logits.attention_modules' is not a regular expression: "
+                                  f"{e}") from e
+        return cls(lc.attention, lc.output, cfg.sampling.interval, lc.attention_modules, lc.output_module,
+                   cfg.naming.tuples)
 
     def __init__(self, attention: bool, output: bool, interval: int, attention_modules: str | None = None,
                  output_module: str | None = None, naming_rules: Any = None) -> None:
@@ -413,7 +524,7 @@ class LogitSignal(PackedSignal):
     def finish(self, inst: Any, rec: Any, sum_part: np.ndarray, max_part: np.ndarray,
                grad_scale: float) -> None:
         w = inst.world_size
-        part = LogitStats()
+        part = LogitSignal.Part()
         if self.output and sum_part[1] >= w and sum_part[4] > 0:
             n = float(sum_part[4])
             part.z_mean = float(sum_part[2] / n)
@@ -433,20 +544,6 @@ class LogitSignal(PackedSignal):
             rec.logits = part
 
 
-@register("logits")
-def _factory(inst: Any) -> LogitSignal | None:
-    """``logits.attention`` / ``logits.output``: the signal, or None when both are off."""
-    cfg = inst.config
-    lc = cfg.logits
-    if not (lc.attention or lc.output):
-        return None
-    if getattr(inst, "job", None) is not None:
-        raise ConfigError("distgrad config: 'logits' is not supported with a pipeline / expert job view "
-                          "(the ranks do not hold the same layers)")
-    if lc.attention_modules:
-        try:
-            re.compile(lc.attention_modules)
-        except re.error as e:
-            raise ConfigError(f"distgrad config: 'logits.attention_modules' is not a regular expression: {e}") from e
-    return LogitSignal(lc.attention, lc.output, cfg.sampling.interval, lc.attention_modules, lc.output_module,
-                       cfg.naming.tuples)
+
+#: the record part (``StepRecord.logits``), by its earlier name
+LogitStats = LogitSignal.Part
