@@ -9,22 +9,35 @@ drops. The 2-rank DDP case: tests/dist/underflow_cases.py."""
 from __future__ import annotations
 
 import collections
-import copy
 
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 
 import distgrad
 from distgrad.naming.grouping import group_keys
 from distgrad.record import StepRecord
-from tests.underflow_models import Decoder
+from distgrad.report import analyze
+from distgrad.report import signals as sig
+from tests.underflow_models import Decoder, clone
+
+
+RUNBOOK = Path(__file__).resolve().parents[1] / "docs" / "runbook.md"
+
+
+def anchors() -> set[str]:
+    return {m.group(1) for m in re.finditer(r"^#+ (\S+)\s*$", RUNBOOK.read_text(), re.M)}
 
 
 def reference(model, ids, labels, low_grads):
     """Per layer ``[lost, genuinely zero, elements]`` from the float64 recomputation of one
     micro-batch (a float64 copy of ``model``, autocast off) against ``low_grads`` (the training
     backward's gradients, name -> tensor)."""
-    m64 = copy.deepcopy(model).double()
+    m64 = clone(model).double()
     m64(ids, labels).backward()
     names = [n for n, _ in m64.named_parameters()]
     rows = collections.defaultdict(lambda: [0, 0, 0])
@@ -37,13 +50,14 @@ def reference(model, ids, labels, low_grads):
     return rows
 
 
-def run(scaler=None, steps=2, interval=1):
+def run(scaler=None, steps=2, interval=1, jsonl=None):
     torch.manual_seed(0)
     model = Decoder(loss_weight=1e-5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sinks = {"jsonl": {"path": str(jsonl)}} if jsonl else {}
     dg = distgrad.instrument(model, optimizer=opt, scaler=scaler, exporter={"enabled": False},
                              statistics={"async_records": "off"}, histogram={"enabled": True, "dtype": "fp16"},
-                             underflow={"enabled": True, "interval": interval})
+                             underflow={"enabled": True, "interval": interval}, sinks=sinks)
     recs, refs = [], []
     dg.add_hook(recs.append)
     g = torch.Generator().manual_seed(1)
@@ -107,7 +121,45 @@ def test_a_loss_scaler_recovers_the_lost_elements():
     assert recs[0].underflow.total_lost < 0.01 < 0.5 < plain[0].underflow.total_lost
 
 
-def test_interval_serves_the_last_measurement_until_the_next():
-    recs, _, errors = run(steps=3, interval=2)
+def test_interval_serves_the_last_measurement_until_the_next_and_the_report_names_the_lost_layers(tmp_path):
+    path = tmp_path / "run.jsonl"
+    recs, refs, errors = run(steps=3, interval=2, jsonl=path)
     assert errors == 0
     assert [r.underflow.step for r in recs] == [0, 0, 2]
+    # the offline report: the lost_to_underflow finding names the decoder layers, with the cause; the
+    # histogram's finding (the norm / head: subnormal in fp16) says they are kept, not lost
+    a = analyze(path)
+    lost = [f for f in a.signals.findings if f.kind == "lost_to_underflow"]
+    assert len(lost) == 1 and lost[0].step == 0
+    med = {k: float(np.median([refs[s][k][0] / refs[s][k][2] for s in (0, 2)])) for k in refs[0]}
+    worst = max(med, key=med.get)
+    assert worst in ("0", "1") and lost[0].layer == worst
+    assert f"{worst} ({100 * med[worst]:.1f}%)" in lost[0].detail and "lost to underflow" in lost[0].detail
+    assert "2 layer(s)" in lost[0].detail and "no loss scaling" in lost[0].detail
+    hist = [f for f in a.signals.findings if f.kind == "underflow"]
+    assert len(hist) == 1 and hist[0].layer in ("norm", "head") and "subnormal" in hist[0].detail
+    assert {"signal-lost-to-underflow", "signal-underflow"} <= anchors()
+    s = next(s for s in a.signals.series if s.metric == "lost_ratio")
+    assert s.glob.last[-1, 0] == recs[-1].underflow.total_lost
+
+
+def _part(step, lost, scale=1.0):
+    from distgrad.signals.underflow import Underflow
+
+    return SimpleNamespace(step=step, underflow=Underflow.Part(step=step, lost=lost, zero={}, total_lost=0.0,
+                                                                loss_scale=scale))
+
+
+@pytest.mark.parametrize("at,fires", [(sig.UNDERFLOW_RATIO, True), (sig.UNDERFLOW_RATIO - 0.001, False)])
+def test_lost_rule_threshold_over_recomputations(at, fires):
+    acc = sig.SignalsAccumulator(max_points=8)
+    for s in range(4):  # early recomputations (0) do not count once WINDOW later ones are in
+        acc.add(_part(s, {"a": 0.0, "b": 0.0}))
+    for s in range(4, 4 + sig.WINDOW):
+        for _ in range(2):  # each measurement served on two sampled steps: counted once
+            acc.add(_part(s, {"a": 0.0, "b": at if s % 2 else at + 1e-4}, scale=1024.0))  # median ~ at
+    f = acc.result().findings
+    assert bool(f) == fires
+    if fires:
+        assert f[0].kind == "lost_to_underflow" and f[0].layer == "b" and f[0].step == 4
+        assert "1024" in f[0].detail and "1 layer(s)" in f[0].detail

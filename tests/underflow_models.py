@@ -52,3 +52,12 @@ class Decoder(nn.Module):
         with torch.autocast(x.device.type, enabled=False):  # the output head in float32 (as many LLM codes)
             logits = F.linear(self.norm(x.to(dt)), self.lm_head.weight.to(dt))
         return self.loss_weight * F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def clone(model: Decoder) -> Decoder:
+    """A fresh decoder with ``model``'s weights and dtype (no hook or attribute an engine or
+    distgrad put on ``model``)."""
+    new = Decoder(len(model.embed.weight), model.embed.weight.shape[1], len(model.layers),
+                  loss_weight=model.loss_weight).to(next(model.parameters()).dtype)
+    new.load_state_dict(model.state_dict())
+    return new

@@ -15,6 +15,9 @@ Signals read from the records (a signal absent from every record is simply not r
   and per layer.
 * ``logits`` (:class:`~distgrad.signals.logits.LogitSignal.Part`): the maximum attention logit (over
   layers, and per layer), the output log-sum-exp z (mean, max) and max |logit|.
+* ``underflow`` (:class:`distgrad.signals.underflow.Underflow.Part`): the fraction of gradient
+  elements lost to underflow (non-zero in a float32 recomputation, exactly zero in the training
+  precision) and the genuinely zero fraction, global and per layer, at each recomputation.
 
 Findings (rules; ``W`` = :data:`WINDOW` sampled steps):
 
@@ -22,6 +25,13 @@ Findings (rules; ``W`` = :data:`WINDOW` sampled steps):
   dtype over its elements) has a median over the last ``W`` sampled steps of at least
   :data:`UNDERFLOW_RATIO` (1%); named: the worst such layer, the number of such layers, the
   dtype and the first step the worst one reached the threshold.
+  When the run also measured ``underflow``, the finding adds that these elements are subnormal
+  (kept with reduced precision), not lost.
+* ``lost_to_underflow``: a layer whose lost-to-underflow ratio has a median over the last ``W``
+  recomputations (``underflow.enabled``) of at least :data:`UNDERFLOW_RATIO` (1%); named: the
+  worst such layers (up to :data:`LOST_NAMED`, most lost first) with their ratios, the number of
+  such layers, the loss scale of the last recomputation and the first recomputation step the
+  worst one reached the threshold.
 * ``noise_scale``: the median ``B_simple`` of the last ``W`` records that have one, once the
   moving averages have seen at least :data:`NOISE_MIN_STEPS` sampled steps, is at least
   :data:`NOISE_FACTOR` (2) times the step's batch (larger batches would be efficient) or at most
@@ -69,6 +79,7 @@ from distgrad.report.downsample import Downsampled, Downsampler
 RUNBOOK = "docs/runbook.md"
 WINDOW = 10
 UNDERFLOW_RATIO = 0.01
+LOST_NAMED = 3
 NOISE_MIN_STEPS = 20
 NOISE_FACTOR = 2.0
 RISE_FACTOR = 3.0
@@ -179,7 +190,13 @@ SPECS["logits"] = [
     ("output_abs_max", "output logits max |logit|", True,
      lambda p: (_f(p.output_abs_max) if p.output_abs_max is not None else math.nan, None)),
 ]
-TITLES = {"grad_histogram": "Gradient value distribution", "noise_scale": "Gradient noise scale",
+SPECS["underflow"] = [
+    ("lost_ratio", "lost to underflow (non-zero in float32, exactly zero in the training precision)", False,
+     lambda p: (_f(p.total_lost), dict(p.lost))),
+    ("genuine_zero_ratio", "genuinely zero (zero in float32 too)", False,
+     lambda p: (_f(p.total_zero_ref), dict(p.zero))),
+]
+TITLES = {"underflow": "Lost to underflow", "grad_histogram": "Gradient value distribution", "noise_scale": "Gradient noise scale",
           "curvature": "Curvature along the last update", "optimizer_signals": "Optimizer (Adam) signals",
           "logits": "Logit precursors"}
 #: (signal, metric) -> (finding kind, what rose, what to do) of the rise rule
@@ -252,6 +269,8 @@ class SignalsAccumulator:
         self._m: dict[tuple[str, str], _Metric] = {}
         self._info: dict[str, dict[str, Any]] = {}
         self._under_first: dict[str, int] = {}  # layer -> first step its underflow ratio >= threshold
+        self._lost: deque[tuple[int, dict[str, float], float]] = deque(maxlen=WINDOW)  # recomputations
+        self._lost_first: dict[str, int] = {}  # layer -> first recomputation step its lost ratio >= threshold
         self._noise: deque[tuple[int, float, float]] = deque(maxlen=WINDOW)  # (step, B_simple, batch)
         self._adam: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (update RMS, spike fraction)
         self._excursion: list | None = None  # step, worst layer, rms, fraction, its rms, steps held
@@ -317,6 +336,17 @@ class SignalsAccumulator:
         row = m.recent[-1][1]
         for k in np.flatnonzero(row >= UNDERFLOW_RATIO):
             self._under_first.setdefault(m.names[int(k)], step)
+
+    def _see_underflow(self, step: int, u: Any) -> None:
+        """One record's underflow part: a new recomputation (the part is served until the next)."""
+        ms = int(u.step)
+        if self._lost and self._lost[-1][0] == ms:
+            return
+        lost = {k: _f(v) for k, v in dict(u.lost).items()}
+        self._lost.append((ms, lost, _f(u.loss_scale)))
+        for k, v in lost.items():
+            if v >= UNDERFLOW_RATIO:
+                self._lost_first.setdefault(k, ms)
 
     def _see_noise_scale(self, step: int, n: Any) -> None:
         info = self._info.setdefault("noise_scale", {})
@@ -427,11 +457,40 @@ class SignalsAccumulator:
         else:
             todo = ("gradients this small are vanishing, not a precision choice: check that layer's initialisation, "
                     "normalisation and the activations feeding it; scaling the loss up only hides it")
-        detail = (f"{100 * med[worst]:.1f}% of layer {layer}'s gradient elements underflow {dtype} "
+        kept = (" (subnormal: kept with reduced precision, not lost; the elements lost to exact zeros are the "
+                "lost_to_underflow finding's)" if self._lost else "")
+        detail = (f"{100 * med[worst]:.1f}% of layer {layer}'s gradient elements underflow {dtype}{kept} "
                   f"(0 < |g| < {tiny:.3g}; median of the last {len(win)} sampled steps, at or above "
                   f"{100 * UNDERFLOW_RATIO:g}% since step {step}); {hit.size} layer(s) at or above "
                   f"{100 * UNDERFLOW_RATIO:g}%; what to do: {todo} ({RUNBOOK}#signal-underflow)")
         return [SignalFinding("underflow", int(step), layer, detail)]
+
+    def _lost_finding(self) -> list[SignalFinding]:
+        if not self._lost:
+            return []
+        names = sorted({k for _, lost, _ in self._lost for k in lost})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN column: a layer absent lately
+            med = np.nanmedian(np.array([[lost.get(k, math.nan) for k in names] for _, lost, _ in self._lost]), axis=0)
+        hit = [i for i in np.argsort(-np.nan_to_num(med, nan=-1.0), kind="stable") if med[i] >= UNDERFLOW_RATIO]
+        if not hit:
+            return []
+        worst = [names[i] for i in hit[:LOST_NAMED]]
+        scale = self._lost[-1][2]
+        step = self._lost_first.get(worst[0], self._lost[0][0])
+        if scale == 1.0:
+            todo = ("no loss scaling is applied: use dynamic loss scaling (torch.amp.GradScaler, DeepSpeed fp16 "
+                    "loss_scale 0) or train in bf16")
+        else:
+            todo = (f"the loss scale ({scale:.4g}) is too low for these layers: raise the scaler's initial scale / "
+                    "floor (GradScaler(init_scale=...), DeepSpeed fp16.initial_scale_power / min_loss_scale), check "
+                    "that it is not stuck at its minimum after overflows, or train in bf16")
+        lay = ", ".join(f"{k} ({100 * med[names.index(k)]:.1f}%)" for k in worst)
+        detail = (f"gradient elements lost to underflow (non-zero in a float32 recomputation, exactly zero in the "
+                  f"training precision), median of the last {len(self._lost)} recomputation(s): layer(s) {lay}; "
+                  f"{len(hit)} layer(s) at or above {100 * UNDERFLOW_RATIO:g}% since step {step}; their gradient is "
+                  f"lost, not genuinely zero; what to do: {todo} ({RUNBOOK}#signal-lost-to-underflow)")
+        return [SignalFinding("lost_to_underflow", int(step), worst[0], detail)]
 
     def result(self) -> SignalsReport:
         """The :class:`SignalsReport` of the records added so far."""
@@ -443,7 +502,7 @@ class SignalsAccumulator:
                     continue
                 rep.series.append(SignalSeries(fld, metric, label, log, m.glob.result() if m.glob else None,
                                                list(m.names), m.lay.result() if m.lay else None))
-        rep.findings = (self._underflow() + self._noise_finding() + self._excursion_finding() + self._rise_findings()
+        rep.findings = (self._lost_finding() + self._underflow() + self._noise_finding() + self._excursion_finding() + self._rise_findings()
                         + [f for f in (self._dup, self._rw) if f is not None])
         rep.findings.sort(key=lambda f: f.step)
         return rep

@@ -22,7 +22,7 @@ import distgrad
 from distgrad.naming.grouping import group_keys
 from tests.dist.common import BoundaryCounter, driver_args, run_cases
 from tests.dist.engines import build_ddp, build_deepspeed, init_distributed
-from tests.underflow_models import Decoder
+from tests.underflow_models import Decoder, clone
 
 GAS, STEPS, B, T = 2, 2, 4, 16
 
@@ -30,14 +30,6 @@ GAS, STEPS, B, T = 2, 2, 4, 16
 def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(7_000 * step + 70 * micro + rank)
     return torch.randint(0, 48, (B, T), generator=g), torch.randint(0, 64, (B, T), generator=g)
-
-
-def clone(model: Decoder) -> Decoder:
-    """A fresh decoder with ``model``'s weights and dtype (no hook or attribute an engine or
-    distgrad put on ``model``)."""
-    new = Decoder(loss_weight=model.loss_weight).to(next(model.parameters()).dtype)
-    new.load_state_dict(model.state_dict())
-    return new
 
 
 def reference(model, ids, labels, factor: float, scale: float, autocast: bool) -> dict:
