@@ -9,7 +9,6 @@ drops. The 2-rank DDP case: tests/dist/underflow_cases.py."""
 from __future__ import annotations
 
 import collections
-
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,7 +23,6 @@ from distgrad.record import StepRecord
 from distgrad.report import analyze
 from distgrad.report import signals as sig
 from tests.underflow_models import Decoder, clone
-
 
 RUNBOOK = Path(__file__).resolve().parents[1] / "docs" / "runbook.md"
 

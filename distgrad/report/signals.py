@@ -196,7 +196,8 @@ SPECS["underflow"] = [
     ("genuine_zero_ratio", "genuinely zero (zero in float32 too)", False,
      lambda p: (_f(p.total_zero_ref), dict(p.zero))),
 ]
-TITLES = {"underflow": "Lost to underflow", "grad_histogram": "Gradient value distribution", "noise_scale": "Gradient noise scale",
+TITLES = {"underflow": "Lost to underflow", "grad_histogram": "Gradient value distribution",
+          "noise_scale": "Gradient noise scale",
           "curvature": "Curvature along the last update", "optimizer_signals": "Optimizer (Adam) signals",
           "logits": "Logit precursors"}
 #: (signal, metric) -> (finding kind, what rose, what to do) of the rise rule
@@ -502,7 +503,8 @@ class SignalsAccumulator:
                     continue
                 rep.series.append(SignalSeries(fld, metric, label, log, m.glob.result() if m.glob else None,
                                                list(m.names), m.lay.result() if m.lay else None))
-        rep.findings = (self._lost_finding() + self._underflow() + self._noise_finding() + self._excursion_finding() + self._rise_findings()
+        rep.findings = (self._lost_finding() + self._underflow() + self._noise_finding() + self._excursion_finding()
+                        + self._rise_findings()
                         + [f for f in (self._dup, self._rw) if f is not None])
         rep.findings.sort(key=lambda f: f.step)
         return rep
