@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from distgrad.record import StepRecord
 from distgrad.signals.histogram import GradHistogram
@@ -73,3 +74,75 @@ def check_histogram(h: GradHistogram, groups: dict[str, np.ndarray], lo: int, hi
         ref = histogram_reference(vals, lo, hi, et)
         got = {k: (getattr(h, k)[j]) for k in ref}
         assert got == ref, name
+
+
+def update_geometry_reference(before: dict, after: dict) -> dict:
+    """float64 applied-update geometry from the full weights before and after one optimizer step
+    (``{name: tensor or nested list}``; layer label = the second dotted component of
+    ``layers.<i>.<...>``): ``{"param_rms", "param_ratio", "layer_rms", "layer_ratio", "rms",
+    "ratio"}`` (see :mod:`distgrad.signals.update`)."""
+    b = {k: torch.as_tensor(v, dtype=torch.float64) for k, v in before.items()}
+    d = {k: torch.as_tensor(after[k], dtype=torch.float64) - b[k] for k in b}
+    out: dict = {"param_rms": {}, "param_ratio": {}, "layer_rms": {}, "layer_ratio": {}}
+    lsums: dict[str, list[float]] = {}
+    for k in d:
+        dsq, wsq, n = float(d[k].pow(2).sum()), float(b[k].pow(2).sum()), d[k].numel()
+        out["param_rms"][k] = math.sqrt(dsq / n)
+        out["param_ratio"][k] = math.sqrt(dsq / wsq)
+        acc = lsums.setdefault(k.split(".")[1], [0.0, 0.0, 0.0])
+        acc[0] += dsq
+        acc[1] += wsq
+        acc[2] += n
+    for lk, (dsq, wsq, n) in lsums.items():
+        out["layer_rms"][lk] = math.sqrt(dsq / n)
+        out["layer_ratio"][lk] = math.sqrt(dsq / wsq)
+    tot = np.sum(list(lsums.values()), axis=0)
+    out["rms"], out["ratio"] = math.sqrt(tot[0] / tot[2]), math.sqrt(tot[0] / tot[1])
+    return out
+
+
+def spectral_reference(updates: list[dict], names: list[str]) -> list[dict]:
+    """The warm-started power iteration of :class:`distgrad.signals.update.UpdateGeometry` run in
+    float64 on the full update matrices ``updates[t][name]`` (the matrices ``names``, in parameter
+    order, viewed as ``shape[0] x rest``): per update ``{name: max(|A v|, |A^T u|)}``. The products
+    of update t use the unit vectors ``u = A' v' / |A' v'|``, ``v = A'^T u' / |A'^T u'|`` of update
+    t-2's products (the reduction of update t-1 arrives after update t's products are taken); the
+    first two updates use the signal's seeded draw."""
+    gen = torch.Generator().manual_seed(0)
+    start = {}
+    for k in names:
+        a = torch.as_tensor(updates[0][k], dtype=torch.float64)
+        rows, cols = a.shape[0], a.numel() // a.shape[0]
+        v, u = torch.randn(cols, generator=gen, dtype=torch.float64), torch.randn(rows, generator=gen,
+                                                                                 dtype=torch.float64)
+        start[k] = (v / v.norm(), u / u.norm())
+    vecs: list[dict] = [start, start]  # the vectors update t's products use
+    out = []
+    for t, upd in enumerate(updates):
+        est, nxt = {}, {}
+        for k in names:
+            v, u = vecs[t][k]
+            a = torch.as_tensor(upd[k], dtype=torch.float64)
+            a = a.reshape(a.shape[0], -1)
+            av, atu = a @ v, a.t() @ u
+            est[k] = max(float(av.norm()), float(atu.norm()))
+            nxt[k] = (atu / atu.norm(), av / av.norm())
+        vecs.append(nxt)
+        out.append(est)
+    return out
+
+
+def adafactor_trace(opt: torch.optim.Optimizer) -> float:
+    """The trace of Adafactor's second-moment estimate as torch builds it (the full factored
+    matrix ``row_var @ col_var / max(mean(row_var), eps1)``; ``variance`` for vectors)."""
+    tot = 0.0
+    for g in opt.param_groups:
+        for p in g["params"]:
+            st = opt.state[p]
+            if st.get("variance") is not None:
+                tot += float(st["variance"].double().sum())
+                continue
+            rv, cv = st["row_var"].double(), st["col_var"].double()
+            eps1 = g["eps"][0] if g["eps"][0] is not None else torch.finfo(p.dtype).eps
+            tot += float((rv @ cv / rv.mean(dim=-2, keepdim=True).clamp(min=eps1)).sum())
+    return tot

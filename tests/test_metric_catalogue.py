@@ -30,6 +30,7 @@ from distgrad.signals.logits import LogitStats
 from distgrad.signals.duplicate_data import DuplicateDataSignal
 from distgrad.signals.weight_hash import WeightHash
 from distgrad.diagnostics.rerun import RerunAttribution
+from distgrad.signals.update import UpdateGeometry
 from distgrad.loss.token import EDGES
 from distgrad.export.prometheus import PrometheusSink
 from distgrad.record.incidents import KINDS, Incident
@@ -114,6 +115,13 @@ def _sink(features: set[str]) -> PrometheusSink:
                                 output_abs_max=9.0, z_mean=4.5, z_sq_mean=20.5, z_max=6.0, positions=16)
     if "duplicate_data" in f:
         rec.duplicate_data = DuplicateDataSignal.Part(streak=3, groups=[[0, 1]], ranks=[0, 1], first_step=3)
+    if "update_geometry" in f:  # the Muon / Adafactor / spectral gauges only where their condition holds
+        rec.update_geometry = UpdateGeometry.Part(
+            step=2, optimizer="Muon", update_rms=2e-4, update_ratio=1e-3, layer_update_rms={"0": 1e-4, "1": 3e-4},
+            layer_update_ratio={"0": 8e-4, "1": 1.2e-3},
+            layer_update_spectral={"0": 0.01, "1": 0.02} if "update_geometry_spectral" in f else {},
+            muon_rms_per_lr=0.18 if "update_geometry_muon" in f else None,
+            adafactor_trace=0.5 if "update_geometry_adafactor" in f else None)
     if "replica_weights" in f:
         rec.replica_weights = WeightHash.Part(interval=10, hash_step=0, checked_ranks=[0, 1])
     if "rerun" in f:  # a rerun said rank 1's device is at fault
@@ -154,6 +162,8 @@ def test_docs_metrics_md_is_generated_from_the_catalogue():
 def test_served_exactly_what_the_catalogue_declares_for_the_features(features):
     if "per_param" not in features:  # update ratios are per-parameter series
         features = features - {"update_ratio"}
+    if "update_geometry" not in features:  # its optimizer extras are parts of its record part
+        features = features - {"update_geometry_spectral", "update_geometry_muon", "update_geometry_adafactor"}
     served = _families(_sink(features))
     assert sorted(served) == sorted(metrics.names(when=features))
     for name, samples in served.items():

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import distgrad
 from distgrad.record import StepRecord
+from tests.reference import adafactor_trace
 
 
 class TwoLayers(nn.Module):
@@ -46,22 +47,6 @@ def _optimizer(name: str, params) -> torch.optim.Optimizer:
 
 def _w64(m: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().double().clone() for k, v in m.named_parameters()}
-
-
-def adafactor_trace(opt: torch.optim.Optimizer) -> float:
-    """The trace of Adafactor's second-moment estimate as torch builds it (the full factored
-    matrix ``row_var @ col_var / max(mean(row_var), eps1)``; ``variance`` for vectors)."""
-    tot = 0.0
-    for g in opt.param_groups:
-        for p in g["params"]:
-            st = opt.state[p]
-            if st.get("variance") is not None:
-                tot += float(st["variance"].double().sum())
-                continue
-            rv, cv = st["row_var"].double(), st["col_var"].double()
-            eps1 = g["eps"][0] if g["eps"][0] is not None else torch.finfo(p.dtype).eps
-            tot += float((rv @ cv / rv.mean(dim=-2, keepdim=True).clamp(min=eps1)).sum())
-    return tot
 
 
 def _run(opt_name: str, steps: int = 6, **cfg):

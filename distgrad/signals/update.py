@@ -12,15 +12,17 @@ element counted once by exactly one rank under DDP, ZeRO 0-3, FSDP1/2 and HSDP):
 - update/weight ratio ``||dW|| / ||W_before||`` (CS231n's "ratio of the update magnitudes to
   the value magnitudes", typically ~1e-3), per parameter, per layer and overall;
 - opt-in (``update_geometry.spectral``), per matrix (a parameter of 2 or more dimensions viewed as
-  ``shape[0] x rest``): a lower bound of the spectral norm ``sigma_max(dW)`` by a warm-started
-  power iteration that carries its two unit vectors ``v`` (columns) and ``u`` (rows) from one
-  sampled update to the next. Per sampled update the SUM collective carries the partial products
-  ``dW v`` and ``dW^T u`` of this rank's elements (exact sums under any flat sharding); the
-  estimate is ``max(|dW v|, |dW^T u|)`` (each at most ``sigma_max``, equal to it when the vector is
-  the top singular vector) and the vectors become ``u <- dW v / |dW v|``,
-  ``v <- dW^T u / |dW^T u|``: one power iteration per sampled step, on a sequence of updates
-  whose top singular directions move slowly (tests/test_update_geometry.py: within 1e-3 of
-  sigma_max after 30 steps of a fixed update). The vectors are checkpointed.
+  ``shape[0] x rest``): a lower bound of the spectral norm ``sigma_max(dW)`` by a power iteration
+  warm-started across sampled updates. Its two unit vectors ``v`` (columns) and ``u`` (rows) are
+  the same on every rank; after the optimizer step the rank takes the partial products ``dW v``
+  and ``dW^T u`` of its own elements (exact sums under any flat sharding: DDP slices, FSDP rows,
+  ZeRO partitions that cut rows), which ride in the next sampled step's SUM collective; the
+  estimate is ``max(|dW v|, |dW^T u|)`` (each at most ``sigma_max``, equal to it for the top
+  singular vectors), and the vectors become ``u <- dW v / |dW v|``, ``v <- dW^T u / |dW^T u|``.
+  The reduced products of update t arrive after update t+1's products are taken, so update t+2
+  uses them: two interleaved chains, each a full power iteration every four sampled updates, on
+  updates whose top singular directions move slowly (tests/test_update_geometry.py: within 1e-3
+  of sigma_max after 30 sampled steps of a fixed update). The vectors are checkpointed.
 - Muon (``torch.optim.Muon``, whose step is ``W <- (1 - lr wd) W - lr_adj O``, ``O`` the
   Newton-Schulz orthogonalised momentum): the RMS of the orthogonalised step
   ``W_after - (1 - lr wd) W_before`` divided by ``lr``, over the Muon parameters. With
@@ -162,8 +164,8 @@ class UpdateGeometry(PackedSignal):
             "collective (4 float64 per parameter), so a record carries the previous sampled update."))
         spectral: bool = Field(False, description=(
             "Also estimate the spectral norm of each matrix's update by a power iteration warm-started "
-            "from the previous sampled update (one iteration per sampled step, a lower bound that "
-            "converges while the update's top direction moves slowly); adds rows + cols float64 per "
+            "across sampled updates (a lower bound that converges while the update's top direction moves "
+            "slowly: a full iteration every four sampled updates per chain); adds rows + cols float64 per "
             "matrix to the SUM collective and keeps two unit vectors per matrix (checkpointed)."))
 
     @dataclass
