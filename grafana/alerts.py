@@ -448,6 +448,24 @@ def _groups() -> dict[str, Any]:
             "learning rate of the attention projections, add QK-norm or QK-clip (docs/runbook.md).",
         ),
     ]
+    upd = a["DistgradUpdateRatioHigh"]
+    training += [
+        _rule(
+            "DistgradUpdateRatioHigh",
+            f"quantile_over_time(0.5, distgrad_applied_update_ratio{sel()}[{upd['window']}]) > {upd['threshold']}\n"
+            f"and on (job, instance, run) distgrad_optimizer_step{sel()} >= {upd['min_step']}\n",
+            "The optimizer's updates of {{ $labels.job }} are large against the weights.",
+            f"For {upd['for']}, the median over {upd['window']} of the update/weight ratio ||dW|| / ||W|| of {WHO} "
+            f"(the update the optimizer applied, any optimizer) has been above {upd['threshold']} (healthy: 1e-3 "
+            f"to a few 1e-2): now {{{{ $value | printf \"%.3g\" }}}}, update RMS "
+            f"{tvalue('distgrad_applied_update_rms', '%.3g')} at sampled step {tvalue('distgrad_optimizer_step')}; "
+            "largest layers "
+            + tlist("topk(3, distgrad_layer_applied_update_ratio{job=%q,instance=%q})",
+                    '{{ $s.Labels.layer }} ({{ $s.Value | printf "%.3g" }})', "layer", "unknown")
+            + ". A learning rate (or its schedule) too large for the weights' scale: lower it or check the "
+            "warm-up (docs/runbook.md).",
+        ),
+    ]
     down, gone = a["DistgradExporterDown"], a["DistgradExporterAbsent"]
     # the last state the target served within the window (stale markers are not samples)
     last_state = f"last_over_time(distgrad_run_state{sel()}[" + "{w}])"

@@ -104,6 +104,16 @@ ALERTS: dict[str, dict[str, Any]] = {
     # (arXiv 2507.20534); healthy small models stay near 10 (docs/signals.md, "Logit precursors").
     # A ticket: a precursor, seen before the loss moves (the loss alerts page if it diverges).
     "DistgradAttentionLogitHigh": {"severity": "warning", "for": "1m", "threshold": 100},
+    # the update the optimizer applies moves the weights by more than `threshold` of their norm per
+    # step (update_geometry.enabled, opt-in; distgrad.signals.update): the median over `window` of
+    # the overall ||dW|| / ||W|| above `threshold` for `for`, once the optimizer has taken min_step
+    # steps. A normalised-update optimizer (AdamW, Muon, Lion) with decoupled weight decay settles
+    # at ||dW|| / ||W|| ~ sqrt(2 lr wd) (Kosson et al. 2023, "Rotational equilibrium", arXiv
+    # 2305.17212): 0.014 at lr 1e-3, wd 0.1; 0.063 at Muon's lr 0.02 (measured 0.06 on a small
+    # Muon model, docs/signals.md). 0.2 (the weights replaced within ~25 steps) is far above both.
+    # A ticket: a learning rate or schedule that is too large, seen before the loss moves.
+    "DistgradUpdateRatioHigh": {"severity": "warning", "for": "5m", "window": "10m", "threshold": 0.2,
+                                "min_step": 100},
 }
 
 #: Alertmanager routing and inhibition; ``python grafana/build.py`` renders configs/alertmanager.yml

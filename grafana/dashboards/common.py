@@ -263,6 +263,7 @@ OPT_IN: dict[str, str] = {
     "logits": "logits.attention / logits.output: true",
     "action": "action.on_nonfinite / action.on_spike",
     "replica_weights": "replica_weights.hash_interval > 0 (DDP, ZeRO-0, HSDP)",
+    "update_geometry": "update_geometry.enabled: true",
 }
 
 

@@ -78,6 +78,25 @@ def build() -> Dashboard:
                queries((f"distgrad_layer_curvature{{{L}}}", "{{layer}}"),
                        (f"distgrad_curvature{{{S}}}", "model {{instance}}")), 24, 8),
         ]),
+        opt_in_row("Applied update geometry", ["update_geometry"], [
+            ts("Update/weight ratio per layer", "||dW|| / ||W|| of the update the optimizer applied at the previous "
+               "sampled step, per layer and over the model (update_geometry.enabled; any optimizer). Typically 1e-3 to "
+               f"a few 1e-2; DistgradUpdateRatioHigh fires on a median above "
+               f"{config.ALERTS['DistgradUpdateRatioHigh']['threshold']}. Log scale.",
+               queries((f"distgrad_layer_applied_update_ratio{{{L}}}", "{{layer}}"),
+                       (f"distgrad_applied_update_ratio{{{S}}}", "model {{instance}}")), 12, 8, log=10),
+            ts("Applied update RMS per layer", "sqrt(mean(dW^2)) per layer and over the model, in parameter units; "
+               "with the spectral norm of each layer's largest matrix update where update_geometry.spectral is on. "
+               "Log scale.",
+               queries((f"distgrad_layer_applied_update_rms{{{L}}}", "{{layer}}"),
+                       (f"distgrad_applied_update_rms{{{S}}}", "model {{instance}}"),
+                       (f"distgrad_layer_applied_update_spectral_norm{{{L}}}", "spectral {{layer}}")), 12, 8, log=10),
+            ts("Optimizer extras: Muon step RMS per lr, Adafactor second moment", "Muon: RMS of the orthogonalised "
+               "step over the learning rate (0.2 targeted by adjust_lr_fn=match_rms_adamw, ~0.18 healthy with "
+               "torch's Newton-Schulz). Adafactor: trace of its factored second-moment estimate.",
+               queries((f"distgrad_muon_update_rms_per_lr{{{S}}}", "Muon RMS / lr {{instance}}"),
+                       (f"distgrad_adafactor_second_moment_trace{{{S}}}", "Adafactor trace {{instance}}")), 24, 8),
+        ]),
         opt_in_row("Logit precursors", ["logits"], [
             ts("Max attention logit per layer", "Maximum pre-softmax attention logit q.k/sqrt(d) of each layer over its "
                "heads and the sampled step's micro-batches (logits.attention). Kimi K2 clips it at 100 "
