@@ -60,7 +60,7 @@ SIZES = {  # name: (layers, width, heads)
 
 #: signal name -> the StepRecord field it fills
 FIELDS = {"grad_histogram": "grad_histogram", "optimizer_signals": "optimizer_signals", "noise_scale": "noise_scale",
-          "curvature": "curvature"}
+          "curvature": "curvature", "update_geometry": "update_geometry"}
 #: (row key, label, signal name in distgrad.signals.FACTORIES, config overrides switching it on)
 SIGNAL_ROWS = [
     ("sig_histogram", "signal: log2|g| histogram per layer (histogram.enabled)", "grad_histogram",
@@ -71,6 +71,10 @@ SIGNAL_ROWS = [
      {"noise_scale": {"enabled": True}}),
     ("sig_curvature", "signal: curvature along the last update (curvature.enabled)", "curvature",
      {"curvature": {"enabled": True}}),
+    ("sig_update", "signal: applied update RMS and update/weight ratio per parameter and layer, weight copy "
+     "included (update_geometry.enabled)", "update_geometry", {"update_geometry": {"enabled": True}}),
+    ("sig_update_spectral", "signal: the same with the spectral norm's power iteration (update_geometry.spectral)",
+     "update_geometry", {"update_geometry": {"enabled": True, "spectral": True}}),
 ]
 # end-to-end on CPU: ds-config overrides per size, (micro-batch, accumulation steps). The 100M
 # model at the example's 8 x 128 x 2 tokens per rank takes ~30 s per step on 2 CPU cores; 1 x 128

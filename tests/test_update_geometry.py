@@ -49,11 +49,11 @@ def _w64(m: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().double().clone() for k, v in m.named_parameters()}
 
 
-def _run(opt_name: str, steps: int = 6, **cfg):
+def _run(opt_name: str, steps: int = 6, async_records: str = "off", **cfg):
     m = _model(bias=opt_name != "muon")  # torch.optim.Muon steps matrices only
     opt = _optimizer(opt_name, m.parameters())
     dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False},
-                             update_geometry={"enabled": True, **cfg}, statistics={"async_records": "off"})
+                             update_geometry={"enabled": True, **cfg}, statistics={"async_records": async_records})
     recs: list = []
     dg.add_hook(recs.append)
     torch.manual_seed(1)
@@ -72,9 +72,10 @@ def _run(opt_name: str, steps: int = 6, **cfg):
     return m, opt, dg, recs, weights, lrs, traces
 
 
-@pytest.mark.parametrize("opt_name", ["adamw", "sgd", "muon", "adafactor"])
-def test_applied_update_matches_the_float64_update_of_the_parameter_copies(opt_name):
-    m, opt, dg, recs, weights, lrs, traces = _run(opt_name)
+@pytest.mark.parametrize("opt_name,async_records", [("adamw", "off"), ("adamw", "on"), ("sgd", "off"),
+                                                    ("muon", "off"), ("adafactor", "off")])
+def test_applied_update_matches_the_float64_update_of_the_parameter_copies(opt_name, async_records):
+    m, opt, dg, recs, weights, lrs, traces = _run(opt_name, async_records=async_records)
     assert [r.step for r in recs] == list(range(6))
     assert recs[0].update_geometry is None  # the first record has no previous update
     for rec in recs[1:]:

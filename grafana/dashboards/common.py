@@ -264,6 +264,9 @@ OPT_IN: dict[str, str] = {
     "action": "action.on_nonfinite / action.on_spike",
     "replica_weights": "replica_weights.hash_interval > 0 (DDP, ZeRO-0, HSDP)",
     "update_geometry": "update_geometry.enabled: true",
+    "update_geometry_spectral": "update_geometry.spectral: true for the spectral norm",
+    "update_geometry_muon": "Muon's extra with torch.optim.Muon",
+    "update_geometry_adafactor": "Adafactor's with torch.optim.Adafactor",
 }
 
 

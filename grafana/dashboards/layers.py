@@ -78,7 +78,8 @@ def build() -> Dashboard:
                queries((f"distgrad_layer_curvature{{{L}}}", "{{layer}}"),
                        (f"distgrad_curvature{{{S}}}", "model {{instance}}")), 24, 8),
         ]),
-        opt_in_row("Applied update geometry", ["update_geometry"], [
+        opt_in_row("Applied update geometry", ["update_geometry", "update_geometry_spectral", "update_geometry_muon",
+                                               "update_geometry_adafactor"], [
             ts("Update/weight ratio per layer", "||dW|| / ||W|| of the update the optimizer applied at the previous "
                "sampled step, per layer and over the model (update_geometry.enabled; any optimizer). Typically 1e-3 to "
                f"a few 1e-2; DistgradUpdateRatioHigh fires on a median above "
