@@ -23,7 +23,7 @@ from distgrad.record import StepRecord
 from distgrad.record.base import PLUGIN_PARTS, register_part
 from distgrad.signals import FACTORIES
 from distgrad.signals.curvature import Curvature
-from distgrad.stats.layout import pack_blocks, split_blocks
+from distgrad.stats.layout import SUM_COLS, StepBlocks, pack_blocks, split_blocks
 from distgrad.export.prometheus import PrometheusSink
 from distgrad.record import ParamStats
 from prometheus_client import generate_latest
@@ -46,6 +46,81 @@ def test_pack_and_split_blocks_are_inverse():
         off_s, off_m = off_s + a, off_m + b
     with pytest.raises(ValueError, match="blocks"):
         split_blocks(host[:-1], sizes)
+
+
+
+def test_step_blocks_pack_and_split_by_name():
+    class Block:
+        def __init__(self, name, sum_size, max_size):
+            self.name, self.sum_size, self.max_size = name, sum_size, max_size
+
+    blocks = StepBlocks([Block("a", 3, 1), Block("b", 0, 0), Block("c", 2, 4)])
+    assert blocks.sizes() == [(3, 1), (0, 0), (2, 4)]
+    parts = {"c": (torch.arange(2.0, dtype=torch.float64), torch.arange(10.0, 14.0, dtype=torch.float64)),
+             "a": (torch.arange(20.0, 23.0, dtype=torch.float64), torch.tensor([30.0], dtype=torch.float64))}
+    s, m = blocks.pack(parts)  # "b" (empty) absent; the order is the blocks', not the dict's
+    assert s.tolist() == [20.0, 21.0, 22.0, 0.0, 1.0] and m.tolist() == [30.0, 10.0, 11.0, 12.0, 13.0]
+    got = blocks.split(torch.cat([s, m]).numpy())
+    assert list(got) == ["a", "b", "c"]
+    for name, (ps, pm) in parts.items():
+        np.testing.assert_array_equal(got[name][0], ps.numpy())
+        np.testing.assert_array_equal(got[name][1], pm.numpy())
+    assert got["b"][0].size == got["b"][1].size == 0
+    with pytest.raises(ValueError, match="same name"):
+        StepBlocks([Block("a", 1, 0), Block("a", 0, 1)])
+
+
+def test_an_instrument_packs_and_splits_its_declared_blocks():
+    """One process, interval 2, the histogram on: the reduced array of each sampled step is the
+    declared blocks in order; their parts, taken apart by name, hold the float64 sums of the
+    gradients (core), the signal's counts (signals) and the unsampled step's NaN flag."""
+    import distgrad
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, sampling={"interval": 2},
+                               histogram={"enabled": True})
+    assert [b.name for b in inst.blocks.blocks] == ["core", "loss", "signals", "unsampled"]
+    hosts: list[np.ndarray] = []
+    split = inst.split_reduced
+    inst.split_reduced = lambda host: (hosts.append(np.array(host)), split(host))[1]
+    recs: list[StepRecord] = []
+    inst.add_hook(recs.append)
+    grads = []
+    for step in range(4):
+        model(torch.randn(5, 4)).pow(2).mean().backward()
+        saved = [p.detach().clone() for p in model.parameters()]
+        if step == 1:  # an unsampled step with a NaN gradient: flagged in the next sampled step
+            with torch.no_grad():
+                next(model.parameters()).grad[0, 0] = float("nan")
+        grads.append([p.grad.detach().double().numpy().ravel().copy() for p in model.parameters()])
+        opt.step()
+        if step == 1:  # keep the weights finite
+            with torch.no_grad():
+                for p, w in zip(model.parameters(), saved):
+                    p.copy_(w)
+        opt.zero_grad()
+    inst.close()
+    assert [r.step for r in recs] == [0, 2] and len(hosts) == 2 and inst.counters["internal_errors"] == 0
+    sizes = inst.block_sizes()
+    assert sizes[0] == (inst.layout.sum_size, inst.layout.max_size) and sizes[3] == (0, 2)
+    for host, rec, g in zip(hosts, recs, (grads[0], grads[2])):
+        assert len(host) == sum(a + b for a, b in sizes)
+        parts = inst.blocks.split(host)
+        # core: per parameter [numel, sum, sumsq, nan, inf, zeros]; float64 reference
+        core = parts["core"][0][: inst.layout.rank_offset].reshape(-1, len(SUM_COLS))
+        np.testing.assert_array_equal(core[:, 0], [x.size for x in g])
+        np.testing.assert_allclose(core[:, 2], [float(np.dot(x, x)) for x in g], rtol=1e-6)
+        # signals: the histogram's failure slot, then its counts, decoded into the record's part
+        sig_sum = parts["signals"][0]
+        assert sig_sum[0] == 0
+        assert inst.signals.signals[0].decode(sig_sum[1:], 1.0) == rec.grad_histogram
+        assert sum(rec.grad_histogram.numel) == sum(x.size for x in g)
+    # unsampled flags (MAX only): [gradient flag, loss flag] of step 1, set in step 2's array
+    np.testing.assert_array_equal(inst.blocks.split(hosts[0])["unsampled"][1], [0.0, 0.0])
+    np.testing.assert_array_equal(inst.blocks.split(hosts[1])["unsampled"][1], [1.0, 0.0])
+    assert recs[1].unsampled_nonfinite is not None and recs[1].unsampled_nonfinite.grad == [1]
 
 
 def test_curvature_is_declared_only_in_its_module():

@@ -62,7 +62,7 @@ from distgrad.stats import (
     replica_outliers,
     unpack,
 )
-from distgrad.stats.layout import pack_blocks, split_blocks
+from distgrad.stats.layout import StepBlocks
 
 log = logging.getLogger("distgrad")
 
@@ -278,19 +278,18 @@ class Instrument:
                 fingerprint = replica_checksum([p for p, c in zip(pieces, self.own.check) if c], device)
             pieces = self.own.take(pieces)
             count = step_loss.count if self.loss_reduction == "mean" else min(step_loss.count, 1)
-            sum_block, max_block = pack_local(pieces, self.layout, self.rank, device, fingerprint,
-                                              step_loss.sum, count, culprit_flags(step_loss.sum, grad_flag, device))
-            blocks = [(sum_block, max_block),
-                      self.loss.block(step_loss, self.rank, device, self.loss_reduction),
-                      self.signals.block(self, pieces, device)]
+            parts = {"core": pack_local(pieces, self.layout, self.rank, device, fingerprint, step_loss.sum, count,
+                                        culprit_flags(step_loss.sum, grad_flag, device)),
+                     "loss": self.loss.block(step_loss, self.rank, device, self.loss_reduction),
+                     "signals": self.signals.block(self, pieces, device)}
         except _Refused:  # join the collectives with the "refused" flag: every rank drops the step
-            blocks = self._error_blocks(device)
+            parts = self._error_blocks(device)
             code = REFUSAL_REASONS.index(refuse) if refuse in REFUSAL_REASONS else 0
-            blocks[0][0][self.layout.rank_offset + self.rank * len(RANK_COLS) + 2] = _REFUSED + code
+            parts["core"][0][self.layout.rank_offset + self.rank * len(RANK_COLS) + 2] = _REFUSED + code
         except Exception:  # noqa: BLE001 - join the collectives anyway, with the error flag set
             self._internal_error("local statistics")
-            blocks = self._error_blocks(device)
-        self._local_nonfinite = blocks[0][0][: self.layout.rank_offset].view(-1, len(SUM_COLS))[:, 3:5].clone()
+            parts = self._error_blocks(device)
+        self._local_nonfinite = parts["core"][0][: self.layout.rank_offset].view(-1, len(SUM_COLS))[:, 3:5].clone()
         self._weights_before = None
         if self.config.statistics.update_ratio and refuse is None:
             try:
@@ -299,8 +298,8 @@ class Instrument:
                 self._internal_error("copying the weights for the update ratio")
         flags = self._watcher.take(device)  # the unsampled steps' flags ride in the MAX collective
         if flags is not None:
-            blocks.append((flags[:0], flags))
-        sum_block, max_block = pack_blocks(blocks)  # the order of block_sizes()
+            parts[self._watcher.name] = (flags[:0], flags)
+        sum_block, max_block = self.blocks.pack(parts)  # in the order of the declared blocks
         try:
             if self.async_records:
                 return reduce_blocks_async(sum_block, max_block, self.group)
@@ -309,34 +308,41 @@ class Instrument:
             self._internal_error("cross-rank reduction")
             return None
 
-    def _error_blocks(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """:func:`error_blocks` plus the identities of the per-rank loss block and the signals
-        (the blocks of :meth:`block_sizes` but the unsampled-step flags)."""
-        return [error_blocks(self.layout, self.rank, device),
-                self.loss.block(None, self.rank, device, self.loss_reduction),
-                self.signals.block(self, None, device)]
+    def _error_blocks(self, device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """:func:`error_blocks` plus the identities of the per-rank loss block and the signals,
+        by block name (the blocks of :attr:`blocks` but the unsampled-step flags)."""
+        return {"core": error_blocks(self.layout, self.rank, device),
+                "loss": self.loss.block(None, self.rank, device, self.loss_reduction),
+                "signals": self.signals.block(self, None, device)}
+
+    @property
+    def blocks(self) -> StepBlocks:
+        """The blocks of a sampled step's packed tensors (:class:`~distgrad.stats.layout.StepBlock`:
+        a name and the SUM / MAX sizes, the same on every rank), in packing order: the core
+        statistics (:class:`~distgrad.stats.layout.Layout`, ``"core"``), the loss block
+        (:class:`~distgrad.loss.tracker.LossTracker`, ``"loss"``), the packed signals
+        (:class:`~distgrad.signals.SignalPack`, ``"signals"``), the unsampled steps' flags
+        (:class:`~distgrad.core.watch.UnsampledWatch`, ``"unsampled"``, MAX only). :meth:`collect`
+        packs them (:meth:`~distgrad.stats.layout.StepBlocks.pack`), :meth:`split_reduced` takes
+        them apart (:meth:`~distgrad.stats.layout.StepBlocks.split`)."""
+        return StepBlocks([self.layout, self.loss, self.signals, self._watcher])
 
     def block_sizes(self) -> list[tuple[int, int]]:
-        """``(SUM elements, MAX elements)`` of each block of the step's packed tensors, in their
-        order: the core statistics (:class:`~distgrad.stats.layout.Layout`), the loss block
-        (:class:`~distgrad.loss.tracker.LossTracker`), the packed signals
-        (:class:`~distgrad.signals.SignalPack`), the unsampled steps' flags
-        (:class:`~distgrad.core.watch.UnsampledWatch`, MAX only). :meth:`collect` packs in this
-        order (:func:`~distgrad.stats.layout.pack_blocks`), :meth:`split_reduced` takes apart."""
-        return [(self.layout.sum_size, self.layout.max_size), (self.loss.sum_size, self.loss.max_size),
-                (self.signals.sum_size, self.signals.max_size), (0, self._watcher.max_size)]
+        """``(SUM elements, MAX elements)`` of each of :attr:`blocks`, in packing order."""
+        return self.blocks.sizes()
 
     def split_reduced(self, host: np.ndarray) -> ReducedBlocks:
-        """The reduced host array of a sampled step taken apart by :meth:`block_sizes`
-        (:func:`~distgrad.stats.layout.split_blocks`): used by :meth:`_complete` and by the opt-in
+        """The reduced host array of a sampled step taken apart by :attr:`blocks`
+        (:meth:`~distgrad.stats.layout.StepBlocks.split`): used by :meth:`_complete` and by the opt-in
         action's decision (:mod:`distgrad.diagnostics.action`), which reads the same array before
         the optimizer step. No state changes.
 
         Raises:
             ValueError: the array does not have the blocks' length.
         """
-        (cs, cm), (ls, lm), (ss, sm), (_, flags) = split_blocks(host, self.block_sizes())
-        return ReducedBlocks(np.concatenate([cs, cm]), ls, lm, ss, sm, flags)
+        parts = self.blocks.split(host)
+        (cs, cm), (ls, lm), (ss, sm) = parts["core"], parts["loss"], parts["signals"]
+        return ReducedBlocks(np.concatenate([cs, cm]), ls, lm, ss, sm, parts[self._watcher.name][1])
 
     def pieces(self, local: Any) -> list[torch.Tensor | None]:
         """The source's per-parameter pieces at the positions of :attr:`names` (the job view

@@ -49,6 +49,11 @@ class UnsampledWatch:
             nothing: :meth:`take` returns None and :meth:`fold` returns its input).
     """
 
+    #: its name among the step's blocks (:class:`distgrad.stats.layout.StepBlocks`); MAX part only
+    name = "unsampled"
+    #: no SUM part
+    sum_size = 0
+
     def __init__(self, interval: int) -> None:
         self.k = max(0, int(interval) - 1)
         self._flags: torch.Tensor | None = None  # [2, k] float64: row 0 gradient, row 1 loss

@@ -93,6 +93,9 @@ class LossTracker:
         threshold: token-loss threshold in nats (config ``loss.token_threshold``).
     """
 
+    #: its name among the step's blocks (:class:`distgrad.stats.layout.StepBlocks`)
+    name = "loss"
+
     def __init__(self, world_size: int, sources: Sequence[str] = (), threshold: float = 10.0) -> None:
         self.world_size = world_size
         self.components = LossComponents()

@@ -182,10 +182,13 @@ class SignalPack:
     """The signals of one :class:`~distgrad.Instrument`, and their place in the packed tensors.
 
     SUM part: for each signal ``[failure slot, sum part...]``; MAX part: each signal's max part.
-    The pack is appended after the loss block (see :meth:`Instrument.collect`);
-    :func:`distgrad.stats.layout.split_blocks` takes it off the reduced host array again
-    (:meth:`Instrument.split_reduced`).
+    The pack is one of the step's blocks (:class:`distgrad.stats.layout.StepBlock`, ``"signals"``,
+    after the loss block); :meth:`distgrad.stats.layout.StepBlocks.split` takes it off the reduced
+    host array again (:meth:`Instrument.split_reduced`).
     """
+
+    #: its name among the step's blocks (:class:`distgrad.stats.layout.StepBlocks`)
+    name = "signals"
 
     def __init__(self, signals: Sequence[PackedSignal]) -> None:
         self.signals = list(signals)

@@ -1,13 +1,14 @@
 """Packed layout of the two reduced blocks: column names and :class:`Layout` (positions for P
-parameters and W ranks); :func:`pack_blocks` / :func:`split_blocks`, the one place the step's
-blocks (core statistics, loss, packed signals, unsampled-step flags) are put together and taken
-apart."""
+parameters and W ranks); the step's blocks (:class:`StepBlock`: the core statistics, the loss
+block, the packed signals, the unsampled-step flags) and :class:`StepBlocks`, the one place
+they are put together (:func:`pack_blocks`) and taken apart (:func:`split_blocks`), for the
+record and for the opt-in action alike."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import numpy as np
@@ -40,6 +41,9 @@ class Layout:
 
     n_params: int
     world_size: int
+
+    #: its name among the step's blocks (:class:`StepBlocks`)
+    name = "core"
 
     @property
     def sum_size(self) -> int:
@@ -87,3 +91,68 @@ def split_blocks(host: np.ndarray, sizes: Sequence[tuple[int, int]]) -> list[tup
         i += s
         j += m
     return out
+
+
+class StepBlock(Protocol):
+    """One block of a sampled step's two packed tensors: whatever enters a step declares its
+    ``name`` and its sizes, fixed at ``instrument()`` and the same on every rank.
+
+    The blocks (in packing order, :meth:`distgrad.core.instrument.Instrument.blocks`): the core
+    statistics (:class:`Layout`, ``"core"``), the loss block
+    (:class:`~distgrad.loss.tracker.LossTracker`, ``"loss"``), the packed signals
+    (:class:`~distgrad.signals.SignalPack`, ``"signals"``; each signal is one
+    :class:`~distgrad.signals.PackedSignal` inside it) and the unsampled steps' non-finite flags
+    (:class:`~distgrad.core.watch.UnsampledWatch`, ``"unsampled"``, MAX only).
+    """
+
+    @property
+    def name(self) -> str:
+        """The block's key in :meth:`StepBlocks.pack`'s parts and :meth:`StepBlocks.split`'s result."""
+        ...
+
+    @property
+    def sum_size(self) -> int:
+        """float64 elements of its SUM part."""
+        ...
+
+    @property
+    def max_size(self) -> int:
+        """float64 elements of its MAX part."""
+        ...
+
+
+class StepBlocks:
+    """The step's blocks in packing order: :meth:`pack` builds the two packed tensors from each
+    block's local parts, :meth:`split` takes the reduced host array apart into each block's
+    reduced parts (the record's :meth:`~distgrad.core.instrument.Instrument.split_reduced` and
+    the opt-in action's decision use the same split).
+
+    Raises:
+        ValueError: two blocks with one name.
+    """
+
+    def __init__(self, blocks: Sequence[StepBlock]) -> None:
+        names = [b.name for b in blocks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"step blocks with the same name: {names}")
+        self.blocks = list(blocks)
+
+    def sizes(self) -> list[tuple[int, int]]:
+        """``(SUM elements, MAX elements)`` of each block, in packing order."""
+        return [(b.sum_size, b.max_size) for b in self.blocks]
+
+    def pack(self, parts: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's ``(SUM, MAX)`` packed tensors (:func:`pack_blocks`) from ``{block name:
+        (sum part, max part)}`` (float64 1-D tensors on one device), in the blocks' order; a block
+        absent from ``parts`` contributes nothing (one whose sizes are 0: the flags with
+        ``interval`` 1)."""
+        return pack_blocks([parts[b.name] for b in self.blocks if b.name in parts])
+
+    def split(self, host: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """``{block name: (reduced SUM part, reduced MAX part)}`` (views of ``host``,
+        :func:`split_blocks`).
+
+        Raises:
+            ValueError: ``host`` is not as long as the blocks (they were packed otherwise).
+        """
+        return dict(zip((b.name for b in self.blocks), split_blocks(host, self.sizes())))
