@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distgrad.config import ConfigError, DistgradConfig
 from distgrad.core.instrument import Instrument
+
+if TYPE_CHECKING:
+    from distgrad.engines.torch_base import TorchSource
 
 log = logging.getLogger("distgrad")
 
@@ -80,6 +84,7 @@ def instrument(engine: Any, config: DistgradConfig | Mapping[str, Any] | str | o
     check_config(cfg)
 
     deepspeed = is_deepspeed_engine(engine)
+    source: DeepSpeedSource | TorchSource
     if deepspeed:
         if optimizer is not None or scaler is not None:
             raise TypeError("optimizer= and scaler= are for PyTorch models: a DeepSpeed engine owns its "
@@ -97,7 +102,7 @@ def instrument(engine: Any, config: DistgradConfig | Mapping[str, Any] | str | o
     # (port released, hooks removed, wrapped methods restored) before the error propagates
     try:
         inst.start()
-        if deepspeed:
+        if isinstance(source, DeepSpeedSource):
             clip = float(engine.gradient_clipping() or 0.0)
             inst.attach_diagnostics(engine.module, clip if clip > 0 else None)
             attach_replay(inst, engine.module, source.engine_name, source.zero_stage)
@@ -164,12 +169,12 @@ def _mark(inst: Instrument, *objs: Any) -> None:
     for o in objs:
         try:
             o._distgrad_instrument = inst
-            inst.on_close(lambda o=o: setattr(o, "_distgrad_instrument", None))
+            inst.on_close(functools.partial(setattr, o, "_distgrad_instrument", None))
         except (AttributeError, TypeError):
             pass
 
 
-def _torch_source(model: Any, optimizer: Any, scaler: Any) -> Any:
+def _torch_source(model: Any, optimizer: Any, scaler: Any) -> TorchSource:
     """The adapter of a DDP / FSDP1 / FSDP2 / plain-module model after checking ``optimizer=`` and
     ``scaler=``; its boundary is the optimizer's step hooks (and ``scaler.step`` with a
     GradScaler), see :class:`distgrad.engines.optimizer_boundary.OptimizerBoundary`."""

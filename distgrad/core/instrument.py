@@ -28,7 +28,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -63,6 +63,10 @@ from distgrad.stats import (
     unpack,
 )
 from distgrad.stats.layout import StepBlocks
+
+if TYPE_CHECKING:
+    from distgrad.engines.optimizer_boundary import OptimizerBoundary
+    from distgrad.export.prometheus import PrometheusSink
 
 log = logging.getLogger("distgrad")
 
@@ -137,7 +141,7 @@ class Instrument:
             "action_skipped_nonfinite", "action_skipped_spike")}
         self.last_record: StepRecord | None = None
         self.sinks: list[Sink] = []
-        self.prometheus = None
+        self.prometheus: PrometheusSink | None = None  # rank 0's exporter, set by start()
         self.port: int | None = None
         #: this rank's losses, sample indices and times of the current step (distgrad.loss.tracker)
         self.loss = LossTracker(self.world_size, config.loss.sources, config.loss.token_threshold)
@@ -179,6 +183,8 @@ class Instrument:
         self.signals = build_signals(self)
         self.sampled_step: int | None = None  # the optimizer step of the last collect()
         self.replay: Any = None  # culprit module: distgrad.diagnostics.replay.ForwardReplay, set by attach_replay
+        #: PyTorch loops: the optimizer's step hooks, set by distgrad.instrument (None under DeepSpeed, when disabled)
+        self.boundary: OptimizerBoundary | None = None
 
     def _device_type(self) -> str:
         try:

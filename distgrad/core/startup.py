@@ -15,6 +15,7 @@ from distgrad.export import metrics
 
 if TYPE_CHECKING:
     from distgrad.core.instrument import Instrument
+    from distgrad.export.prometheus import PrometheusSink
 
 
 def start(inst: Instrument) -> None:
@@ -29,15 +30,16 @@ def start(inst: Instrument) -> None:
                   "dtype": DTYPE_NAMES.get(inst.source.compute_dtype, str(inst.source.compute_dtype)),
                   "version": __version__}
         try:
-            inst.prometheus = PrometheusSink(ex.host, ex.port, static, inst.world_size,
-                                             has_loss_scaler=inst.source.has_loss_scaler(),
-                                             has_samples=inst.source.samples() is not None,
-                                             linger_s=ex.linger_seconds)
-            inst.port = inst.prometheus.port
-            inst.sinks.append(inst.prometheus)
+            sink = PrometheusSink(ex.host, ex.port, static, inst.world_size,
+                                  has_loss_scaler=inst.source.has_loss_scaler(),
+                                  has_samples=inst.source.samples() is not None,
+                                  linger_s=ex.linger_seconds)
+            inst.prometheus = sink
+            inst.port = sink.port
+            inst.sinks.append(sink)
             if ex.file_sd_path:
                 try:
-                    write_file_sd(inst)
+                    write_file_sd(inst, sink)
                 except OSError as e:
                     from distgrad.config import ConfigError
 
@@ -139,7 +141,7 @@ def reachable_host() -> str:
 
     fqdn = socket.getfqdn()
     try:
-        addrs = {info[4][0] for info in socket.getaddrinfo(fqdn, None)}
+        addrs = {str(info[4][0]) for info in socket.getaddrinfo(fqdn, None)}
         if fqdn != "localhost" and any(not (a.startswith("127.") or a == "::1") for a in addrs):
             return fqdn
     except OSError:
@@ -153,8 +155,8 @@ def reachable_host() -> str:
         return socket.gethostname()
 
 
-def write_file_sd(inst: Instrument) -> None:
-    """Write rank 0's exporter as a Prometheus file_sd target (atomically: write + rename) at
+def write_file_sd(inst: Instrument, sink: PrometheusSink) -> None:
+    """Write rank 0's exporter ``sink`` as a Prometheus file_sd target (atomically: write + rename) at
     :func:`file_sd_file` of ``exporter.file_sd_path``: ``[{"targets": ["<host>:<port>"],
     "labels": {"run": run_name}}]`` with host ``exporter.advertise_host``, else the bound
     address, else (bound to all interfaces) :func:`reachable_host`. The exporter removes the file
@@ -165,16 +167,16 @@ def write_file_sd(inst: Instrument) -> None:
 
     ex = inst.config.exporter
     host = ex.advertise_host or (ex.host if ex.host not in ("0.0.0.0", "::", "") else reachable_host())
-    entry: dict[str, Any] = {"targets": [f"{host}:{inst.port}"]}
+    entry: dict[str, Any] = {"targets": [f"{host}:{sink.port}"]}
     if ex.run_name:
         entry["labels"] = {"run": ex.run_name}
-    path = file_sd_file(str(ex.file_sd_path), ex.run_name, host, inst.port)
+    path = file_sd_file(str(ex.file_sd_path), ex.run_name, host, sink.port)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump([entry], f)
     os.replace(tmp, path)
-    inst.prometheus.file_sd_path = path
+    sink.file_sd_path = path
 
 
 def start_file_sinks(inst: Instrument) -> BaseException | None:

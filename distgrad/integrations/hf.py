@@ -318,7 +318,7 @@ def instrument_accelerate(accelerator: Any, model: Any, optimizer: Any = None, c
     inst = distgrad.instrument(model, config, optimizer=unwrap_optimizer(optimizer), scaler=scaler, **overrides)
     if checkpointing:  # also when disabled: the saved objects' count must not depend on distgrad's config
         accelerator.register_for_checkpointing(AccelerateCheckpoint(inst))
-    if getattr(inst, "boundary", None) is None:  # enabled: false
+    if inst.boundary is None:  # enabled: false
         return inst
     inst.loss_reduction = "sum"
     inst.boundary.read_at = "before_clip"

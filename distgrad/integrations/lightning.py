@@ -52,19 +52,23 @@ instrument at ``on_train_start``.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import distgrad
 from distgrad.engines.deepspeed import is_deepspeed_engine
 from distgrad.integrations import checkpoint_state, restore_state, with_clip_threshold, with_micro_batch_size
 
-try:
+if TYPE_CHECKING:  # checked against the lightning package (the `lightning` extra)
     from lightning.pytorch.callbacks import Callback
-except ImportError:  # pragma: no cover - the standalone package
+else:
     try:
-        from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
-    except ImportError as e:
-        raise ImportError("distgrad.integrations.lightning needs lightning: pip install 'distgrad[lightning]'") from e
+        from lightning.pytorch.callbacks import Callback
+    except ImportError:  # pragma: no cover - the standalone package
+        try:
+            from pytorch_lightning.callbacks import Callback
+        except ImportError as e:
+            raise ImportError("distgrad.integrations.lightning needs lightning: "
+                              "pip install 'distgrad[lightning]'") from e
 
 log = logging.getLogger("distgrad")
 
@@ -156,9 +160,10 @@ class DistgradCallback(Callback):
         clip = trainer.gradient_clip_val if algo.endswith("norm") else None
         overrides = with_clip_threshold(self.config, base, clip)
         self.instrument = distgrad.instrument(model, self.config, optimizer=opt, **overrides)
-        if getattr(self.instrument, "boundary", None) is not None:
+        boundary = self.instrument.boundary
+        if boundary is not None:  # None: enabled: false
             self.instrument.loss_reduction = "sum"
-            self.instrument.boundary.read_at = "external"
+            boundary.read_at = "external"
 
     @staticmethod
     def _warn_double_division(trainer: Any, pl_module: Any) -> None:

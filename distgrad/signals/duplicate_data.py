@@ -104,8 +104,9 @@ class SameDataStreaks:
         for g in self.groups:
             buckets: dict[tuple[float, float], list[int]] = {}
             for r in g:
-                if key[r] is not None:
-                    buckets.setdefault(key[r], []).append(r)
+                k = key[r]
+                if k is not None:
+                    buckets.setdefault(k, []).append(r)
             for members in buckets.values():
                 if len(members) >= 2:
                     for r in members:
@@ -115,7 +116,8 @@ class SameDataStreaks:
             if c is None:
                 self.streak[r], self.shared[r] = 0, None
             elif key[r] != self.prev[r]:  # the shared loss moved: an informative step
-                s = self.shared[r] & c if self.shared[r] is not None else None
+                shared = self.shared[r]
+                s = shared & c if shared is not None else None
                 if s is not None and len(s) >= 2:
                     self.shared[r], self.streak[r] = s, self.streak[r] + 1
                 else:
