@@ -1,10 +1,11 @@
-"""Test helpers: a throw-away Prometheus + Alertmanager on free loopback ports, a webhook
-receiver for Alertmanager's notifications, and polling helpers. Standard library only.
+"""Test helpers: a throw-away Prometheus + Alertmanager on free loopback ports, the webhook
+receiver for Alertmanager's notifications (:class:`EchoReceiver`, launch/echo_receiver.py's, with
+``out=None`` where nothing is printed), and polling helpers. Standard library only.
 
 Usage (what ``test_stack_fake_exporter.py`` does)::
 
-    with WebhookReceiver() as hook, MonitoringStack(tmp_path, ["127.0.0.1:9400"],
-                                                     webhook_url=hook.url) as stack:
+    with EchoReceiver(out=None) as hook, MonitoringStack(tmp_path, ["127.0.0.1:9400"],
+                                                         webhook_url=hook.url) as stack:
         stack.wait_for_targets_up()
         wait_until(lambda: stack.firing("DistgradNonFiniteGradients"), timeout=20)
         wait_until(lambda: hook.alerts("DistgradNonFiniteGradients", status="firing"))
@@ -26,12 +27,10 @@ import re
 import shutil
 import socket
 import subprocess
-import threading
 import time
 import urllib.parse
 import urllib.request
 from datetime import datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -135,65 +134,6 @@ def parse_time(rfc3339: str) -> float:
 
 
 # --------------------------------------------------------------------------------------------
-
-class WebhookReceiver:
-    """Collects the JSON bodies Alertmanager POSTs to ``url`` (http.server in a thread)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._payloads: list[dict[str, Any]] = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                try:
-                    payload = json.loads(body)
-                except ValueError:
-                    payload = {"invalid_json": body.decode(errors="replace")}
-                with receiver._lock:
-                    receiver._payloads.append(payload)
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="webhook", daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}/"
-
-    def payloads(self) -> list[dict[str, Any]]:
-        """Every notification received so far (Alertmanager webhook format, version 4)."""
-        with self._lock:
-            return list(self._payloads)
-
-    def alerts(self, alertname: str | None = None, status: str | None = None) -> list[dict[str, Any]]:
-        """The alerts of all notifications, optionally only those named ``alertname`` and with
-        ``status`` "firing" or "resolved"."""
-        return [
-            a
-            for p in self.payloads()
-            for a in p.get("alerts", [])
-            if (alertname is None or a["labels"].get("alertname") == alertname)
-            and (status is None or a.get("status") == status)
-        ]
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
-
-    def __enter__(self) -> "WebhookReceiver":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
 
 # --------------------------------------------------------------------------------------------
 

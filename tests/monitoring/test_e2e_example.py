@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from .stack import MissingBinary, MonitoringStack, WebhookReceiver, wait_until
+from .stack import MissingBinary, MonitoringStack, EchoReceiver, wait_until
 
 from tests.helpers import free_port
 from tests.example_job import start_example, stop
@@ -32,7 +32,7 @@ SMALL = ["--layers", "2", "--width", "64", "--heads", "2", "--block", "32", "--l
 def env(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     sick_port, healthy_port = free_port(), free_port()
-    with WebhookReceiver() as hook:
+    with EchoReceiver(out=None) as hook:
         stack = MonitoringStack(tmp / "stack", [f"127.0.0.1:{sick_port}", f"127.0.0.1:{healthy_port}"],
                                 webhook_url=hook.url)
         try:

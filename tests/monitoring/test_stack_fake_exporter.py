@@ -13,7 +13,7 @@ import pytest
 
 
 from .fake_exporter import FakeDistgradRun
-from .stack import REPO, MissingBinary, MonitoringStack, WebhookReceiver, wait_until
+from .stack import REPO, MissingBinary, MonitoringStack, EchoReceiver, wait_until
 
 pytestmark = pytest.mark.monitoring
 
@@ -23,7 +23,7 @@ NAN_PARAM = "layers.1.mlp.weight"
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     sick, healthy = FakeDistgradRun(fp16=False), FakeDistgradRun(fp16=True)
-    with sick, healthy, WebhookReceiver() as hook:
+    with sick, healthy, EchoReceiver(out=None) as hook:
         stack = MonitoringStack(tmp_path_factory.mktemp("stack"), [sick.address, healthy.address],
                                 webhook_url=hook.url)
         try:
