@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-import traceback
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from tests.dist.common import driver_args
+from tests.dist.common import driver_args, run_cases
 from tests.dist.engines import init_distributed
 from tests.dist.hf_cases import dataset, make_state, reset_accelerate, tiny_llama
 
@@ -202,27 +202,19 @@ CASES = {"trainer_ddp": "ddp", "trainer_ds": "deepspeed", "accelerate_ddp": "ddp
 
 
 def main() -> None:
-    a = driver_args(only="")
-    rank, _ = init_distributed()
+    a = driver_args(cases="all")
+    rank, world = init_distributed()
     directory = os.path.join(os.path.dirname(os.path.abspath(a.out)), "ckpt")
-    results: dict = {}
-    for name, kind in CASES.items():
-        if a.only and name not in a.only.split(","):
-            continue
-        try:
-            mine = run_case(name, kind, directory)
-        except Exception as e:  # noqa: BLE001 - reported by the test with the traceback
-            mine = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-            traceback.print_exc()
-        finally:
-            reset_accelerate()
-        ranks: list = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, mine)
-        results[name] = {"ranks": ranks}
-    if rank == 0:
-        with open(a.out, "w") as f:
-            json.dump({"cases": results}, f)
-    dist.barrier()
+
+    def job(name: str, kind: str) -> Callable[[int, int], dict]:
+        def run(rank: int, world: int) -> dict:
+            try:
+                return run_case(name, kind, directory)
+            finally:
+                reset_accelerate()
+        return run
+
+    run_cases([(name, job(name, kind)) for name, kind in CASES.items()], a.cases, a.out, rank, world, "ckpt_cases")
     dist.destroy_process_group()
 
 

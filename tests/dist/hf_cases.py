@@ -28,16 +28,15 @@ DDP); bf16 and fp16 need the two CPU refusals lifted (:func:`allow_half_precisio
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
-import traceback
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from tests.dist.common import driver_args, full_stats, run_cases
 from tests.dist.engines import init_distributed
-from tests.dist.common import driver_args, full_stats
 
 SEQ, VOCAB, BATCH, GA = 16, 256, 2, 2
 
@@ -323,27 +322,18 @@ CASES = {
 
 
 def main() -> None:
-    a = driver_args(only="")
-    rank, _ = init_distributed()
-    results: dict = {}
-    for name, kw in CASES.items():
-        if a.only and name not in a.only.split(","):
-            continue
-        try:
-            if kw["kind"] == "accelerate":
-                results[name] = run_accelerate(name, "deepspeed")
-            elif kw["kind"] == "accelerate_ddp":
-                results[name] = run_accelerate(name, "ddp")
-            else:
-                results[name] = run_case(name, **kw)
-        except Exception as e:  # noqa: BLE001 - reported by the test with the traceback
-            results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-            if rank == 0:
-                traceback.print_exc()
-    if rank == 0:
-        with open(a.out, "w") as f:
-            json.dump({"cases": results}, f)
-    dist.barrier()
+    a = driver_args(cases="all")
+    rank, world = init_distributed()
+
+    def job(name: str, kw: dict) -> Callable[[int, int], dict]:
+        if kw["kind"] == "accelerate":
+            return lambda rank, world: run_accelerate(name, "deepspeed")
+        if kw["kind"] == "accelerate_ddp":
+            return lambda rank, world: run_accelerate(name, "ddp")
+        return lambda rank, world: run_case(name, **kw)
+
+    run_cases([(name, job(name, kw)) for name, kw in CASES.items()], a.cases, a.out, rank, world, "hf_cases",
+              gather=False)
     dist.destroy_process_group()
 
 

@@ -15,6 +15,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,22 @@ def _config(**extra) -> dict:
     return {"exporter": {"enabled": False}, "statistics": {"async_records": "off"}, **extra}
 
 
+def _train_step(model, inst, opt, s: int, data_rank: int, step: Callable[[], Any]) -> list[float]:
+    """Optimizer step ``s``: GAS micro-batches of ``data_rank``'s data (each loss observed and
+    backpropagated), then ``step()`` (the optimizer's step, counted or not) and ``zero_grad``.
+    Returns the micro-batch losses (float64 host values)."""
+    losses = []
+    for micro in range(GAS):
+        x, y = batch_for(s, micro, data_rank)
+        loss = model(x, y)
+        inst.observe_loss(loss)
+        losses.append(float(loss.detach().double()))
+        loss.backward()
+    step()
+    opt.zero_grad()
+    return losses
+
+
 def run_dup(sharded: bool, rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model, opt = build_ddp(TinyModel(), optim=adamw(1e-2))
@@ -47,16 +65,8 @@ def run_dup(sharded: bool, rank: int, world: int) -> dict:
     parts, losses = [], []
     try:
         for s in range(DUP_STEPS):
-            mine = []
-            for micro in range(GAS):
-                x, y = batch_for(s, micro, rank if sharded else 0)
-                loss = model(x, y)
-                inst.observe_loss(loss)
-                mine.append(float(loss.detach().double()))
-                loss.backward()
+            mine = _train_step(model, inst, opt, s, rank if sharded else 0, lambda: counter.around(opt.step))
             losses.append([sum(mine) / len(mine), max(mine)])
-            counter.around(opt.step)
-            opt.zero_grad()
             rec = inst.last_record
             parts.append(None if rec is None or rec.duplicate_data is None else rec.duplicate_data.to_dict())
     finally:
@@ -86,13 +96,7 @@ def run_flip(rank: int, world: int, out_dir: str) -> dict:
                 if any(not torch.equal(every[0].view(torch.int32), e.view(torch.int32)) for e in every[1:]):
                     here.append(n)
             differ.append(here)
-            for micro in range(GAS):
-                x, y = batch_for(s, micro, rank)
-                loss = model(x, y)
-                inst.observe_loss(loss)
-                loss.backward()
-            counter.around(opt.step)
-            opt.zero_grad()
+            _train_step(model, inst, opt, s, rank, lambda: counter.around(opt.step))
             if s == FLIP_AFTER and rank == FLIP_RANK:
                 with torch.no_grad():
                     params[FLIP_PARAM].data.view(-1).view(torch.int32)[FLIP_INDEX] ^= 1 << FLIP_BIT
@@ -140,13 +144,7 @@ def run_hsdp(rank: int, world: int) -> dict:
                 if any(every[a] != every[b] for g in groups for a in g for b in g):
                     here.append(n)
             differ.append(here)
-            for micro in range(GAS):
-                x, y = batch_for(s, micro, rank)
-                loss = model(x, y)
-                inst.observe_loss(loss)
-                loss.backward()
-            opt.step()
-            opt.zero_grad()
+            _train_step(model, inst, opt, s, rank, opt.step)
             if s == FLIP_AFTER and rank == FLIP_RANK_HSDP:
                 with torch.no_grad():
                     local = by_clean[FLIP_PARAM].to_local()
