@@ -82,7 +82,6 @@ LABELS: dict[str, Label] = {lab.name: lab for lab in (
     Label("component", "loss component, as passed to `observe_loss(components=...)` (declared at first use, at "
                        "most 8)"),
     Label("source", "data source of per-token losses: the configured `loss.sources` (at most 8) and `other`"),
-    Label("moment", "Adam optimizer state", ("exp_avg", "exp_avg_sq")),
     Label("incident", "kind of incident the detection policy opened (`distgrad.diagnostics.incidents`): "
                       "`divergence` (the loss did not come back after a spike, or drifted up; critical), "
                       "`bad_batch` (one rank's loss an outlier and the gradient norm up; critical), "

@@ -38,10 +38,15 @@ Defining the class registers all of it (``__init_subclass__``); the module is li
 :mod:`distgrad.config` imports, so every contract is registered once ``distgrad`` is imported.
 No other file names the signal.
 
-Older signals register a factory with :func:`register`; :func:`distgrad.signals.builtin.build`
-calls every factory at ``instrument()`` time. A factory returns None when the signal is switched off, and raises
+Every built-in signal (histogram, optimizer signals, logits, noise scale, curvature, replica
+checks) follows this contract; defining the class registers its ``build`` with :func:`register`,
+and :func:`distgrad.signals.builtin.build` calls every factory at ``instrument()`` time. A
+factory returns None when the signal is switched off, and raises
 :class:`~distgrad.config.ConfigError` (or ``ValueError``) naming the key for a configuration it
 cannot serve (this is the "clear error at instrument() time" path).
+
+The signals together are one of the step's blocks (:class:`SignalPack`, ``"signals"``, a
+:class:`distgrad.stats.layout.StepBlock`), between the loss block and the unsampled-step flags.
 
 Failure handling: each signal's SUM part is prefixed by one failure slot. A rank whose
 :meth:`PackedSignal.local` raises contributes the identities (0 for SUM, -inf for MAX) with the

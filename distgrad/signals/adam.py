@@ -56,7 +56,7 @@ from pydantic import BeforeValidator, Field
 
 from distgrad.config.errors import ConfigError
 from distgrad.config.sections import Section, _on_off
-from distgrad.export.metrics import condition, gauge
+from distgrad.export.metrics import condition, gauge, label
 from distgrad.naming.grouping import group_keys
 from distgrad.record.base import _Part
 from distgrad.signals import PackedSignal, adam_native
@@ -215,6 +215,7 @@ class AdamSignal(PackedSignal):
         layer_fisher_trace: dict[str, float] = field(default_factory=dict)
         fisher_top_layers: list[str] = field(default_factory=list)
 
+    _moment = label("moment", "Adam optimizer state", ("exp_avg", "exp_avg_sq"))
     _when = condition("adam", "an Adam-family optimizer (`optimizer_signals.enabled: auto`, the default), after a "
                       "sampled step from the second optimizer step on (no moment exists before the first)")
     METRICS = (
@@ -230,7 +231,7 @@ class AdamSignal(PackedSignal):
         gauge("distgrad_grad_momentum_cosine", "1", "Cosine between the gradient and Adam's first moment (exp_avg) "
               "before the step.", _when),
         gauge("distgrad_optimizer_moment_norm", "grad", "L2 norm of an Adam state over the model (exp_avg in the "
-              "gradient's unit, exp_avg_sq in its square).", _when, ("moment",)),
+              "gradient's unit, exp_avg_sq in its square).", _when, (_moment,)),
         gauge("distgrad_fisher_trace", "grad^2", "sum(v_hat): trace of the diagonal empirical Fisher estimate Adam "
               "keeps (gradient unit squared).", _when,
               doc="`sum(v_hat)` over the model: trace of the diagonal empirical Fisher estimate of the mini-batch "
