@@ -99,6 +99,28 @@ def _rule(name: str, expr: str, summary: str, description: str) -> dict[str, Any
     }
 
 
+def _rerun_rule() -> dict[str, Any]:
+    """DistgradRerunFaultyNode: the opt-in rerun attribution (distgrad.diagnostics.rerun) blamed
+    the hardware of one rank: a ``device`` verdict (persistent) or a ``transient`` one."""
+    w = config.ALERTS["DistgradRerunFaultyNode"]["window"]
+    host = tlist("distgrad_rerun_quarantine_host_info{job=%q,instance=%q}", "{{ $s.Labels.host }}", "host",
+                 "unknown", held=w)
+    what = ('{{ if eq $labels.verdict "device" }}reproduced on the culprit rank but not on another rank given '
+            "the same micro-batches and weights: a persistent fault of that rank's device"
+            "{{ else }}did not reproduce on a rerun from the same weights and inputs: a transient fault (a bit "
+            "flip, a bad kernel launch); the node is suspect{{ end }}")
+    return _rule(
+        "DistgradRerunFaultyNode",
+        rose("distgrad_rerun_verdicts_total" + sel('verdict=~"device|transient"'), w),
+        "A rerun blames one rank's hardware in {{ $labels.job }} ({{ $labels.verdict }} fault).",
+        f"{WHO}: distgrad re-executed the forward and backward of the non-finite or replica-mismatched step "
+        f"{tvalue('distgrad_rerun_step', held=w)} for the culprit rank's micro-batches; the fault {what}. "
+        f"Quarantine global rank {tvalue('distgrad_rerun_quarantine_rank', held=w)} on host {host}: resume "
+        "from the last good checkpoint without that node. The record's rerun part (and the flight-recorder "
+        "report) holds both ranks' rerun fingerprints.",
+    )
+
+
 def _nonfinite_rule() -> dict[str, Any]:
     c = config.ALERTS["DistgradNonFiniteGradients"]
     w = c["window"]
@@ -325,6 +347,7 @@ def _groups() -> dict[str, Any]:
             f"(last sampled step {tvalue('distgrad_optimizer_step')}): their data loader does not shard by rank "
             "(or a sampler misses set_epoch). The ranks are named in the log and the JSONL record's duplicate_data.",
         ),
+        _rerun_rule(),
     ]
     fp16 = [
         _rule(

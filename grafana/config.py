@@ -76,6 +76,12 @@ ALERTS: dict[str, dict[str, Any]] = {
     # (distgrad.signals.duplicate_data): a loader that does not shard by rank; the run wastes its
     # compute but is not broken: a ticket
     "DistgradDuplicateData": {"severity": "warning", "for": "0s"},
+    # the opt-in rerun attribution (rerun.enabled, distgrad.diagnostics.rerun) re-executed a
+    # non-finite or mismatched step and blamed one rank's hardware: `device` (reproduces on that
+    # rank, not on another with the same micro-batches and weights) or `transient` (does not
+    # reproduce: the node is suspect); a person drains the node now. `data` verdicts do not page
+    # here (the non-finite alerts already did; the fault is in the data or the model)
+    "DistgradRerunFaultyNode": {"severity": "critical", "for": "0s", "window": "1h"},
     "DistgradInternalErrors": {"severity": "warning", "for": "0s", "window": "10m"},
     # sampled steps distgrad refused to export (gradients read in the wrong order, clipped
     # before distgrad read them, or no backward since the last step): the loop needs a fix

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import distgrad
 from distgrad.diagnostics.rerun import VERDICTS, classify
+from distgrad.report import analyze
 
 from tests.helpers import launch
 
@@ -141,12 +142,13 @@ class _Net(nn.Module):
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-def test_one_process_reruns_with_the_output_sum_and_says_it_cannot_compare(enabled):
+def test_one_process_reruns_with_the_output_sum_and_says_it_cannot_compare(enabled, tmp_path):
     torch.manual_seed(0)
     model = _Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, rerun={"enabled": enabled},
-                               action={"on_nonfinite": "skip"})
+                               action={"on_nonfinite": "skip"}, flight_recorder={"dir": str(tmp_path)},
+                               sinks={"jsonl": {"path": str(tmp_path / "run.jsonl")}})
     recs = []
     for step in range(4):
         x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
@@ -165,3 +167,9 @@ def test_one_process_reruns_with_the_output_sum_and_says_it_cannot_compare(enabl
                                                                                           "inconclusive", 0, -1)
     assert part.rows[0][:4] == [1.0, 1.0, 1.0, 0.0]  # reproduces: the one micro-batch non-finite
     assert recs[3].rerun.to_dict() == part.to_dict() and not recs[3].nonfinite
+    # the flight recorder's summary and the offline report's verdict carry it
+    summary = (tmp_path / "flightrec-step2-rerun.txt").read_text()
+    assert "rerun attribution of step 2 (nonfinite, culprit rank 0, compared on rank -1): inconclusive" in summary
+    verdict = analyze(tmp_path / "run.jsonl").verdict()
+    assert verdict.startswith("PROBLEM at step 2: non-finite")
+    assert "rerun attribution: inconclusive (reproduces on the culprit rank; no other rank)" in verdict

@@ -174,8 +174,9 @@ class Instrument:
         mode = config.statistics.async_records
         #: the opt-in action (distgrad.diagnostics.action): needs synchronous records, so "auto" is off with it
         self.action = Action(self)
+        #: (the rerun attribution, distgrad.diagnostics.rerun, needs them too: it reruns before the update)
         self.async_records = mode == "on" or (mode == "auto" and self._device_type() == "cuda"
-                                              and not self.action.active)
+                                              and not self.action.active and not config.rerun.enabled)
         self._parked: dict[str, Any] | None = None  # the sampled step waiting for its host copy
         self.local_grad_check: LocalGradCheck | None = None  # culprit rank: local grads before reduction
         #: the packed signals (distgrad.signals) riding in the step's two collectives; decided

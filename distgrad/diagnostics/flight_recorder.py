@@ -390,6 +390,12 @@ class FlightRecorder:
                     f"{c.rank} ({'+'.join(k for k in ('loss', 'grad') if getattr(c, k)) or '?'})" for c in culprits))
             if cm is not None:
                 w(f"forward replay of step {cm.step}: {cm.describe()}")
+        rr = getattr(recs[-1], "rerun", None) if recs else None
+        if rr is not None and rr.verdict is not None:  # distgrad.diagnostics.rerun
+            q = (f"; quarantine rank {rr.quarantine_rank} on host {rr.quarantine_host}" if rr.quarantine_rank >= 0
+                 else "")
+            w(f"rerun attribution of step {rr.step} ({rr.trigger}, culprit rank {rr.culprit_rank}, compared on "
+              f"rank {rr.other_rank}): {rr.verdict}: {rr.reason}{q}")
         prov = doc.get("provenance")
         if prov and prov.get("params"):
             rows = prov["params"]

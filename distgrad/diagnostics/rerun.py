@@ -55,7 +55,8 @@ and keeps only ``float64`` sums. Memory while it runs: one micro-batch's activat
 gradient per parameter (freed per micro-batch), plus the other rank's copy of the culprit's
 inputs. Not supported (``reason`` ``sharded`` / ``model_parallel``): engines whose forward makes
 collectives (FSDP1, FSDP2, ZeRO-3) and pipeline / expert layouts (the forward needs the other
-ranks); ``async_records``: asynchronous records learn the reduced values after the update.
+ranks); ``async_records``: asynchronous records forced on (``statistics.async_records: on``;
+``auto`` resolves to off with ``rerun.enabled``) learn the reduced values after the update.
 
 Cost: nothing on a healthy step beyond the replay's references; on a rerun step the forward and
 backward of the kept micro-batches twice (culprit and other rank, in parallel) plus the
@@ -374,9 +375,7 @@ class Rerun:
         try:
             if host is None:
                 return
-            if not isinstance(host, np.ndarray):
-                # asynchronous records: the reduced values arrive after the update
-                self.impossible = self.impossible or "async_records"
+            if not isinstance(host, np.ndarray):  # asynchronous records (refused at attach_rerun)
                 return
             trig = self._trigger(host)
             if trig is None:
@@ -550,6 +549,13 @@ def attach_rerun(inst: Any) -> Rerun | None:
     rep = getattr(inst, "replay", None)
     if rep is None or not inst.config.rerun.enabled:
         return None
-    rep.rerun = Rerun(inst, rep.root, "model_parallel" if rep.impossible is not None
-                      else ("sharded" if rep.sharded else None))
+    why = ("model_parallel" if rep.impossible is not None else "sharded" if rep.sharded
+           else "async_records" if inst.async_records else None)
+    if why is not None and inst.global_rank == 0:
+        log.warning("distgrad: rerun.enabled, but this run cannot rerun a step (%s): %s", why, {
+            "model_parallel": "pipeline stages / experts on other ranks: the forward needs them",
+            "sharded": "FSDP / ZeRO-3: the forward gathers every rank's shards",
+            "async_records": "statistics.async_records is on: the reduced values arrive after the update; "
+                             "set it to auto or off"}[why])
+    rep.rerun = Rerun(inst, rep.root, why)
     return rep.rerun

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -204,6 +205,18 @@ class RunAnalyzer:
             ranks = sorted(int(x) for x in r.replica_mismatch_ranks)
             self._problem(Problem("replica_mismatch", step, ranks=ranks, detail=(
                 f"replicated gradients differ across ranks; disagreeing rank(s) {ranks}")))
+        rr = getattr(r, "rerun", None)  # the opt-in rerun attribution (distgrad.diagnostics.rerun)
+        if rr is not None and rr.step == step and rr.verdict is not None:
+            q = (f"; quarantine rank {rr.quarantine_rank} on host {rr.quarantine_host}"
+                 if rr.quarantine_rank >= 0 else "")
+            line = f"rerun attribution: {rr.verdict} ({rr.reason}){q}"
+            same = next((k for k in ("nonfinite_grad", "nonfinite_loss", "replica_mismatch")
+                         if k in self._problems and self._problems[k].step == step), None)
+            if same is not None:  # the step's problem carries the verdict in its own line
+                self._problems[same] = dataclasses.replace(self._problems[same],
+                                                           detail=f"{self._problems[same].detail}; {line}")
+            else:
+                self._problem(Problem("rerun", step, ranks=[int(rr.culprit_rank)], detail=line))
 
         # ---- spikes (both sources; which one is reported is decided in finish())
         for metric, v in (("grad_norm", gn), ("loss", loss if r.loss is not None else None)):

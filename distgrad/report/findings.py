@@ -23,7 +23,8 @@ class Problem:
 
     Attributes:
         kind: ``nonfinite_grad``, ``nonfinite_loss``, ``nonfinite_unsampled``,
-            ``replica_mismatch``, ``overflow_streak``, ``missing_records``, ``malformed_lines``,
+            ``replica_mismatch``, ``rerun`` (the opt-in rerun attribution's verdict), ``overflow_streak``,
+            ``missing_records``, ``malformed_lines``,
             or one of :mod:`distgrad.report.verdict`'s (``divergence``, ``loss_spike``,
             ``grad_norm_spike``, ``dead_adapter``, ``never_updated``, ``vanishing``, ``stall``,
             ``no_progress``, ``loss_scale_collapse``).

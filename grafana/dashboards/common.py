@@ -267,6 +267,7 @@ OPT_IN: dict[str, str] = {
     "update_geometry_spectral": "update_geometry.spectral: true for the spectral norm",
     "update_geometry_muon": "Muon's extra with torch.optim.Muon",
     "update_geometry_adafactor": "Adafactor's with torch.optim.Adafactor",
+    "rerun": "rerun.enabled: true",
 }
 
 

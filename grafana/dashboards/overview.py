@@ -157,6 +157,16 @@ def build() -> Dashboard:
                "replica_weights.hash_interval steps while the check runs.",
                queries((f"distgrad_replica_weights_hash_step{{{S}}}", "{{instance}}")), 8, 8, unit="short"),
         ]),
+        opt_in_row("Rerun attribution", ["rerun"], [
+            ts("Rerun verdicts", "Reruns of a non-finite or replica-mismatched step's forward and backward, per "
+               "verdict: data (reproduces on another rank too), device (persistent fault on the culprit's device), "
+               "transient (did not recur: node suspect), inconclusive; device and transient page "
+               "(DistgradRerunFaultyNode). The rank to quarantine: -1 when none.",
+               queries((f"distgrad_rerun_verdicts_total{{{S}}}", "{{verdict}} {{instance}}"),
+                       (f"distgrad_rerun_quarantine_rank{{{S}}}", "quarantine rank {{instance}}")), 16, 8, unit="short"),
+            ts("Last rerun step", "Optimizer step of the last rerun attribution.",
+               queries((f"distgrad_rerun_step{{{S}}}", "{{instance}}")), 8, 8, unit="short"),
+        ]),
         opt_in_row("Opt-in action", ["action"], [
             ts("Updates skipped by distgrad", "Optimizer updates distgrad's opt-in action skipped on every rank, per "
                "cause (docs/action.md; DistgradUpdatesSkipped), and 1 once it requested a stop of the run "
