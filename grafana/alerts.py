@@ -489,6 +489,22 @@ def _groups() -> dict[str, Any]:
             "warm-up (docs/runbook.md).",
         ),
     ]
+    uf = a["DistgradGradientsLostToUnderflow"]
+    training += [
+        _rule(
+            "DistgradGradientsLostToUnderflow",
+            f"max by (job, instance, run) (distgrad_grad_lost_to_underflow_ratio{sel()}) > {uf['threshold']}\n",
+            "Gradients of {{ $labels.job }} are lost to underflow.",
+            f"For {uf['for']}, more than {uf['threshold']:.0%} of the gradient elements of {WHO} were lost to "
+            "underflow (non-zero in a float32 recomputation of a sampled micro-batch, exactly zero in the training "
+            "precision): now {{ $value | humanizePercentage }} at the recomputation of sampled step "
+            + tvalue("distgrad_underflow_measured_step") + ", most in layer(s) "
+            + tlist(f"topk(3, distgrad_layer_grad_lost_to_underflow_ratio{{job=%q,instance=%q}} > 0)",
+                    '{{ $s.Labels.layer }} ({{ $s.Value | humanizePercentage }})', "layer", "unknown")
+            + ". Those layers train on a gradient with holes: use dynamic loss scaling or raise the loss scale, or "
+            "train in bf16 (docs/runbook.md).",
+        ),
+    ]
     down, gone = a["DistgradExporterDown"], a["DistgradExporterAbsent"]
     # the last state the target served within the window (stale markers are not samples)
     last_state = f"last_over_time(distgrad_run_state{sel()}[" + "{w}])"

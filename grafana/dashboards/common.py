@@ -261,6 +261,7 @@ OPT_IN: dict[str, str] = {
     "noise_scale": "noise_scale.enabled: true",
     "curvature": "curvature.enabled: true",
     "logits": "logits.attention / logits.output: true",
+    "underflow": "underflow.enabled: true",
     "action": "action.on_nonfinite / action.on_spike",
     "replica_weights": "replica_weights.hash_interval > 0 (DDP, ZeRO-0, HSDP)",
     "update_geometry": "update_geometry.enabled: true",

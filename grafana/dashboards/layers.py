@@ -71,6 +71,17 @@ def build() -> Dashboard:
                "to 0 in fp16. Needs histogram.enabled; full log2|g| histograms are in TensorBoard and distgrad report.",
                queries((f"distgrad_layer_grad_underflow_ratio{{{L}}}", "{{layer}}")), 24, 8, min_=0, max_=1),
         ]),
+        opt_in_row("Lost to underflow", ["underflow"], [
+            ts("Gradient elements lost to underflow per layer", "Fraction of the layer's gradient elements that are "
+               "non-zero in a float32 recomputation of a sampled micro-batch but exactly zero in the training precision "
+               "(underflow.enabled; every underflow.interval-th sampled step, held until the next): lost, not "
+               "genuinely zero. DistgradGradientsLostToUnderflow fires when the model's fraction stays above "
+               f"{config.ALERTS['DistgradGradientsLostToUnderflow']['threshold']:.0%}.",
+               queries((f"distgrad_layer_grad_lost_to_underflow_ratio{{{L}}}", "{{layer}}"),
+                       (f"distgrad_grad_lost_to_underflow_ratio{{{S}}}", "model {{instance}}"),
+                       (f"distgrad_grad_genuine_zero_ratio{{{S}}}", "genuinely zero {{instance}}")),
+               24, 8, min_=0, max_=1),
+        ]),
         opt_in_row("Curvature", ["curvature"], [
             ts("Curvature along the last update per layer", "(g_t - g_{t-1}) . dtheta / |dtheta|^2 over the layer's "
                "parameters, and over the model (curvature.enabled): how sharply the loss bends along the step just "

@@ -93,8 +93,8 @@ def test_every_dashboard_query_returns_data_from_the_live_run(env):
     # data required unless the query is about something this run cannot have: the features a
     # default run lacks (grafana/dashboards/common.py OPT_IN: fp16 loss scale, update ratio, ZeRO-0
     # replicas, loss components and per-token losses, which the example's loop does not pass; the
-    # opt-in noise scale, curvature, gradient histogram, skip/stop action, logit precursors and
-    # replica weight hashes, which it does not enable), whose panels sit in collapsed rows that say how to turn them on
+    # opt-in noise scale, curvature, gradient histogram, skip/stop action, logit precursors,
+    # replica weight hashes and the lost-to-underflow recomputation, which it does not enable), whose panels sit in collapsed rows that say how to turn them on
     # (tests/test_dashboards.py); alerts; or sink errors (exported per file sink; the example writes
     # none). Those metrics are served as declared (tests/test_metric_catalogue.py) with values
     # checked in tests/test_loss_analysis.py.
@@ -102,7 +102,7 @@ def test_every_dashboard_query_returns_data_from_the_live_run(env):
 
     allowed = set(OPT_IN) | {queries.ALERT}
     assert allowed == {"loss_scaler", "update_ratio", "replicated", "components", "tokens", "noise_scale",
-                       "curvature", "histogram", "action", "logits", "replica_weights", queries.ALERT}
+                       "curvature", "histogram", "action", "logits", "replica_weights", "underflow", queries.ALERT}
     empty = [(q.dashboard, q.title, q.expr, q.conditional) for q, n in counts.items()
              if n == 0 and q.kind != "annotation" and not set(q.conditional) & allowed
              and q.metrics != ("distgrad_sink_errors_total",)
