@@ -48,14 +48,15 @@ def reference(model, ids, labels, low_grads):
     return rows
 
 
-def run(scaler=None, steps=2, interval=1, jsonl=None):
+def run(scaler=None, steps=2, interval=1, jsonl=None, sampling=1):
     torch.manual_seed(0)
     model = Decoder(loss_weight=1e-5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sinks = {"jsonl": {"path": str(jsonl)}} if jsonl else {}
     dg = distgrad.instrument(model, optimizer=opt, scaler=scaler, exporter={"enabled": False},
                              statistics={"async_records": "off"}, histogram={"enabled": True, "dtype": "fp16"},
-                             underflow={"enabled": True, "interval": interval}, sinks=sinks)
+                             underflow={"enabled": True, "interval": interval}, sinks=sinks,
+                             sampling={"interval": sampling})
     recs, refs = [], []
     dg.add_hook(recs.append)
     g = torch.Generator().manual_seed(1)
@@ -139,6 +140,15 @@ def test_interval_serves_the_last_measurement_until_the_next_and_the_report_name
     assert {"signal-lost-to-underflow", "signal-underflow"} <= anchors()
     s = next(s for s in a.signals.series if s.metric == "lost_ratio")
     assert s.glob.last[-1, 0] == recs[-1].underflow.total_lost
+
+
+def test_recomputation_steps_follow_the_step_number_with_sampling_interval():
+    recs, refs, errors = run(steps=5, interval=2, sampling=2)
+    assert errors == 0
+    # sampled steps 0, 2, 4 (indices 0, 1, 2): recomputed at 0 and 4 (indices 0 and 2), served at 2
+    assert [(r.step, r.underflow.step) for r in recs] == [(0, 0), (2, 0), (4, 4)]
+    for layer, (lost, _, n) in refs[4].items():  # step 4's first micro-batch, not a leftover of step 3
+        assert recs[2].underflow.lost[layer] == lost / n
 
 
 def _part(step, lost, scale=1.0):

@@ -188,8 +188,9 @@ class Underflow(PackedSignal):
             "but exactly zero in the training precision (lost to underflow). Costs two forward+backward passes of "
             "one micro-batch on that step. Needs the model's forward to return the loss; not on sharded engines."))
         interval: int = Field(10, ge=1, description=(
-            "Recompute on every interval-th sampled step (the first sampled step included); the last measurement "
-            "is served until the next one (distgrad_underflow_measured_step says which step)."))
+            "Recompute on every interval-th sampled step: those whose index step / sampling.interval is a multiple "
+            "of interval (step 0 included; every rank decides from the step number). The last measurement is served "
+            "until the next one (distgrad_underflow_measured_step says which step)."))
         loss_factor: float = Field(1.0, gt=0.0, description=(
             "Factor the training loop applies to the forward's loss before backward (e.g. 1/accumulation steps); "
             "underflow depends on it. DeepSpeed's own division by the accumulation steps is applied automatically."))
@@ -269,16 +270,19 @@ class Underflow(PackedSignal):
             raise ConfigError(f"distgrad config: 'underflow.enabled' is not supported on engine {engine!r}"
                               + (" with ZeRO-3" if stage == 3 else "") + " or with pipeline/expert parallelism: "
                               "the recomputation needs every parameter of the model on each rank")
-        return cls(int(cfg.interval), float(cfg.loss_factor), int(cfg.worst), inst.config.naming.tuples)
+        return cls(int(cfg.interval), float(cfg.loss_factor), int(cfg.worst), inst.config.naming.tuples,
+                   int(inst.config.sampling.interval))
 
-    def __init__(self, interval: int, loss_factor: float = 1.0, worst: int = 3, naming_rules: Any = None) -> None:
+    def __init__(self, interval: int, loss_factor: float = 1.0, worst: int = 3, naming_rules: Any = None,
+                 sampling_interval: int = 1) -> None:
         self.interval, self.loss_factor, self.n_worst = int(interval), float(loss_factor), int(worst)
+        self.sampling_interval = max(1, int(sampling_interval))
         self.naming_rules = naming_rules
         self.root: torch.nn.Module | None = None
         self.params: list[tuple[str, torch.nn.Parameter]] = []
         self.layers: list[str] = []
         self.param_layer: list[int] = []
-        self._n = 0  # sampled steps seen (local() calls): the same on every rank
+        self._next = 0  # the optimizer step the next forwards belong to (the last boundary's + 1)
         self._kept: _Kept | None = None
         self._last: Underflow.Part | None = None
         self._warned = False
@@ -287,10 +291,17 @@ class Underflow(PackedSignal):
     def sum_size(self) -> int:
         return 2 + len(COLS) * len(self.layers)
 
+    def recomputes(self, step: int) -> bool:
+        """Whether optimizer step ``step`` recomputes: a sampled step (``step % sampling.interval
+        == 0``) whose index among the sampled steps is a multiple of ``underflow.interval``; from the
+        step number alone, so every rank decides alike (whatever steps a rank refused)."""
+        m = self.sampling_interval
+        return step % m == 0 and (step // m) % self.interval == 0
+
     @property
     def armed(self) -> bool:
-        """The next sampled step recomputes."""
-        return self._n % self.interval == 0
+        """The step whose forwards run now recomputes (its first micro-batch is kept)."""
+        return self.recomputes(self._next)
 
     def attach(self, inst: Any, module: Any) -> Any:
         """Find the layers of ``module``'s trainable parameters and keep the first micro-batch of
@@ -331,6 +342,7 @@ class Underflow(PackedSignal):
 
     def skip(self, inst: Any, step: int) -> None:
         self._kept = None  # an unsampled step's micro-batch
+        self._next = int(step) + 1
 
     # ---- the recomputation --------------------------------------------------------------------
     def _scale(self, inst: Any, device: torch.device) -> torch.Tensor:
@@ -374,15 +386,16 @@ class Underflow(PackedSignal):
     def local(self, inst: Any, pieces: Sequence[torch.Tensor | None],
               device: torch.device) -> tuple[torch.Tensor, None]:
         k, self._kept = self._kept, None
-        run = self.armed
-        self._n += 1
+        step = int(inst.sampled_step)
+        run = self.recomputes(step)
+        self._next = step + 1
         out = torch.zeros(self.sum_size, dtype=torch.float64, device=device)
         if not run or k is None or self.root is None:
             return out, None
         if any(t._version != v for t, v in k.versions):
             return out, None  # an input modified in place since its forward: cannot be vouched for
         scale = self._scale(inst, device)
-        with _replaying(self.root):
+        with _replaying(self.root), torch.enable_grad():
             try:
                 low = self._pass(k, False, scale)
                 zero_low = [None if g is None else (g == 0) for g in low]
@@ -429,8 +442,3 @@ class Underflow(PackedSignal):
         if self._last is not None:
             rec.underflow = self._last
 
-    def state_dict(self) -> dict | None:
-        return {"n": self._n}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._n = int(state.get("n", 0))
