@@ -506,6 +506,32 @@ def worker(args: argparse.Namespace) -> None:
     rows.append(("logits_hooks", f"signal: logit precursors, their work per sampled micro-batch in the forward "
                  f"(max q k^T/sqrt(d) per head of {layers} layers + logsumexp of logits [1, 128, {vocab}]) [opt-in]",
                  logits_hooks))
+    # the lost-to-underflow recomputation (underflow.enabled): on a recomputation step its local()
+    # runs two forward+backward passes of the step's first micro-batch (training precision, float32)
+    uf = make_signal("underflow", {"underflow": {"enabled": True, "interval": 1}})
+    uf.attach(inst, engine.module)()  # its layers; the forward pre-hook removed at once: the row keeps (x, y)
+    uf_step = with_signals(SignalPack([uf]))
+
+    def underflow_step() -> None:
+        """A sampled step with the underflow signal on its recomputation step: the micro-batch (x, y)
+        kept as its forward pre-hook keeps it, then the boundary (both passes, the per-layer counts)."""
+        uf._pre(engine.module, (x, y), {})
+        uf_step()
+
+    ds_leaves = [p for _, p in ds_params]
+
+    def fwd_bwd() -> None:
+        """What the recomputation is measured against: one forward+backward of the same micro-batch
+        (autograd.grad, so that no engine hook runs and no .grad is written)."""
+        torch.autograd.grad(engine.module(x, y), ds_leaves)
+
+    rows.append(("fwd_bwd", "reference: one forward+backward of the micro-batch [1, 128] (the training step's own "
+                 "work per micro-batch)", fwd_bwd))
+    signal_rows.append("sig_underflow")
+    rows.append(("sig_underflow", "signal: lost to underflow, a recomputation step (underflow.enabled: two "
+                 "forward+backward passes of one micro-batch [1, 128], training precision and float32) [opt-in]",
+                 underflow_step))
+    parts["sig_underflow"] = "underflow"
     # warm-up (compiles the native kernel and, if listed, the torch.compile kernel)
     t_warm = {}
     for key, _, fn in rows:
