@@ -408,3 +408,50 @@ def test_adam_excursion_threshold(rms, frac, first, fires):
     assert bool(f) == fires
     if fires:
         assert f[0].step == max(first + sig.WINDOW - 1, sig.ADAM_MIN_STEP) and f[0].layer == "a"
+
+
+# ---------------------------------------------------------------- applied update geometry
+def run_update(tmp_path: Path, jump_at: int | None, steps: int = 40) -> Path:
+    """SGD with momentum on a fixed least-squares problem through Net, update geometry on; from
+    step ``jump_at`` the learning rate is 10x (a schedule restarted at its peak)."""
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+    path = tmp_path / f"update{jump_at}.jsonl"
+    inst = distgrad.instrument(net, optimizer=opt, exporter={"enabled": False}, sinks={"jsonl": {"path": str(path)}},
+                               update_geometry={"enabled": True})
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 8, generator=g)
+    y = x @ torch.randn(8, generator=g)
+    for step in range(steps):
+        if jump_at is not None and step == jump_at:
+            opt.param_groups[0]["lr"] *= 10.0
+        net(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert inst.counters["internal_errors"] == 0
+    inst.close()
+    return path
+
+
+def test_update_ratio_rise_from_a_real_run(tmp_path):
+    def total(r):
+        return r.update_geometry.update_ratio if r.update_geometry else None
+
+    def layer(r):
+        return r.update_geometry.layer_update_ratio if r.update_geometry else {}
+
+    recs = [r for r in records(run_update(tmp_path, jump_at=20)) if r.update_geometry is not None]
+    want = expected_rise(recs, total, layer)
+    assert want is not None  # the run does what it is meant to
+    a = analyze(tmp_path / "update20.jsonl")
+    f = [x for x in a.signals.findings if x.kind == "update_ratio_rise"]
+    assert len(f) == 1
+    assert (f[0].step, f[0].layer) == want[:2] and f[0].step > 20
+    assert f"rose {want[2]:.3g}x" in f[0].detail and "docs/runbook.md#signal-update-ratio-rise" in f[0].detail
+    s = next(s for s in a.signals.series if s.signal == "update_geometry" and s.metric == "update_ratio")
+    assert s.glob.last[-1, 0] == pytest.approx(recs[-1].update_geometry.update_ratio, rel=1e-12)
+    # without the jump: no finding, and the rule recomputed agrees
+    recs = [r for r in records(run_update(tmp_path, jump_at=None)) if r.update_geometry is not None]
+    assert expected_rise(recs, total, layer) is None
+    assert not [x for x in analyze(tmp_path / "updateNone.jsonl").signals.findings if x.kind == "update_ratio_rise"]

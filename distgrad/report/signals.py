@@ -15,6 +15,8 @@ Signals read from the records (a signal absent from every record is simply not r
   and per layer.
 * ``logits`` (:class:`~distgrad.signals.logits.LogitSignal.Part`): the maximum attention logit (over
   layers, and per layer), the output log-sum-exp z (mean, max) and max |logit|.
+* ``update_geometry`` (:class:`distgrad.signals.update.UpdateGeometry.Part`): the applied
+  update's update/weight ratio and RMS (any optimizer), global and per layer.
 * ``underflow`` (:class:`distgrad.signals.underflow.Underflow.Part`): the fraction of gradient
   elements lost to underflow (non-zero in a float32 recomputation, exactly zero in the training
   precision) and the genuinely zero fraction, global and per layer, at each recomputation.
@@ -43,6 +45,7 @@ Findings (rules; ``W`` = :data:`WINDOW` sampled steps):
   ``DistgradAdamUpdateExcursion`` alert; named at the first step it held, with the layer of
   largest update RMS then.
 * ``update_rms_rise``: the rise rule (below) on the update RMS.
+* ``update_ratio_rise``: the rise rule on the applied update/weight ratio (``update_geometry``).
 * ``attention_logit_rise``: the rise rule on the maximum attention logit (over layers or in a
   layer); named at the first step it held, with the layer of largest rise then.
 * ``curvature_rise``: the median curvature of the last ``W`` sampled steps is at least
@@ -190,6 +193,11 @@ SPECS["logits"] = [
     ("output_abs_max", "output logits max |logit|", True,
      lambda p: (_f(p.output_abs_max) if p.output_abs_max is not None else math.nan, None)),
 ]
+SPECS["update_geometry"] = [
+    ("update_ratio", "applied update/weight ratio ||dW|| / ||W|| (any optimizer)", True,
+     lambda p: (_f(p.update_ratio) if p.update_ratio is not None else math.nan, dict(p.layer_update_ratio))),
+    ("update_rms", "applied update RMS (parameter units)", True, lambda p: (_f(p.update_rms), dict(p.layer_update_rms))),
+]
 SPECS["underflow"] = [
     ("lost_ratio", "lost to underflow (non-zero in float32, exactly zero in the training precision)", False,
      lambda p: (_f(p.total_lost), dict(p.lost))),
@@ -199,7 +207,7 @@ SPECS["underflow"] = [
 TITLES = {"underflow": "Lost to underflow", "grad_histogram": "Gradient value distribution",
           "noise_scale": "Gradient noise scale",
           "curvature": "Curvature along the last update", "optimizer_signals": "Optimizer (Adam) signals",
-          "logits": "Logit precursors"}
+          "logits": "Logit precursors", "update_geometry": "Applied update geometry"}
 #: (signal, metric) -> (finding kind, what rose, what to do) of the rise rule
 RISES = {
     ("optimizer_signals", "update_rms"): (
@@ -210,6 +218,10 @@ RISES = {
         "attention_logit_rise", "maximum attention logit",
         "the attention logits are growing (attention-entropy collapse and loss spikes follow): lower the learning "
         "rate of the attention projections, add QK-norm or QK-clip"),
+    ("update_geometry", "update_ratio"): (
+        "update_ratio_rise", "applied update/weight ratio",
+        "the optimizer's steps are growing against the weights (loss spikes tend to follow): lower the learning "
+        "rate or check its schedule (a warm-up that ended, a restart at the peak) and the weight decay"),
     ("curvature", "curvature"): (
         "curvature_rise", "curvature along the update",
         "the loss is sharpening along the steps (towards the edge of stability, where loss spikes follow): lower "
