@@ -196,7 +196,8 @@ SPECS["logits"] = [
 SPECS["update_geometry"] = [
     ("update_ratio", "applied update/weight ratio ||dW|| / ||W|| (any optimizer)", True,
      lambda p: (_f(p.update_ratio) if p.update_ratio is not None else math.nan, dict(p.layer_update_ratio))),
-    ("update_rms", "applied update RMS (parameter units)", True, lambda p: (_f(p.update_rms), dict(p.layer_update_rms))),
+    ("update_rms", "applied update RMS (parameter units)", True,
+     lambda p: (_f(p.update_rms), dict(p.layer_update_rms))),
 ]
 SPECS["underflow"] = [
     ("lost_ratio", "lost to underflow (non-zero in float32, exactly zero in the training precision)", False,
