@@ -171,3 +171,39 @@ def test_lost_rule_threshold_over_recomputations(at, fires):
     if fires:
         assert f[0].kind == "lost_to_underflow" and f[0].layer == "b" and f[0].step == 4
         assert "1024" in f[0].detail and "1 layer(s)" in f[0].detail
+
+
+def test_a_forward_without_loss_measures_nothing_and_never_breaks_the_loop(caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))  # returns outputs, not a loss
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"},
+                             underflow={"enabled": True, "interval": 1})
+    recs = []
+    dg.add_hook(recs.append)
+    for _ in range(2):
+        model(torch.randn(3, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    errors = dg.counters["internal_errors"]
+    dg.close()
+    assert [r.step for r in recs] == [0, 1] and all(r.underflow is None for r in recs)
+    assert errors == 2  # each recomputation step's failure counted; the step's other statistics kept
+    assert sum("returns no loss" in r.getMessage() for r in caplog.records) == 1  # warned once
+    assert all(r.params is not None for r in recs)
+
+
+@pytest.mark.parametrize("engine,stage,job", [("fsdp2", None, None), ("fsdp1", None, None), ("deepspeed", 3, None),
+                                              ("ddp", None, object())])
+def test_refused_where_no_rank_holds_every_parameter(engine, stage, job):
+    from distgrad.config import ConfigError, DistgradConfig
+    from distgrad.signals.underflow import Underflow
+
+    cfg = DistgradConfig().with_overrides({"underflow": {"enabled": True}})
+    inst = SimpleNamespace(config=cfg, source=SimpleNamespace(engine_name=engine, zero_stage=stage), job=job)
+    with pytest.raises(ConfigError, match="underflow.enabled"):
+        Underflow.build(inst)
+    ok = SimpleNamespace(config=cfg, source=SimpleNamespace(engine_name="deepspeed", zero_stage=2), job=None)
+    assert Underflow.build(ok) is not None
+    off = SimpleNamespace(config=DistgradConfig(), source=ok.source, job=None)
+    assert Underflow.build(off) is None
