@@ -62,6 +62,16 @@ def test_verdict_on_injected_faults(cases, kind, trigger, verdict, quarantine):
 
 
 @pytest.mark.parametrize("kind", ["data", "transient", "device", "weights"])
+def test_every_rank_issues_the_same_collectives_and_healthy_steps_none(cases, kind):
+    ranks = _ranks(cases, kind)
+    seqs = [[rec["boundary_collectives"] for rec in res["records"]] for res in ranks]
+    assert seqs[0] == seqs[1]
+    assert all(s == [] for s in seqs[0][:BAD])  # healthy steps: no collective at the boundary
+    rerun = [c for c in seqs[0][BAD] if c in ("broadcast_object_list", "all_gather_into_tensor")]
+    assert rerun[-2:] == ["broadcast_object_list", "all_gather_into_tensor"]  # the rerun's two
+
+
+@pytest.mark.parametrize("kind", ["data", "transient", "device", "weights"])
 def test_rerun_fingerprints_match_a_float64_reference_of_the_weights_before_the_step(cases, kind):
     """Each rank's rerun of rank 1's micro-batches = rank 1's batches through a plain copy of
     *that rank's* weights before step 3 (``.backward()``, no fault): rank 0 always (its arithmetic
@@ -96,6 +106,8 @@ def test_rerun_backward_does_not_leak_into_the_next_steps_flags(cases):
     for res in _ranks(cases, "data"):
         rec = res["records"][BAD + 1]
         assert not rec["nonfinite"] and rec["culprits"] == [] and rec["applied"]
+        # nor into the output-logit statistics, armed for the next step at this boundary
+        assert all(r["logit_max"] is not None and math.isfinite(r["logit_max"]) for r in res["records"][BAD + 1:])
 
 
 def test_served_verdict_metrics(cases):

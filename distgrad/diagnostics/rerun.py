@@ -46,8 +46,9 @@ the bad forward ran with; no copy is made. The inputs: the references the culpri
 keeps already (:data:`~distgrad.diagnostics.replay.KEEP` micro-batches per step, no copy; an input
 modified in place since is detected by its version counter). The rerun runs ``root.forward``
 (the module's own forward hooks are not run: no loss is observed twice and no input is kept
-twice; its submodules' hooks run) in train mode with each micro-batch's own RNG state
-(``torch.random.fork_rng``: the user's RNG streams are untouched) and autocast state, takes the
+twice; its submodules' hooks run; distgrad's logit and underflow observers ignore it) in train
+mode with each micro-batch's own RNG state (``torch.random.fork_rng``: the user's RNG streams
+are untouched) and autocast state, takes the
 loss (a floating 0-d output, a ``.loss`` / ``["loss"]``; else the sum of the floating output
 tensors) and its gradients by ``torch.autograd.grad`` (``.grad`` is not touched, no DDP / ZeRO
 reduction hook runs, and distgrad's own leaf hooks are paused), restores the module buffers,
@@ -65,10 +66,11 @@ broadcast; measured in ``docs/performance.md`` ("Rerun attribution").
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -294,6 +296,20 @@ def _map(obj: Any, fn: Any, depth: int = 0) -> Any:
     return obj
 
 
+@contextlib.contextmanager
+def _observers_paused() -> Iterator[None]:
+    """distgrad's forward observers ignore the rerun's forwards: the logit precursors
+    (:mod:`distgrad.signals.logits`, armed for the next step at this boundary) and the underflow
+    recomputation's keeping both test :func:`distgrad.signals.underflow.in_replay`."""
+    from distgrad.signals import underflow  # the one flag those observers read
+
+    underflow._DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        underflow._DEPTH[0] -= 1
+
+
 def _loss_of(out: Any) -> torch.Tensor:
     """The scalar to differentiate: the model's loss when it returns one, else the sum of its
     floating output tensors (a fixed cotangent of ones: every output element's gradient path)."""
@@ -478,7 +494,7 @@ class Rerun:
         self.running = True
         try:
             with torch.random.fork_rng(devices=devices, device_type="cuda"), leaf_hooks_paused(), \
-                    torch.enable_grad():
+                    _observers_paused(), torch.enable_grad():
                 for args, kwargs, cpu_rng, cuda_rng, ac in items:
                     torch.set_rng_state(cpu_rng)
                     if cuda and cuda_rng is not None:

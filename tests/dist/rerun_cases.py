@@ -72,11 +72,14 @@ def _stuck_exponent(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
 def case(kind: str, rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model, opt = build_ddp(Net(), optim=sgd(0.05))
-    extra = {"replica_weights": {"hash_interval": 1}} if kind == "weights" else {}
+    extra: dict = {"replica_weights": {"hash_interval": 1}} if kind == "weights" else {}
+    if kind == "data":  # the output logits' statistics must not see the reruns' (NaN) forwards
+        extra["logits"] = {"output": True, "output_module": "out"}
     inst = distgrad.instrument(model, optimizer=opt, rerun={"enabled": True}, action={"on_nonfinite": "skip"},
                                exporter={"port": 0, "host": "127.0.0.1"} if kind == "device" else {"enabled": False},
                                **extra)
     inner = model.module
+    calls = _record_collectives(inst)
     fired = {"n": 0}
     handles = []
     recs, reference = [], {}
@@ -111,7 +114,10 @@ def case(kind: str, rank: int, world: int) -> dict:
         rec = inst.last_record
         recs.append({"step": rec.step, "nonfinite": rec.nonfinite, "applied": rec.step_applied,
                      "culprits": [c.rank for c in rec.culprits],
-                     "rerun": rec.rerun.to_dict() if rec.rerun is not None else None})
+                     "rerun": rec.rerun.to_dict() if rec.rerun is not None else None,
+                     "logit_max": rec.logits.output_abs_max if rec.logits is not None else None,
+                     "boundary_collectives": list(calls)})
+        calls.clear()
     served = ""
     if inst.prometheus is not None:
         from prometheus_client import generate_latest
@@ -120,9 +126,46 @@ def case(kind: str, rank: int, world: int) -> dict:
                            if ln.startswith("distgrad_rerun"))
     for h in handles:
         h.remove()
+    _restore_collectives()
     errors = inst.counters["internal_errors"]
     inst.close()
     return {"records": recs, "reference": reference, "served": served, "internal_errors": errors}
+
+
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast",
+                "broadcast_object_list", "all_gather_object", "reduce_scatter_tensor", "barrier")
+_ORIGINAL: dict = {}
+
+
+def _record_collectives(inst) -> list[str]:
+    """The torch.distributed calls made inside the boundary's replay + rerun
+    (``inst.replay.boundary``), by name, in order (nested calls of broadcast_object_list too)."""
+    calls: list[str] = []
+    inside = [False]
+    for fn in _COLLECTIVES:
+        if hasattr(dist, fn):
+            orig = _ORIGINAL.setdefault(fn, getattr(dist, fn))
+
+            def counted(*a, _fn=fn, _orig=orig, **kw):
+                if inside[0]:
+                    calls.append(_fn)
+                return _orig(*a, **kw)
+            setattr(dist, fn, counted)
+    boundary = inst.replay.boundary
+
+    def wrapped(*a, **kw):
+        inside[0] = True
+        try:
+            return boundary(*a, **kw)
+        finally:
+            inside[0] = False
+    inst.replay.boundary = wrapped
+    return calls
+
+
+def _restore_collectives() -> None:
+    for fn, f in _ORIGINAL.items():
+        setattr(dist, fn, f)
 
 
 class _null:
