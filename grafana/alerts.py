@@ -505,6 +505,56 @@ def _groups() -> dict[str, Any]:
             "train in bf16 (docs/runbook.md).",
         ),
     ]
+    # per (layer, tensor) where a layer-labelled series exists (the amax, the saturation per layer),
+    # per tensor over all float8 layers otherwise (the series budget); the record names the module
+    f8, f8t = "by (job, instance, run, layer, tensor) ", "by (job, instance, run, tensor) "
+    col, sat = a["DistgradFp8ScaleCollapse"], a["DistgradFp8Saturation"]
+    step = tvalue("distgrad_optimizer_step")
+    training += [
+        _rule(
+            "DistgradFp8AmaxZero",
+            f"min {f8}(distgrad_fp8_amax_min{sel()}) == 0\n",
+            "FP8 amax of 0 in layer {{ $labels.layer }} ({{ $labels.tensor }}) of {{ $labels.job }}.",
+            f"At sampled step {step} of {WHO}, the float8 {{{{ $labels.tensor }}}} of layer {{{{ $labels.layer }}}} "
+            "was all zeros on some micro-batch (amax 0): its float8 scale is fp8_max/eps or infinite and the "
+            "layer's output turns into NaN or garbage (pytorch/ao #3356). Find why the tensor is zero (a dead "
+            "layer, an empty or masked batch) before NaNs spread; the record's fp8 part names the module "
+            "(docs/runbook.md).",
+        ),
+        _rule(
+            "DistgradFp8ScaleInvalid",
+            f"(min {f8t}(distgrad_fp8_scale_min{sel()}) == 0)\n"
+            f"or (max {f8t}(distgrad_fp8_scale_max{sel()}) == +Inf)\n"
+            f"or (count {f8t}(distgrad_fp8_scale_min{sel()} != distgrad_fp8_scale_min{sel()}))\n",
+            "FP8 scale NaN, infinite or 0 for the {{ $labels.tensor }} of a float8 layer of {{ $labels.job }}.",
+            f"At sampled step {step} of {WHO}, the float8 scale of the {{{{ $labels.tensor }}}} of some float8 "
+            "layer was NaN (a NaN in the tensor), infinite (a tiny amax, TransformerEngine PR #786) or 0 (an "
+            "infinite amax): the cast yields NaN or zeros. The record's fp8 part names the module; look for the "
+            "first non-finite value (DistgradNonFiniteGradients, the flight recorder) and restart from the last "
+            "good checkpoint (docs/runbook.md).",
+        ),
+        _rule(
+            "DistgradFp8ScaleCollapse",
+            f"min {f8t}(distgrad_fp8_scale_min{sel()})\n"
+            f"  < {col['ratio']:g} * max {f8t}(max_over_time(distgrad_fp8_scale_min{sel()}[{col['window']}]))\n",
+            "FP8 scale of the {{ $labels.tensor }} of {{ $labels.job }} collapsed.",
+            f"At sampled step {step} of {WHO}, the smallest float8 scale of the {{{{ $labels.tensor }}}} over "
+            f"the float8 layers fell below {col['ratio']:g} of its maximum over the last {col['window']}: now "
+            "{{ $value | printf \"%.3g\" }}. Some layer's amax jumped (an outlier activation or gradient) and "
+            "its small elements now underflow to zero; distgrad_fp8_amax_min and the record's fp8 part name "
+            "the layer (docs/runbook.md).",
+        ),
+        _rule(
+            "DistgradFp8Saturation",
+            f"max by (job, instance, run, layer) (distgrad_fp8_layer_saturation_ratio{sel()}) > {sat['threshold']:g}\n",
+            "FP8 saturation in layer {{ $labels.layer }} of {{ $labels.job }}.",
+            f"For {sat['for']}, more than {sat['threshold']:g} of the elements of a float8 tensor of layer "
+            f"{{{{ $labels.layer }}}} of {WHO} were clipped by the float8 cast (now "
+            f"{{{{ $value | printf \"%.3g\" }}}} at sampled step {step}): its scale is stale for the "
+            "tensor's range (delayed or static scaling). The record's fp8 part names the module and tensor; "
+            "shorten the amax history or use dynamic scaling (docs/runbook.md).",
+        ),
+    ]
     down, gone = a["DistgradExporterDown"], a["DistgradExporterAbsent"]
     # the last state the target served within the window (stale markers are not samples)
     last_state = f"last_over_time(distgrad_run_state{sel()}[" + "{w}])"

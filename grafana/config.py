@@ -128,6 +128,22 @@ ALERTS: dict[str, dict[str, Any]] = {
     # recomputations: `for` spans more than one scrape of the same measurement.
     # A ticket: the run trains on a gradient with holes, it does not diverge at once.
     "DistgradGradientsLostToUnderflow": {"severity": "warning", "for": "10m", "threshold": 0.05},
+    # FP8 scaling health (fp8.enabled: true, opt-in; distgrad.signals.fp8), per layer and tensor
+    # (input, weight, grad_output) of torchao float8 linears, one alert each (labels layer, tensor).
+    # An amax of 0: the scale is fp8_max/eps (torchao) or infinite (TransformerEngine) and the
+    # layer's matmul turns into NaN or garbage (pytorch/ao #3356): page on the sampled step.
+    "DistgradFp8AmaxZero": {"severity": "critical", "for": "0s"},
+    # a NaN scale (a NaN amax), an infinite one (TransformerEngine PR #786) or 0 (an infinite
+    # amax): the cast produces NaN / zeros from now on: page on the sampled step.
+    "DistgradFp8ScaleInvalid": {"severity": "critical", "for": "0s"},
+    # a scale fallen below `ratio` of its own maximum over `window`: the tensor's amax jumped
+    # (100x at the default), its small elements now underflow; a ticket (healthy training moves
+    # amax by a few x over hours, docs/runbook.md).
+    "DistgradFp8ScaleCollapse": {"severity": "warning", "for": "0s", "ratio": 1e-2, "window": "30m"},
+    # more than `threshold` of a tensor's elements clipped by the float8 cast beyond its rounding
+    # error (0 under dynamic scaling of a finite tensor; delayed or static scales): activations
+    # or gradients are being cut: page when it holds for `for`.
+    "DistgradFp8Saturation": {"severity": "critical", "for": "1m", "threshold": 1e-3},
 }
 
 #: Alertmanager routing and inhibition; ``python grafana/build.py`` renders configs/alertmanager.yml

@@ -38,8 +38,9 @@ if [ ! -f "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ]; then
   echo "[setup] installing distgrad and its dependencies (torch stays $torch_spec)"
   # the constraint keeps every other requirement from replacing the pinned torch
   cons="$(mktemp)"; echo "$torch_spec" > "$cons"
-  # deepspeed and mpi are optional extras of distgrad; the example job and the tests need both
-  DS_BUILD_OPS=0 "${pip[@]}" -c "$cons" -e "$here[test,report,gpu,hf,lightning,deepspeed,mpi]"
+  # deepspeed, mpi and fp8 (torchao) are optional extras of distgrad; the example job and the tests
+  # need them (torchao==0.18.0 declares no torch requirement: it never replaces the pinned torch)
+  DS_BUILD_OPS=0 "${pip[@]}" -c "$cons" -e "$here[test,report,gpu,hf,lightning,deepspeed,mpi,fp8]"
   rm -f "$cons"
   touch "$stamp"
 fi

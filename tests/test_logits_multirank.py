@@ -1,5 +1,5 @@
-"""The logit precursors on 2 gloo ranks under DeepSpeed ZeRO-2 and FSDP2 (one launch of
-tests/dist/logits_cases.py): each step's per-layer, per-head maximum attention logit equals the
+"""The logit precursors and the FP8 scaling health on 2 gloo ranks under DeepSpeed ZeRO-2 and
+FSDP2 (one launch of tests/dist/logits_cases.py): each step's per-layer, per-head maximum attention logit equals the
 max over both ranks and both micro-batches of the float64 recomputation, the output z statistics
 the float64 ones over every position of both ranks, and the sampled step keeps its 2 collectives
 and 1 host copy."""
@@ -44,3 +44,45 @@ def test_logits_multirank_equal_float64_over_the_global_batch(logits_results, ke
         assert rec["z_sq_mean"] == pytest.approx((z * z).mean(), rel=1e-6)
         assert rec["z_max"] == pytest.approx(z.max(), rel=1e-6)
         assert rec["output_abs_max"] == pytest.approx(max(ref["heads"]["abs_max"] for ref in refs), rel=1e-6)
+
+
+@pytest.mark.parametrize("key", ["fp8_z2", "fp8_fsdp2"])
+def test_fp8_multirank_equal_float64_over_both_ranks(logits_results, key):
+    """FP8 scaling health (tests/dist/fp8_cases.py): per float8 layer and tensor, the amax and
+    scale extremes over both ranks' micro-batches, the underflow / saturation counts summed over
+    them, against the float64 references each rank made from the tensors its layers cast; under
+    FSDP2 with fp8.tp_size 2 the amax disagreement is max/min over the ranks of each rank's
+    largest amax; 2 collectives and 1 host copy per sampled step."""
+    pytest.importorskip("torchao")
+    from tests.dist.fp8_cases import GAS, STEPS
+
+    ranks = logits_results["cases"][key]["ranks"]
+    for r in ranks:
+        assert "error" not in r, r.get("traceback")
+        assert r["internal_errors"] == 0
+    r0 = ranks[0]
+    assert r0["counts"][0]["collectives"] == 2
+    assert r0["counts"][1:] == [{"collectives": 2, "syncs": 1}] * (STEPS - 1)
+    for s, rec in enumerate(r0["records"]):
+        assert rec is not None and rec["tp_size"] == (2 if key == "fp8_fsdp2" else 1)
+        keys = set(ranks[0]["refs"][s])
+        assert len(keys) == 12 and {k.split("|")[0] for k in keys} == set(rec["stats"])
+        for k in keys:
+            name, role = k.split("|")
+            per_rank = [r["refs"][s][k] for r in ranks]
+            refs = [m for pr in per_rank for m in pr]
+            st = rec["stats"][name][role]
+            assert st["observed"] == len(refs) == 2 * GAS
+            for c in ("elements", "underflow", "saturated"):
+                assert st[c] == sum(m[c] for m in refs), (k, c)
+            assert st["amax_min"] == pytest.approx(min(m["amax_min"] for m in refs), rel=1e-6)
+            assert st["amax_max"] == pytest.approx(max(m["amax_max"] for m in refs), rel=1e-6)
+            assert st["scale_min"] == pytest.approx(min(m["scale_min"] for m in refs), rel=1e-6)
+            assert st["scale_max"] == pytest.approx(max(m["scale_max"] for m in refs), rel=1e-6)
+            if key == "fp8_fsdp2":
+                hi = [max(m["amax_max"] for m in pr) for pr in per_rank]
+                assert st["amax_disagreement"] == pytest.approx(max(hi) / min(hi), rel=1e-6)
+                if role == "input" and name == "blocks.0.up":  # rank 1's inputs are 2-4x larger
+                    assert st["amax_disagreement"] > 1.2
+            else:
+                assert "amax_disagreement" not in st

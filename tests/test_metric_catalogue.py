@@ -28,6 +28,7 @@ from distgrad.record.culprit import CulpritModule
 from distgrad.signals.adam import OptimizerSignals
 from distgrad.signals.logits import LogitStats
 from distgrad.signals.duplicate_data import DuplicateDataSignal
+from distgrad.signals.fp8 import Fp8Signal
 from distgrad.signals.weight_hash import WeightHash
 from distgrad.diagnostics.rerun import RerunAttribution
 from distgrad.signals.update import UpdateGeometry
@@ -122,6 +123,12 @@ def _sink(features: set[str]) -> PrometheusSink:
             layer_update_spectral={"0": 0.01, "1": 0.02} if "update_geometry_spectral" in f else {},
             muon_rms_per_lr=0.18 if "update_geometry_muon" in f else None,
             adafactor_trace=0.5 if "update_geometry_adafactor" in f else None)
+    if "fp8" in f:  # a float8 layer per block, tensor parallel (the disagreement is served)
+        st = dict(observed=4.0, elements=64.0, underflow=1.0, saturated=0.0, amax_min=2.0, amax_max=3.0,
+                  scale_min=448 / 3, scale_max=224.0, amax_disagreement=1.5)
+        rec.fp8 = Fp8Signal.Part(tp_size=2, layers={f"blocks.{i}.up": str(i) for i in (0, 1)},
+                                 stats={f"blocks.{i}.up": {r: dict(st) for r in ("input", "weight", "grad_output")}
+                                        for i in (0, 1)})
     if "replica_weights" in f:
         rec.replica_weights = WeightHash.Part(interval=10, hash_step=0, checked_ranks=[0, 1])
     if "rerun" in f:  # a rerun said rank 1's device is at fault

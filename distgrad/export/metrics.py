@@ -484,6 +484,7 @@ def label(name: str, text: str, values: tuple[str, ...] | None = None) -> str:
     """Declare a plug-in's label (a :class:`Label` in :data:`LABELS`) and return ``name``, for
     its metrics' ``labels`` (declare it before them: a :class:`Metric` checks its labels).
     ``values``: the fixed set of values (bounded), or None (a run-constant value, one series).
+    A plug-in's ``samples`` gives a metric of several labels as ``{(value, value, ...): number}``.
 
     Raises:
         ValueError: ``name`` already declared with another text or values.

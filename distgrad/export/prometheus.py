@@ -305,8 +305,8 @@ def _record_metrics(rec: StepRecord) -> Iterable[Metric]:
 def _plugin_metrics(rec: StepRecord) -> Iterable[Metric]:
     """The metrics declared by plug-ins (a signal's ``METRICS`` and ``samples``,
     :data:`distgrad.export.metrics.PLUGIN_SAMPLES`), from their record parts: a number is an
-    unlabelled sample, a ``{label value: number}`` dict the series of a one-label metric (empty:
-    none), None no series."""
+    unlabelled sample, a ``{label value: number}`` dict the series of a one-label metric (``{(value,
+    value): number}`` for several labels; empty: none), None no series."""
     for part_name, samples, declared in metrics.PLUGIN_SAMPLES:
         part = getattr(rec, part_name) if part_name else rec
         if part is None:
@@ -320,7 +320,8 @@ def _plugin_metrics(rec: StepRecord) -> Iterable[Metric]:
                 if v:
                     fam = metrics.family(name)
                     for label, x in v.items():
-                        fam.add_metric([str(label)], float(x))
+                        fam.add_metric([str(lv) for lv in label] if isinstance(label, tuple) else [str(label)],
+                                       float(x))
                     yield fam
             else:
                 yield metrics.family(name, value=float(v))

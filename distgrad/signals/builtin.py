@@ -11,6 +11,7 @@ from distgrad.signals import (
     adam,  # noqa: F401,E402 - optimizer-aware signals (Adam family)
     curvature,  # noqa: F401,E402 - curvature along the last update
     duplicate_data,  # noqa: F401,E402 - ranks training on the same data
+    fp8,  # noqa: F401,E402 - float8 scaling health (torchao)
     histogram,  # noqa: F401,E402
     logits,  # noqa: F401,E402 - attention and output logit precursors
     noise_scale,  # noqa: F401,E402 - gradient noise scale

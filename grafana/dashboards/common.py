@@ -269,6 +269,7 @@ OPT_IN: dict[str, str] = {
     "update_geometry_muon": "Muon's extra with torch.optim.Muon",
     "update_geometry_adafactor": "Adafactor's with torch.optim.Adafactor",
     "rerun": "rerun.enabled: true",
+    "fp8": "fp8.enabled: true with torchao float8 layers",
 }
 
 

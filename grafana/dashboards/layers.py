@@ -122,6 +122,27 @@ def build() -> Dashboard:
                        (f"distgrad_output_logsumexp_max{{{S}}}", "max z {{instance}}"),
                        (f"distgrad_output_logit_abs_max{{{S}}}", "max |logit| {{instance}}")), 12, 8),
         ]),
+        opt_in_row("FP8 scaling health", ["fp8"], [
+            ts("FP8 smallest amax per layer and tensor", "Smallest max|x| of each tensor (input, weight, grad_output) "
+               "a torchao float8 linear of the layer cast on the sampled step (fp8.enabled), for the 8 (layer, tensor) "
+               "pairs of smallest amax; DistgradFp8AmaxZero pages at 0.",
+               queries((f"distgrad_fp8_amax_min{{{L}}}", "{{layer}} {{tensor}}")), 12, 8, log=10),
+            ts("FP8 scale per tensor", "Smallest and largest float8 scale fp8_max/amax of each tensor over the float8 "
+               "linears; DistgradFp8ScaleCollapse tickets when the smallest falls 100x below its 30-minute maximum.",
+               queries((f"distgrad_fp8_scale_min{{{S}}}", "min {{tensor}}"),
+                       (f"distgrad_fp8_scale_max{{{S}}}", "max {{tensor}}")), 12, 8, log=10),
+            ts("FP8 underflow and saturation", "Fraction of each tensor's elements the float8 cast flushes to zero "
+               "(underflow) or clips (saturation, also per layer); DistgradFp8Saturation pages above "
+               f"{config.ALERTS['DistgradFp8Saturation']['threshold']:g} for 1m.",
+               queries((f"distgrad_fp8_underflow_ratio{{{S}}}", "underflow {{tensor}}"),
+                       (f"distgrad_fp8_saturation_ratio{{{S}}}", "saturation {{tensor}}"),
+                       (f"distgrad_fp8_layer_saturation_ratio{{{L}}}", "saturation layer {{layer}}")), 12, 8,
+               min_=0, max_=1),
+            ts("FP8 amax disagreement across tensor-parallel shards", "max/min of each tensor's amax over the shards "
+               "of a TP group (fp8.tp_size > 1); 1 when every shard scaled alike (torchtitan #3109).",
+               queries((f"distgrad_fp8_amax_disagreement{{{S}}}", "{{tensor}}"),
+                       (f"distgrad_fp8_amax_max{{{S}}}", "largest amax {{tensor}}")), 12, 8),
+        ]),
     ]
     layer_var = ("layer", "Layer", 'label_values(distgrad_layer_grad_norm{job=~"$job", run=~"$run", instance=~"$instance"}, layer)')
     return dashboard("layers", "distgrad / Layers and parameters",

@@ -1,0 +1,192 @@
+"""FP8 scaling health (distgrad/signals/fp8.py) on one process, torchao float8 emulated on the
+CPU, against float64 recomputations made another way (tests/fp8_models.py: the tensors each
+float8 layer casts captured by forward / full-backward hooks, torchao's dynamic scale written
+out from its definition, the scaled values cast by torch and compared): per layer and tensor the
+amax and scale extremes over the step's micro-batches, the underflow and saturation counts.
+Also: the realistic cases (an input that becomes all zeros: amax 0 in that layer only; an input
+that jumps 1000x: its scale collapses 1000x and its small elements underflow) name the right
+layer in the served metrics, a healthy run meets no alert condition, saturation counted exactly
+with a stale scale, off by default, clear errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("torchao")
+
+import distgrad  # noqa: E402
+from distgrad.config import ConfigError  # noqa: E402
+from distgrad.signals.fp8 import ROLES, Fp8Signal, cast_stats, fp8_thresholds  # noqa: E402
+from tests.fp8_models import DTYPES, capture, make, reference  # noqa: E402
+
+GAS, B = 2, 6
+LAYERS = ["blocks.0.up", "blocks.0.down", "blocks.1.up", "blocks.1.down"]
+
+
+def _run(steps, batch, interval=1, **fp8):
+    """``steps`` optimizer steps of GAS micro-batches ``batch(step, micro) -> (x, y)``; returns
+    the records, the captured casts per step, the served samples of the last record."""
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"},
+                             sampling={"interval": interval}, fp8={"enabled": True, **fp8})
+    recs = []
+    dg.add_hook(recs.append)
+    caps_per_step = []
+    for s in range(steps):
+        caps, handles = capture(model)
+        for micro in range(GAS):
+            x, y = batch(s, micro)
+            (F.cross_entropy(model(x), y) / GAS).backward()
+        opt.step()
+        opt.zero_grad()
+        for h in handles:
+            h.remove()
+        caps_per_step.append(caps)
+    errors = dg.counters["internal_errors"]
+    dg.close()
+    assert errors == 0
+    return recs, caps_per_step
+
+
+def _batch(scale_of=lambda s, micro: 1.0):
+    def batch(s, micro):
+        g = torch.Generator().manual_seed(100 * s + micro)
+        x = torch.randn(B, 16, generator=g) * scale_of(s, micro)
+        return x, torch.randint(0, 5, (B,), generator=g)
+    return batch
+
+
+def _check(part, caps):
+    assert set(part.stats) == set(LAYERS)
+    for name in LAYERS:
+        for role in ROLES:
+            ref = reference(caps[(name, role)], DTYPES[role])
+            st = part.stats[name][role]
+            assert st["observed"] == GAS
+            for k in ("elements", "underflow", "saturated"):
+                assert st[k] == ref[k], (name, role, k)
+            for k in ("amax_min", "amax_max", "scale_min", "scale_max"):
+                assert st[k] == pytest.approx(ref[k], rel=1e-6), (name, role, k)
+
+
+def test_fp8_layers_equal_float64_recomputation_and_healthy_run_is_silent():
+    # micro-batches of different magnitudes: the min and max over them differ
+    recs, caps = _run(3, _batch(lambda s, micro: 1.0 + 3 * micro))
+    assert len(recs) == 3
+    for rec, cap in zip(recs, caps):
+        _check(rec.fp8, cap)
+        assert rec.fp8.layers == {"blocks.0.up": "0", "blocks.0.down": "0", "blocks.1.up": "1",
+                                  "blocks.1.down": "1"}
+    # the record survives JSON
+    back = Fp8Signal.Part.from_dict(recs[-1].fp8.to_dict())
+    assert back == recs[-1].fp8
+    # served per (layer, tensor); a healthy run meets none of the alert conditions
+    s = Fp8Signal.samples(recs[-1].fp8)
+    assert set(s["distgrad_fp8_amax_min"]) == {(lay, r) for lay in ("0", "1") for r in ROLES}
+    ref = min(reference(caps[-1][(n, "input")], DTYPES["input"])["amax_min"] for n in LAYERS[:2])
+    assert s["distgrad_fp8_amax_min"][("0", "input")] == pytest.approx(ref, rel=1e-6)
+    refs = [reference(caps[-1][(n, "grad_output")], DTYPES["grad_output"]) for n in LAYERS]
+    assert s["distgrad_fp8_amax_max"]["grad_output"] == pytest.approx(max(r["amax_max"] for r in refs), rel=1e-6)
+    assert s["distgrad_fp8_underflow_ratio"]["grad_output"] == (sum(r["underflow"] for r in refs)
+                                                                / sum(r["elements"] for r in refs))
+    _assert_alerts(s, set())
+    assert s["distgrad_fp8_amax_disagreement"] == {}  # no tensor parallelism
+
+
+def _assert_alerts(s, expected):
+    """The (alert, layer, tensor) whose condition holds in the served samples, with the
+    thresholds of grafana/config.py."""
+    from grafana import config
+
+    a = config.ALERTS
+    got = set()
+    for key, v in s["distgrad_fp8_amax_min"].items():
+        if v == 0:
+            got.add(("DistgradFp8AmaxZero",) + key)
+    for key, v in s["distgrad_fp8_scale_min"].items():
+        if math.isnan(v) or v == 0 or s["distgrad_fp8_scale_max"][key] == math.inf:
+            got.add(("DistgradFp8ScaleInvalid", key))
+    for key, v in s["distgrad_fp8_layer_saturation_ratio"].items():
+        if v > a["DistgradFp8Saturation"]["threshold"]:
+            got.add(("DistgradFp8Saturation", key))
+    assert got == expected
+
+
+def test_input_that_becomes_all_zeros_names_its_layer():
+    # the model's input becomes exactly zero at step 2 (an empty / masked-out batch)
+    def batch(s, micro):
+        x, y = _batch()(s, micro)
+        return (torch.zeros_like(x) if s == 2 else x), y
+
+    recs, caps = _run(3, batch)
+    _check(recs[2].fp8, caps[2])
+    s = Fp8Signal.samples(recs[2].fp8)
+    assert s["distgrad_fp8_amax_min"][("0", "input")] == 0.0
+    # the scale torchao computes for amax 0: fp8_max / 1e-12, finite
+    assert recs[2].fp8.stats["blocks.0.up"]["input"]["scale_max"] == pytest.approx(448 / 1e-12, rel=1e-6)
+    # the all-zero input reaches only the first linear; later ones see the biases' output
+    zero = {k for k, v in s["distgrad_fp8_amax_min"].items() if v == 0}
+    assert ("0", "input") in zero
+    assert all(recs[i].fp8.stats["blocks.0.up"]["input"]["amax_min"] > 0 for i in (0, 1))
+    _assert_alerts(s, {("DistgradFp8AmaxZero",) + k for k in zero})
+
+
+def test_input_that_jumps_1000x_collapses_its_scale():
+    recs, caps = _run(3, _batch(lambda s, micro: 1000.0 if s == 2 else 1.0))
+    for rec, cap in zip(recs, caps):
+        _check(rec.fp8, cap)
+    before = recs[1].fp8.stats["blocks.0.up"]["input"]
+    after = recs[2].fp8.stats["blocks.0.up"]["input"]
+    assert after["scale_min"] < before["scale_min"] / 300
+    assert after["saturated"] == 0  # dynamic scaling follows the jump: no clipping
+
+
+def test_saturation_counted_exactly_with_a_stale_scale():
+    """A delayed (stale) scale: the scale of an earlier, 1000x smaller tensor applied to this one
+    clips the large elements; cast_stats counts them exactly against torch's cast."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 48, generator=g)
+    x[0, :5] = torch.tensor([2e-6, -1e-7, 3e-12, 0.0, 5e-13])
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        fmax, _, _ = fp8_thresholds(dtype)
+        stale = torch.tensor(fmax / (x.abs().max().item() / 30), dtype=torch.float32)
+        sums, maxes = cast_stats(x, dtype, scale=stale)
+        y = x.float() * stale
+        c = y.clamp(-fmax, fmax).to(dtype).double()
+        top = 2.0 ** math.floor(math.log2(fmax)) * torch.finfo(dtype).eps
+        sat = int(((y.double().abs() - c.abs()) > top / 2).sum())
+        under = int(((x != 0) & (c == 0)).sum())
+        assert sat > 10 and under >= 1
+        assert sums.tolist() == [1.0, x.numel(), under, sat, 0.0]
+        assert maxes.tolist() == [stale.item(), -stale.item(), x.abs().max().item(), -x.abs().max().item()]
+
+
+def test_only_sampled_steps_and_off_by_default():
+    recs, caps = _run(4, _batch(), interval=2)
+    assert [r.step for r in recs] == [0, 2]
+    for r, s in zip(recs, (0, 2)):
+        _check(r.fp8, caps[s])
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"})
+    x, y = _batch()(0, 0)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert dg.last_record.fp8 is None
+    dg.close()
+
+
+def test_clear_errors():
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="fp8.enabled.*no torchao float8 layer"):
+        distgrad.instrument(plain, optimizer=opt, exporter={"enabled": False}, fp8={"enabled": True})
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="fp8.modules"):
+        distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, fp8={"enabled": True, "modules": "("})
