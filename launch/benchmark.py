@@ -532,6 +532,30 @@ def worker(args: argparse.Namespace) -> None:
                  "forward+backward passes of one micro-batch [1, 128], training precision and float32) [opt-in]",
                  underflow_step))
     parts["sig_underflow"] = "underflow"
+    try:  # the FP8 scaling health needs torchao (the fp8 extra)
+        from distgrad.signals.fp8 import cast_stats
+
+        fp8_ok = True
+    except Exception:  # noqa: BLE001
+        fp8_ok = False
+    if fp8_ok:
+        fake_f8 = [(torch.randn(128, width, generator=g).to(device), torch.randn(width, width, generator=g).to(device),
+                    torch.randn(128, width, generator=g).to(device) * 1e-4) for _ in range(4 * layers)]
+
+        def fp8_hooks() -> None:
+            """The FP8 scaling health's work per sampled micro-batch (fp8.enabled): per float8 linear,
+            torchao's amax and scale and the underflow / saturation counts of its input, weight and
+            grad_output; 4 float8 linears per layer ([128, width] input and grad_output, [width,
+            width] weight), random tensors."""
+            for x, w, go in fake_f8:
+                cast_stats(x, torch.float8_e4m3fn)
+                cast_stats(w, torch.float8_e4m3fn)
+                cast_stats(go, torch.float8_e5m2)
+
+        signal_rows.append("fp8_hooks")
+        rows.append(("fp8_hooks", f"signal: FP8 scaling health, its work per sampled micro-batch (amax, scale, "
+                     f"underflow / saturation counts of input, weight, grad_output of {4 * layers} float8 linears "
+                     f"[128, {width}] x [{width}, {width}]) [opt-in]", fp8_hooks))
     # warm-up (compiles the native kernel and, if listed, the torch.compile kernel)
     t_warm = {}
     for key, _, fn in rows:

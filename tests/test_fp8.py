@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -134,6 +135,22 @@ def test_input_that_becomes_all_zeros_names_its_layer():
     assert ("0", "input") in zero
     assert all(recs[i].fp8.stats["blocks.0.up"]["input"]["amax_min"] > 0 for i in (0, 1))
     _assert_alerts(s, {("DistgradFp8AmaxZero",) + k for k in zero})
+    # the offline report's FP8 series: the smallest amax over layers (0 at step 2, block 0 named)
+    # and the underflow fraction, against the float64 references of the captured casts
+    from distgrad.report.signals import SignalsAccumulator
+
+    acc = SignalsAccumulator(max_points=16)
+    for r in recs:
+        acc.add(r)
+    series = {x.metric: x for x in acc.result().series if x.signal == "fp8"}
+    refs = [{(n, role): reference(c[(n, role)], DTYPES[role]) for n in LAYERS for role in ROLES} for c in caps]
+    amin = series["amax_min"]
+    np.testing.assert_allclose(amin.glob.last[:, 0], [min(r["amax_min"] for r in ref.values()) for ref in refs],
+                               rtol=1e-6)
+    assert amin.glob.last[2, 0] == 0 and amin.per_layer.last[2, amin.layers.index("0")] == 0
+    under = series["underflow_ratio"].glob.last[:, 0]
+    np.testing.assert_allclose(under, [sum(r["underflow"] for r in ref.values()) / sum(r["elements"] for r in
+                                                                                        ref.values()) for ref in refs])
 
 
 def test_input_that_jumps_1000x_collapses_its_scale():

@@ -17,6 +17,9 @@ Signals read from the records (a signal absent from every record is simply not r
   layers, and per layer), the output log-sum-exp z (mean, max) and max |logit|.
 * ``update_geometry`` (:class:`distgrad.signals.update.UpdateGeometry.Part`): the applied
   update's update/weight ratio and RMS (any optimizer), global and per layer.
+* ``fp8`` (:class:`distgrad.signals.fp8.Fp8Signal.Part`): the smallest amax of a float8 cast
+  tensor, the underflow and saturation fractions of the casts, over the float8 layers and per
+  layer.
 * ``underflow`` (:class:`distgrad.signals.underflow.Underflow.Part`): the fraction of gradient
   elements lost to underflow (non-zero in a float32 recomputation, exactly zero in the training
   precision) and the genuinely zero fraction, global and per layer, at each recomputation.
@@ -205,10 +208,42 @@ SPECS["underflow"] = [
     ("genuine_zero_ratio", "genuinely zero (zero in float32 too)", False,
      lambda p: (_f(p.total_zero_ref), dict(p.zero))),
 ]
+
+
+def _fp8(kind: str) -> Extract:
+    """FP8 scaling health (``StepRecord.fp8``): over the float8 modules and their tensors, and per
+    layer: the smallest amax (``kind`` "amax_min"), or the ``underflow`` / ``saturated`` counts
+    over the elements."""
+    def get(p: Any) -> tuple[float, dict[str, float]]:
+        per: dict[str, list[float]] = {}
+        for mod, roles in p.stats.items():
+            acc = per.setdefault(p.layers.get(mod, mod), [math.inf, 0.0, 0.0])
+            for st in roles.values():
+                if kind == "amax_min":
+                    acc[0] = min(acc[0], _f(st["amax_min"]))
+                else:
+                    acc[1] += _f(st[kind])
+                    acc[2] += _f(st["elements"])
+        if kind == "amax_min":
+            lay = {k: v[0] for k, v in per.items()}
+            return (min(lay.values()) if lay else math.nan), lay
+        lay = {k: v[1] / v[2] for k, v in per.items() if v[2] > 0}
+        num, den = sum(v[1] for v in per.values()), sum(v[2] for v in per.values())
+        return (num / den if den else math.nan), lay
+    return get
+
+
+SPECS["fp8"] = [
+    ("amax_min", "FP8 smallest amax of a cast tensor (over float8 layers; per layer; 0: all zeros)", True,
+     _fp8("amax_min")),
+    ("underflow_ratio", "FP8 underflow: elements flushed to zero by the cast", False, _fp8("underflow")),
+    ("saturation_ratio", "FP8 saturation: elements clipped by the cast", False, _fp8("saturated")),
+]
 TITLES = {"underflow": "Lost to underflow", "grad_histogram": "Gradient value distribution",
           "noise_scale": "Gradient noise scale",
           "curvature": "Curvature along the last update", "optimizer_signals": "Optimizer (Adam) signals",
-          "logits": "Logit precursors", "update_geometry": "Applied update geometry"}
+          "logits": "Logit precursors", "update_geometry": "Applied update geometry",
+          "fp8": "FP8 scaling health"}
 #: (signal, metric) -> (finding kind, what rose, what to do) of the rise rule
 RISES = {
     ("optimizer_signals", "update_rms"): (
