@@ -207,3 +207,35 @@ def test_clear_errors():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ConfigError, match="fp8.modules"):
         distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, fp8={"enabled": True, "modules": "("})
+
+
+def test_distgrad_reexecutions_are_not_observed():
+    """A forward + backward under distgrad's replay flag (the rerun attribution's and the underflow
+    recomputation's: signals.underflow.in_replay) inside a sampled step is not counted: the
+    step's part equals the float64 reference of the training micro-batch alone."""
+    from distgrad.signals import underflow
+
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"},
+                             fp8={"enabled": True})
+    caps, handles = capture(model)
+    x, y = _batch()(0, 0)
+    F.cross_entropy(model(x), y).backward()
+    for h in handles:
+        h.remove()
+    underflow._DEPTH[0] += 1
+    try:
+        x2, y2 = _batch(lambda s, micro: 50.0)(0, 1)
+        torch.autograd.grad(F.cross_entropy(model(x2), y2), list(model.parameters()))
+    finally:
+        underflow._DEPTH[0] -= 1
+    opt.step()
+    part = dg.last_record.fp8
+    dg.close()
+    for name in LAYERS:
+        for role in ROLES:
+            ref = reference(caps[(name, role)], DTYPES[role])
+            st = part.stats[name][role]
+            assert st["observed"] == 1 and st["elements"] == ref["elements"]
+            assert st["amax_max"] == pytest.approx(ref["amax_max"], rel=1e-6)

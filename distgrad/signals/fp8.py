@@ -48,7 +48,8 @@ is refused at ``instrument()`` naming the key).
 
 Sampling: the hooks compute only on the micro-batches of a step that will be sampled (armed
 after the boundary of step ``s`` iff ``s + 1`` is sampled, as the logit precursors), only with
-gradients enabled.
+gradients enabled, and not in distgrad's own re-executions (the underflow recomputation, the
+rerun attribution: :func:`distgrad.signals.underflow.in_replay`).
 
 Packed parts: SUM ``5`` float64 per layer and tensor ``[observed, elements, underflow,
 saturated, non-finite amax]``; MAX ``4 + 2 G`` per layer and tensor ``[scale, -scale, amax,
@@ -77,6 +78,7 @@ from distgrad.naming.canonical import clean_name
 from distgrad.naming.grouping import group_keys
 from distgrad.record.base import _Part
 from distgrad.signals import PackedSignal
+from distgrad.signals.underflow import in_replay
 
 __all__ = ["Fp8Signal", "ROLES", "fp8_thresholds", "cast_stats"]
 
@@ -412,7 +414,8 @@ class Fp8Signal(PackedSignal):
         self._error: Exception | None = None
 
     def _active(self) -> bool:
-        return self.armed and torch.is_grad_enabled()
+        # not the underflow recomputation's nor the rerun attribution's forwards (in_replay)
+        return self.armed and torch.is_grad_enabled() and not in_replay()
 
     def observe(self, i: int, role: str, x: torch.Tensor) -> None:
         """Add one cast of tensor ``role`` of layer ``i`` to this step's parts. Never raises (a
