@@ -32,6 +32,7 @@ from distgrad.signals.fp8 import Fp8Signal
 from distgrad.signals.weight_hash import WeightHash
 from distgrad.diagnostics.rerun import RerunAttribution
 from distgrad.signals.update import UpdateGeometry
+from distgrad.diagnostics.adaptive_clip import AdaptiveClip
 from distgrad.loss.token import EDGES
 from distgrad.export.prometheus import PrometheusSink
 from distgrad.record.incidents import KINDS, Incident
@@ -136,6 +137,9 @@ def _sink(features: set[str]) -> PrometheusSink:
                                           quarantine_rank=1, quarantine_host="node-7",
                                           totals={"data": 0, "transient": 0, "device": 1, "inconclusive": 0})
     diag.on_record(rec)
+    if "adaptive_clip" in f:  # set after the diagnostics (the test's config has it off)
+        rec.adaptive_clip = AdaptiveClip.Part(mode="zclip", acted=True, clipped=True, factor=0.2, tensors_clipped=2,
+                                              clipped_steps=1)
     if "incident" in f:  # the policy opened one (a bad batch naming its rank and a component)
         rec.incidents.total["bad_batch"] = 1
         rec.incidents.last = [Incident("bad_batch", 3, 2.0, "rank_loss", 3, level=0.5, rank=1, component="aux")]

@@ -172,11 +172,13 @@ class Instrument:
         self._unsampled_logged = False
         self.diagnostics = None
         mode = config.statistics.async_records
-        #: the opt-in action (distgrad.diagnostics.action): needs synchronous records, so "auto" is off with it
+        #: the opt-in action and adaptive clipping (distgrad.diagnostics.action): need synchronous
+        #: records, so "auto" is off with them
         self.action = Action(self)
         #: (the rerun attribution, distgrad.diagnostics.rerun, needs them too: it reruns before the update)
         self.async_records = mode == "on" or (mode == "auto" and self._device_type() == "cuda"
-                                              and not self.action.active and not config.rerun.enabled)
+                                              and not (self.action.active or self.action.clipping)
+                                              and not config.rerun.enabled)
         self._parked: dict[str, Any] | None = None  # the sampled step waiting for its host copy
         self.local_grad_check: LocalGradCheck | None = None  # culprit rank: local grads before reduction
         #: the packed signals (distgrad.signals) riding in the step's two collectives; decided

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from distgrad.diagnostics.adaptive_clip import AdaptiveClip  # noqa: F401  (registers it)
 from distgrad.diagnostics.base import REGISTRY, Diagnostic, DiagnosticContext, register
 from distgrad.diagnostics.builtin import (
     AggregatesDiagnostic,

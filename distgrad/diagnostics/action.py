@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from distgrad.diagnostics import adaptive_clip
 from distgrad.record.action import ActionPart
 
 log = logging.getLogger("distgrad")
@@ -60,7 +61,9 @@ def check_config(config: Any) -> None:
             configured (the message names the keys and the fix).
     """
     from distgrad.config import ConfigError
+    from distgrad.diagnostics.adaptive_clip import check_config as check_adaptive_clip
 
+    check_adaptive_clip(config)
     if not active(config):
         return
     a = config.action
@@ -126,6 +129,12 @@ class Action:
         self._episode: list[Any] | None = None  # [first step, last step, count, causes]
         self._samples_file: str | None = None
         self._no_dir_logged = False
+        #: adaptive clipping (distgrad.diagnostics.adaptive_clip) is configured: decided here too
+        self.clipping = adaptive_clip.enabled(inst.config)
+        adaptive_clip.check_engine(inst.config, inst.source.engine_name, inst.job is not None)
+        #: the per-parameter factors adaptive clipping decided for the step being opened
+        #: (:meth:`take_clip`), None when nothing is to be clipped
+        self.clip_factors: Any = None
 
     @property
     def skipped(self) -> dict[str, int]:
@@ -142,24 +151,56 @@ class Action:
         its reduced host array; None: apply the update. ``loss_scaler``: fp16 with a dynamic
         loss scaler (non-finite steps are its overflows: no action). Never raises (a failure is
         counted and the update applied)."""
-        if not self.active or not token.sampled or not isinstance(token.host, np.ndarray):
+        self.clip_factors = None
+        if not (self.active or self.clipping) or not token.sampled or not isinstance(token.host, np.ndarray):
             return None
+        d = None
         try:
-            d = self._decide(token, grad_scale, loss_scaler)
+            from distgrad.stats import unpack
+
+            inst = self.inst
+            parts = inst.split_reduced(token.host)  # no state change; the blocks Instrument._complete reads
+            red = unpack(parts.core, inst.layout, inst.names, grad_scale)
+            if self.active:
+                d = self._decide(token, red, loss_scaler)
         except Exception:  # noqa: BLE001 - the action must never break training
             self.inst.count_error("deciding the action")
             return None
         if d is not None:
             self.pending = d
             self._take(d)
+        elif self.clipping:
+            self._decide_clip(token, red, loss_scaler)
         return d
 
-    def _decide(self, token: Any, grad_scale: float, loss_scaler: bool) -> Decision | None:
-        from distgrad.stats import global_norm, unpack
+    def _decide_clip(self, token: Any, red: Any, loss_scaler: bool) -> None:
+        """Adaptive clipping's factors for the step (:attr:`clip_factors`), on an update that is
+        applied. Never raises (a failure is counted and nothing is clipped)."""
+        clip = self.inst.diagnostics.get("adaptive_clip") if self.inst.diagnostics is not None else None
+        if clip is None:
+            return
+        try:
+            if red.rank_error.sum():
+                clip.not_acted(token.step, "refused: a rank could not vouch for its gradients at distgrad's read "
+                                           "(distgrad_refused_steps_total; e.g. clipped before the read)")
+            elif loss_scaler and not bool(np.all(np.isfinite(red.params.sumsq))):
+                clip.not_acted(token.step, "fp16 overflow (the loss scaler skips the step)")
+            else:
+                self.clip_factors = clip.decide(token.step, red.params.sumsq, red.params.numel)
+        except Exception:  # noqa: BLE001 - adaptive clipping must never break training
+            self.clip_factors = None
+            self.inst.count_error("deciding adaptive clipping")
+
+    def take_clip(self) -> Any:
+        """The per-parameter factors decided for the step being opened (float64 (P,), aligned
+        with the instrument's parameter names), or None; cleared by the call."""
+        f, self.clip_factors = self.clip_factors, None
+        return f
+
+    def _decide(self, token: Any, red: Any, loss_scaler: bool) -> Decision | None:
+        from distgrad.stats import global_norm
 
         inst = self.inst
-        parts = inst.split_reduced(token.host)  # no state change; the blocks Instrument._complete reads
-        red = unpack(parts.core, inst.layout, inst.names, grad_scale)
         if red.rank_error.sum():
             return None  # a rank could not vouch for its gradients: the step is not exported either
         gnorm = global_norm(red.params)

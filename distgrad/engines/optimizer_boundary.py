@@ -184,6 +184,20 @@ class OptimizerBoundary:
             self._skip = True
             if self._in_step:  # read inside optimizer.step (pre-hook, or a closure): hold them back now
                 self._hold_back()
+        elif decide and not fused_overflow:
+            self._clip(self.inst.action.take_clip())
+
+    def _clip(self, factors: Any) -> None:
+        """Adaptive clipping (:mod:`distgrad.diagnostics.adaptive_clip`): scale each gradient by its
+        factor, right after distgrad's read (the exported statistics are the pre-clip ones) and
+        before the optimizer consumes them; a clipping call after the read then sees the clipped
+        gradients. Never raises (a failure is counted)."""
+        if factors is None:
+            return
+        try:
+            self.source.scale_grads(factors)
+        except Exception:  # noqa: BLE001 - never break training
+            self.inst.count_error("applying adaptive clipping")
 
     def _hold_back(self) -> None:
         """Skip this step's update (the opt-in action, :mod:`distgrad.diagnostics.action`): set every

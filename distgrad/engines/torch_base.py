@@ -148,6 +148,17 @@ class TorchSource(GradSource):
         parameter (None if this rank holds none); replicated sources: the whole parameter."""
         return [(0, n) for n in self.numels]
 
+    def scale_grads(self, factors: Sequence[float]) -> None:
+        """Multiply each parameter's gradient in place by its factor (adaptive clipping,
+        :mod:`distgrad.diagnostics.adaptive_clip`): ``factors`` is aligned with :attr:`names`;
+        a factor of 1 and a parameter without gradient are left alone. One process and DDP:
+        ``p.grad`` (the full reduced gradient); FSDP2: ``p.grad`` is the DTensor of this rank's
+        shard, scaled locally (the factor comes from the full parameter's reduced norm, the same
+        on every rank). ``p.grad`` keeps its dtype (a low-precision gradient is rounded)."""
+        for p, f in zip(self._params, factors):  # type: ignore[attr-defined]
+            if f != 1.0 and p.grad is not None:
+                p.grad.mul_(float(f))
+
     def _exclude_unmanaged(self, unmanaged: list[str], why: str) -> None:
         if unmanaged:
             log.warning("distgrad: %d trainable parameter(s) are not managed by %s and are not "

@@ -1,0 +1,137 @@
+"""A tiny causal language model trained with and without distgrad's adaptive clipping
+(distgrad/diagnostics/adaptive_clip.py), shared by tests/test_adaptive_clip.py (a short run) and
+launch/adaptive_clip_eval.py (the measured table in docs/action.md). Not a test module.
+
+The data: token sequences from a fixed random first-order Markov chain (vocabulary 64, each
+token's successor drawn from 4 likely tokens), so the loss falls from log 64 towards the chain's
+entropy. The model: embedding, 2 pre-norm transformer layers (width 64, 4 heads, causal mask),
+tied output head. AdamW (betas 0.9 / 0.95, weight decay 0.1). The learning rate: a 20-step
+linear warm-up to ``lr``; ``unstable`` multiplies it by ``SPIKE_MULT`` for ``SPIKE_LEN`` steps
+every ``SPIKE_EVERY`` steps (a schedule error / restart of the warm-up: the loss spikes).
+
+Loss spikes are counted by one detector for every run: distgrad's paging detector
+(:class:`~distgrad.diagnostics.robust_spike.RobustJumpDetector`, default settings) fed the loss
+series offline; a spike episode is a run of consecutive flagged steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, SEQ, WIDTH, LAYERS, HEADS, BATCH = 64, 32, 64, 2, 4, 16
+WARMUP = 20
+SPIKE_EVERY, SPIKE_LEN, SPIKE_MULT = 60, 3, 30.0
+
+
+class TinyLM(nn.Module):
+    """Embedding + ``LAYERS`` pre-norm causal transformer layers + tied head (fp32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.02)
+        layer = nn.TransformerEncoderLayer(WIDTH, HEADS, 4 * WIDTH, dropout=0.0, batch_first=True, norm_first=True)
+        self.body = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(SEQ), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x) + self.pos[: x.shape[1]]
+        h = self.body(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
+        return self.norm(h) @ self.emb.weight.T
+
+
+def markov_batches(seed: int, steps: int) -> list[torch.Tensor]:
+    """``steps`` batches (BATCH, SEQ + 1) of token ids from the fixed chain (chain seed 0, sample
+    seed ``seed``)."""
+    g = torch.Generator().manual_seed(0)
+    succ = torch.randint(0, VOCAB, (VOCAB, 4), generator=g)
+    probs = torch.tensor([0.55, 0.25, 0.15, 0.05])
+    g = torch.Generator().manual_seed(1000 + seed)
+    out = []
+    for _ in range(steps):
+        tok = torch.randint(0, VOCAB, (BATCH,), generator=g)
+        seq = [tok]
+        for _ in range(SEQ):
+            pick = torch.multinomial(probs.expand(BATCH, 4), 1, generator=g).squeeze(1)
+            tok = succ[tok, pick]
+            seq.append(tok)
+        out.append(torch.stack(seq, 1))
+    return out
+
+
+def lr_at(step: int, lr: float, unstable: bool) -> float:
+    """The schedule (module docstring)."""
+    base = lr * min(1.0, (step + 1) / WARMUP)
+    if unstable and step >= SPIKE_EVERY and step % SPIKE_EVERY < SPIKE_LEN:
+        return base * SPIKE_MULT
+    return base
+
+
+@dataclass
+class Run:
+    """One training run: per-step losses, the adaptive clipping records' counts."""
+
+    mode: str
+    seed: int
+    unstable: bool
+    losses: list[float] = field(default_factory=list)
+    clipped_steps: int = 0
+    min_factor: float = 1.0
+
+    def final_loss(self, last: int = 20) -> float:
+        """Mean loss of the last ``last`` steps (nats/token)."""
+        tail = self.losses[-last:]
+        return sum(tail) / len(tail)
+
+
+def train(mode: str, seed: int, steps: int, unstable: bool, lr: float = 3e-3, **clip: object) -> Run:
+    """Train TinyLM for ``steps`` optimizer steps instrumented by distgrad (exporter off),
+    ``adaptive_clip.mode`` = ``mode`` (``off``, ``zclip``, ``adagc``; other ``adaptive_clip`` keys
+    in ``clip``). Same initial weights and batches for every mode of a seed."""
+    import distgrad
+
+    torch.manual_seed(seed)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False},
+                               adaptive_clip={"mode": mode, **clip}, optimizer_signals={"enabled": False})
+    run = Run(mode, seed, unstable)
+    try:
+        for step, batch in enumerate(markov_batches(seed, steps)):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, lr, unstable)
+            logits = model(batch[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+            inst.observe_loss(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            v = float(loss.detach())
+            run.losses.append(v if math.isfinite(v) else float("inf"))
+            part = getattr(inst.last_record, "adaptive_clip", None)
+            if part is not None and part.clipped:
+                run.clipped_steps += 1
+                run.min_factor = min(run.min_factor, part.factor)
+    finally:
+        inst.close()
+    return run
+
+
+def spike_episodes(losses: list[float]) -> int:
+    """Loss spike episodes: consecutive steps flagged by distgrad's RobustJumpDetector (default
+    settings, the paging detector) fed the loss series; a non-finite loss counts as flagged."""
+    from distgrad.diagnostics.robust_spike import RobustJumpDetector
+
+    det = RobustJumpDetector()
+    episodes, prev = 0, False
+    for v in losses:
+        flagged = not math.isfinite(v) or det.update(v).is_spike
+        episodes += flagged and not prev
+        prev = flagged
+    return episodes
