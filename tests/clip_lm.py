@@ -65,11 +65,11 @@ def markov_batches(seed: int, steps: int) -> list[torch.Tensor]:
     return out
 
 
-def lr_at(step: int, lr: float, unstable: bool) -> float:
+def lr_at(step: int, lr: float, unstable: bool, mult: float = SPIKE_MULT) -> float:
     """The schedule (module docstring)."""
     base = lr * min(1.0, (step + 1) / WARMUP)
     if unstable and step >= SPIKE_EVERY and step % SPIKE_EVERY < SPIKE_LEN:
-        return base * SPIKE_MULT
+        return base * mult
     return base
 
 
@@ -90,22 +90,26 @@ class Run:
         return sum(tail) / len(tail)
 
 
-def train(mode: str, seed: int, steps: int, unstable: bool, lr: float = 3e-3, **clip: object) -> Run:
+def train(mode: str, seed: int, steps: int, unstable: bool, lr: float = 3e-3, optim: str = "adamw",
+          mult: float = SPIKE_MULT, **clip: object) -> Run:
     """Train TinyLM for ``steps`` optimizer steps instrumented by distgrad (exporter off),
     ``adaptive_clip.mode`` = ``mode`` (``off``, ``zclip``, ``adagc``; other ``adaptive_clip`` keys
     in ``clip``). Same initial weights and batches for every mode of a seed."""
     import distgrad
 
+    torch.set_num_threads(1)  # tiny tensors: one thread (several spin-wait on a loaded machine)
     torch.manual_seed(seed)
     model = TinyLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt: torch.optim.Optimizer = (
+        torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1) if optim == "adamw"
+        else torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
     inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False},
                                adaptive_clip={"mode": mode, **clip}, optimizer_signals={"enabled": False})
     run = Run(mode, seed, unstable)
     try:
         for step, batch in enumerate(markov_batches(seed, steps)):
             for g in opt.param_groups:
-                g["lr"] = lr_at(step, lr, unstable)
+                g["lr"] = lr_at(step, lr, unstable, mult)
             logits = model(batch[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
             inst.observe_loss(loss)
