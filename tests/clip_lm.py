@@ -6,8 +6,8 @@ The data: token sequences from a fixed random first-order Markov chain (vocabula
 token's successor drawn from 4 likely tokens), so the loss falls from log 64 towards the chain's
 entropy. The model: embedding, 2 pre-norm transformer layers (width 64, 4 heads, causal mask),
 tied output head. AdamW (betas 0.9 / 0.95, weight decay 0.1). The learning rate: a 20-step
-linear warm-up to ``lr``; ``unstable`` multiplies it by ``SPIKE_MULT`` for ``SPIKE_LEN`` steps
-every ``SPIKE_EVERY`` steps (a schedule error / restart of the warm-up: the loss spikes).
+linear warm-up to ``lr``; ``unstable`` multiplies it by ``mult`` for ``SPIKE_LEN`` steps
+every ``SPIKE_EVERY`` steps from step ``SPIKE_START`` on (a schedule error / restart of the warm-up: the loss spikes).
 
 Loss spikes are counted by one detector for every run: distgrad's paging detector
 (:class:`~distgrad.diagnostics.robust_spike.RobustJumpDetector`, default settings) fed the loss
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 VOCAB, SEQ, WIDTH, LAYERS, HEADS, BATCH = 64, 32, 64, 2, 4, 16
 WARMUP = 20
-SPIKE_EVERY, SPIKE_LEN, SPIKE_MULT = 60, 3, 30.0
+SPIKE_START, SPIKE_EVERY, SPIKE_LEN, SPIKE_MULT = 120, 60, 3, 30.0
 
 
 class TinyLM(nn.Module):
@@ -68,7 +68,7 @@ def markov_batches(seed: int, steps: int) -> list[torch.Tensor]:
 def lr_at(step: int, lr: float, unstable: bool, mult: float = SPIKE_MULT) -> float:
     """The schedule (module docstring)."""
     base = lr * min(1.0, (step + 1) / WARMUP)
-    if unstable and step >= SPIKE_EVERY and step % SPIKE_EVERY < SPIKE_LEN:
+    if unstable and step >= SPIKE_START and (step - SPIKE_START) % SPIKE_EVERY < SPIKE_LEN:
         return base * mult
     return base
 
