@@ -127,15 +127,22 @@ def train(mode: str, seed: int, steps: int, unstable: bool, lr: float = 3e-3, op
     return run
 
 
-def spike_episodes(losses: list[float]) -> int:
-    """Loss spike episodes: consecutive steps flagged by distgrad's RobustJumpDetector (default
-    settings, the paging detector) fed the loss series; a non-finite loss counts as flagged."""
+def spikes(losses: list[float]) -> tuple[int, int]:
+    """``(episodes, flagged steps)``: steps flagged by distgrad's RobustJumpDetector (default
+    settings, the paging detector) fed the loss series (a non-finite loss counts as flagged), and
+    the runs of consecutive flagged steps among them."""
     from distgrad.diagnostics.robust_spike import RobustJumpDetector
 
     det = RobustJumpDetector()
-    episodes, prev = 0, False
+    episodes, flagged_steps, prev = 0, 0, False
     for v in losses:
         flagged = not math.isfinite(v) or det.update(v).is_spike
         episodes += flagged and not prev
+        flagged_steps += flagged
         prev = flagged
-    return episodes
+    return episodes, flagged_steps
+
+
+def spike_episodes(losses: list[float]) -> int:
+    """Loss spike episodes (:func:`spikes`)."""
+    return spikes(losses)[0]
