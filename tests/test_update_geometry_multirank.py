@@ -1,8 +1,9 @@
 """Update geometry (distgrad/signals/update.py) on 2 gloo ranks (one launch of
 tests/dist/update_cases.py): under DDP with AdamW, SGD with momentum, Muon and Adafactor, FSDP2
-(rows of each matrix sharded) and DeepSpeed ZeRO-2 (flat fp32 partitions cutting rows; its
-wrapped torch AdamW), each record's applied-update RMS and update/weight ratio per parameter,
-per layer and overall, the spectral norm's power iteration, Muon's step RMS per lr and
+with AdamW, SGD with momentum and Muon (rows of each matrix sharded) and DeepSpeed ZeRO-2 with its
+AdamW and wrapped client SGD-momentum / Adafactor (flat fp32 partitions cutting rows, on which
+Adafactor keeps an unfactored second moment), each record's applied-update RMS and update/weight
+ratio per parameter, per layer and overall, the spectral norm's power iteration, Muon's step RMS per lr and
 Adafactor's second-moment trace against float64 recomputations from the full weights gathered
 before and after each optimizer step; and no collective or host sync beyond the step's own."""
 
@@ -16,7 +17,8 @@ import torch
 from tests.helpers import launch
 from tests.reference import case, spectral_reference, update_geometry_reference
 
-KEYS = ["ddp-adamw", "ddp-sgd", "ddp-muon", "ddp-adafactor", "fsdp2-adamw", "z2-adamw"]
+KEYS = ["ddp-adamw", "ddp-sgd", "ddp-muon", "ddp-adafactor", "fsdp2-adamw", "fsdp2-sgd", "fsdp2-muon", "z2-adamw",
+        "z2-sgd", "z2-adafactor"]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,7 @@ def test_update_geometry_multirank_matches_the_gathered_float64_update(update_re
         # the same power iteration in float64 on the full update matrices (float32 differences
         # of the weights carry ~1e-5 relative noise)
         assert u["param_update_spectral"] == pytest.approx(spectral[t], rel=1e-4)
-        if key == "ddp-muon":
+        if key.endswith("-muon"):
             lr, wd = 2e-2, 0.1
             st = [torch.tensor(weights[t + 1][k], dtype=torch.float64)
                   - (1 - lr * wd) * torch.tensor(weights[t][k], dtype=torch.float64) for k in mats]
@@ -62,7 +64,7 @@ def test_update_geometry_multirank_matches_the_gathered_float64_update(update_re
             assert u["muon_rms_ratio"] == pytest.approx(rms / 0.2, rel=1e-4)
         else:
             assert u["muon_rms_per_lr"] is None
-        if key == "ddp-adafactor":
+        if key in ("ddp-adafactor", "z2-adafactor"):
             assert u["adafactor_trace"] == pytest.approx(c["traces"][t], rel=1e-6)
         else:
             assert u["adafactor_trace"] is None

@@ -36,8 +36,10 @@ element counted once by exactly one rank under DDP, ZeRO 0-3, FSDP1/2 and HSDP):
   ``V = row_var col_var / max(mean(row_var), eps1)`` whose trace is
   ``sum(col_var) sum(row_var) / max(mean(row_var), eps1)`` (Shazeer and Stern 2018, arXiv
   1804.04235, Algorithm 4; torch's ``_single_tensor_adafactor``). Matrices are read on the first
-  holder of a replicated parameter (DDP, ZeRO-0); under a sharded layout (FSDP, ZeRO) the factored
-  state is not located and the trace is absent.
+  holder of a replicated parameter (DDP, ZeRO-0); ZeRO-1/2 step Adafactor on flat partitions,
+  where it keeps the unfactored ``variance``, read exactly per owned element; where a factored
+  state is sharded (not located) the trace is absent (torch's Adafactor does not run on FSDP2's
+  DTensors at all in torch 2.13).
 - a failed-root counter: no optimizer shipped with torch 2.13 or DeepSpeed exposes one
   (Distributed Shampoo's root-inverse failures live in its own logger); not exported.
 

@@ -1,8 +1,11 @@
 """Multi-rank driver of the update-geometry tests (tests/test_update_geometry_multirank.py)
 under ``torchrun --nproc_per_node 2``, gloo, CPU: a two-layer model (``layers.0``: 6 -> 12,
 ``layers.1``: 12 -> 5), each rank its own batch per step, STEPS steps, update geometry on with the
-spectral norm, under DDP (AdamW, SGD with momentum, Muon, Adafactor), FSDP2 (AdamW, rows sharded
-per layer) and DeepSpeed ZeRO-2 (its wrapped torch AdamW; flat fp32 partitions that cut rows).
+spectral norm, under DDP (AdamW, SGD with momentum, Muon, Adafactor), FSDP2 (AdamW, SGD with
+momentum, Muon; rows sharded per layer; torch's Adafactor itself fails on FSDP2's DTensors: an
+in-place pow_ on a _NormPartial placement) and DeepSpeed ZeRO-2 (its own torch AdamW; client SGD
+with momentum and Adafactor, which ZeRO-2 steps on flat fp32 partitions that cut rows, so Adafactor
+keeps an unfactored second moment there).
 Per step the full weights (DDP: the parameters; FSDP2: ``full_tensor()``; ZeRO-2: the fp32 module
 weights DeepSpeed copies back from the master partitions) before and after each optimizer step,
 and distgrad's :class:`~distgrad.signals.update.UpdateGeometry.Part` of each record. Rank 0 writes
@@ -19,7 +22,7 @@ import distgrad
 from distgrad import stats
 from tests.dist.common import BoundaryCounter, driver_args, run_cases
 from tests.reference import adafactor_trace
-from tests.dist.engines import adamw, build_ddp, build_deepspeed, build_fsdp2, init_distributed, sgd
+from tests.dist.engines import adamw, build_ddp, build_deepspeed, build_fsdp2, init_distributed, sgd, trainable
 
 STEPS = 5
 CFG = {"exporter": {"enabled": False}, "statistics": {"async_records": "off"},
@@ -72,7 +75,9 @@ def run(key: str, rank: int, world: int) -> dict:
             opt.step()
             opt.zero_grad()
     else:
-        w, _ = build_deepspeed(model, 2, micro_batch=4, lr=1e-2, adamw_params={"weight_decay": 0.1})
+        client = None if opt_name == "adamw" else OPTIMS[opt_name](trainable(model))  # ZeRO-2 wraps it
+        w, _ = build_deepspeed(model, 2, micro_batch=4, lr=1e-2, adamw_params={"weight_decay": 0.1}, optimizer=client,
+                               zero_allow_untested_optimizer=True)
         inst = distgrad.instrument(w, CFG)
 
         def full():
@@ -91,8 +96,12 @@ def run(key: str, rank: int, world: int) -> dict:
         else:
             train(step)
         weights.append(full())
-        if opt_name == "adafactor":
+        if key == "ddp-adafactor":
             traces.append(adafactor_trace(opt))
+        elif key == "z2-adafactor":  # unfactored on the flat partitions: the sum over both ranks' partitions
+            t = torch.tensor([adafactor_trace(w.optimizer.optimizer)], dtype=torch.float64)
+            torch.distributed.all_reduce(t)
+            traces.append(float(t))
     counter.restore()
     inst.close()
     return {"records": [None if r.update_geometry is None else r.update_geometry.to_dict() for r in recs],
@@ -105,7 +114,8 @@ def main() -> None:
     args = driver_args(cases="all")
     rank, world = init_distributed()
     stats.stats_table([torch.ones(3)], torch.device("cpu"))  # one-time kernel set-up (its syncs not counted)
-    keys = ["ddp-adamw", "ddp-sgd", "ddp-muon", "ddp-adafactor", "fsdp2-adamw", "z2-adamw"]
+    keys = ["ddp-adamw", "ddp-sgd", "ddp-muon", "ddp-adafactor", "fsdp2-adamw", "fsdp2-sgd", "fsdp2-muon",
+            "z2-adamw", "z2-sgd", "z2-adafactor"]
     run_cases([(k, functools.partial(run, k)) for k in keys], args.cases, args.out, rank, world, "update_cases",
               gather=False)
 
