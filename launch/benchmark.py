@@ -800,8 +800,8 @@ def render(micros: list[dict], e2es: list[dict], args: argparse.Namespace) -> st
             on = ", ".join(m.get("default_signals") or []) or "none"
             lines.append(f"Packed signals (issue 15), each alone on top of the sampled step without packed signals "
                          f"({fmt_ms(bare)} ms); on by default in this run: {on}. The hooks rows are work done in the "
-                         "backward pass per micro-batch (noise scale) or in the forward pass of the sampled step's "
-                         "micro-batches (logit precursors), not at the boundary.")
+                         "backward pass per micro-batch (noise scale) or in the forward (and backward) pass of the "
+                         "sampled step's micro-batches (logit precursors, FP8 scaling health), not at the boundary.")
             lines.append("")
             missing = [k for k, ok in (m.get("signal_parts_present") or {}).items() if not ok]
             lines.append("Every signal row's record carried its signal's values." if not missing else
@@ -811,7 +811,7 @@ def render(micros: list[dict], e2es: list[dict], args: argparse.Namespace) -> st
             lines.append("|---|---:|---:|---:|---:|---:|---:|")
             for key in m["signal_rows"]:
                 t = med[key]
-                added = t if key in ("gns_hooks", "logits_hooks") else t - bare
+                added = t if key in ("gns_hooks", "logits_hooks", "fp8_hooks") else t - bare
                 c, sy = m["counts"][key]
                 lines.append(f"| {labels[key]} | {fmt_ms(t)} | {fmt_ms(added)} | {added / fl:,.2f} | {c} | {sy} | "
                              f"{fmt_mb(m['peak_extra_bytes'][key])} |")
