@@ -94,6 +94,24 @@ def test_rerun_fingerprints_match_a_float64_reference_of_the_weights_before_the_
         assert rows[r, 5] == pytest.approx(ref["grad_sq"], rel=1e-9)
 
 
+def test_deepspeed_zero2_reruns_and_zero3_says_sharded(cases):
+    z2, z3 = _ranks(cases, "zero2"), _ranks(cases, "zero3")
+    for res in z2:
+        part = res["records"][BAD]["rerun"]
+        assert res["records"][BAD]["culprits"] == [1]
+        got = (part["verdict"], part["culprit_rank"], part["other_rank"], part["quarantine_rank"])
+        assert got == ("device", 1, 0, 1)
+        assert res["internal_errors"] == 0
+    for res in z3:  # the forward gathers every rank's shards: no rerun, no collective of its own
+        part = res["records"][BAD]["rerun"]
+        assert res["records"][BAD]["culprits"] == [1]
+        assert (part["step"], part["verdict"], part["reason"], part["culprit_rank"]) == (BAD, None, "sharded", 1)
+        assert part["totals"] == {v: 0 for v in VERDICTS} and res["internal_errors"] == 0
+    for case in (z2, z3):
+        assert case[0]["records"][BAD]["boundary_collectives"] == case[1]["records"][BAD]["boundary_collectives"]
+    assert "broadcast_object_list" not in z3[0]["records"][BAD]["boundary_collectives"]
+
+
 def test_weights_case_reruns_differ_beyond_tolerance_and_match_each_replica(cases):
     ranks = _ranks(cases, "weights")
     r0, r1 = ranks[0]["reference"][str(BAD)], ranks[1]["reference"][str(BAD)]

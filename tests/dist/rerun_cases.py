@@ -16,6 +16,9 @@ Cases:
              perturbed, on rank 1 only, every call).
   weights:   replica weight hashes every step; after step 2's update rank 1 flips the top
              mantissa bit of one weight (a memory fault): the replicas differ from step 3 on.
+  zero2 / zero3: the device fault under DeepSpeed ZeRO-2 (the rerun runs through
+             ``engine.module``), and under ZeRO-3, where the forward gathers every rank's
+             shards: no rerun (reason ``sharded``), no collective of its own, training goes on.
 
 Per case and rank: each step's record (``rerun`` part, culprits, finiteness), the float64
 reference of the culprit's step-3 micro-batches (loss and squared gradient norm from a copy of
@@ -199,11 +202,41 @@ def _reference(inner: nn.Module, kind: str, step: int) -> dict:
     return {"loss": loss_sum, "grad_sq": g2_sum, "nonfinite": nonfinite}
 
 
+def ds_case(stage: int, rank: int, world: int) -> dict:
+    from tests.dist.engines import build_deepspeed
+
+    torch.manual_seed(0)
+    engine, _ = build_deepspeed(Net(), stage=stage, gas=GAS, micro_batch=BATCH)
+    inst = distgrad.instrument(engine, rerun={"enabled": True}, exporter={"enabled": False})
+    calls = _record_collectives(inst)
+    recs = []
+    for step in range(BAD + 2):
+        if step == BAD and rank == 1:
+            for m in (engine.module.inp, engine.module.out):
+                m.register_forward_hook(_stuck_exponent)
+        for micro in range(GAS):
+            x, y = batch(step, rank, micro)
+            engine.backward(engine(x, y))
+            engine.step()
+        rec = inst.last_record
+        recs.append({"step": rec.step, "nonfinite": rec.nonfinite, "culprits": [c.rank for c in rec.culprits],
+                     "rerun": rec.rerun.to_dict(), "boundary_collectives": list(calls)})
+        calls.clear()
+    _restore_collectives()
+    errors = inst.counters["internal_errors"]
+    inst.close()
+    return {"records": recs, "internal_errors": errors}
+
+
 def main() -> None:
     args = driver_args(cases="all")
     dist.init_process_group("gloo")
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see launch/train.py skip_cpu_shm_op
     rank, world = dist.get_rank(), dist.get_world_size()
     jobs = [(k, functools.partial(case, k)) for k in ("data", "transient", "device", "weights")]
+    jobs += [(f"zero{s}", functools.partial(ds_case, s)) for s in (2, 3)]
     run_cases(jobs, args.cases, args.out, rank, world, "rerun_cases")
     dist.destroy_process_group()
 
