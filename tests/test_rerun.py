@@ -188,6 +188,7 @@ def test_one_process_reruns_with_the_output_sum_and_says_it_cannot_compare(enabl
         opt.step()
         opt.zero_grad()
         recs.append(inst.last_record)
+    state = inst.state_dict()
     inst.close()
     if not enabled:
         assert all(getattr(r, "rerun", None) is None for r in recs)
@@ -203,3 +204,12 @@ def test_one_process_reruns_with_the_output_sum_and_says_it_cannot_compare(enabl
     verdict = analyze(tmp_path / "run.jsonl").verdict()
     assert verdict.startswith("PROBLEM at step 2: non-finite")
     assert "rerun attribution: inconclusive (reproduces on the culprit rank; no other rank)" in verdict
+    # a resumed run keeps the budget used, the counts and the last verdict
+    model2 = _Net()
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    inst2 = distgrad.instrument(model2, optimizer=opt2, exporter={"enabled": False}, rerun={"enabled": True})
+    inst2.load_state_dict(state)
+    assert inst2.replay.rerun.reruns == 1
+    diag = inst2.diagnostics.get("rerun")
+    assert diag.totals == {v: int(v == "inconclusive") for v in VERDICTS} and diag.last.step == 2
+    inst2.close()
