@@ -207,3 +207,48 @@ def test_refused_where_no_rank_holds_every_parameter(engine, stage, job):
     assert Underflow.build(ok) is not None
     off = SimpleNamespace(config=DistgradConfig(), source=ok.source, job=None)
     assert Underflow.build(off) is None
+
+
+class CheckpointedDecoder(Decoder):
+    """:class:`Decoder` with each block under activation checkpointing (reentrant or not)."""
+
+    def __init__(self, reentrant: bool, **kw) -> None:
+        super().__init__(**kw)
+        self.reentrant = reentrant
+
+    def forward(self, ids, labels):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.embed(ids)
+        for blk in self.layers:
+            x = checkpoint(blk, x, use_reentrant=self.reentrant)
+        with torch.autocast(x.device.type, enabled=False):
+            logits = self.lm_head(self.norm(x.float()))
+        return self.loss_weight * torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_recomputes_with_the_copies_and_leaves_the_gradients(reentrant):
+    plain, _, _ = run(steps=1)  # the same weights and micro-batch without checkpointing
+    torch.manual_seed(0)
+    model = CheckpointedDecoder(reentrant, loss_weight=1e-5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"},
+                             underflow={"enabled": True, "interval": 1})
+    seen = {}
+    opt.register_step_pre_hook(lambda o, a, k: seen.update({n: p.grad.clone() for n, p in model.named_parameters()}))
+    recs = []
+    dg.add_hook(recs.append)
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 48, (8, 32), generator=g), torch.randint(0, 64, (8, 32), generator=g)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(ids, labels)
+    loss.backward()
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()  # distgrad's boundary (and the recomputation) runs before the hook above
+    errors = dg.counters["internal_errors"]
+    dg.close()
+    assert errors == 0
+    assert all(torch.equal(before[n], seen[n]) for n in before)  # the training gradients untouched
+    assert all(p.requires_grad for p in model.parameters())
+    assert recs[0].underflow.lost == plain[0].underflow.lost and recs[0].underflow.zero == plain[0].underflow.zero

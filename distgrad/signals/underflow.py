@@ -20,7 +20,7 @@ boundary, before the optimizer consumes the gradients (the weights are those of 
 1. *low precision*: the model's forward under the kept autocast state, with the parameters in
    their own dtype, the loss (the forward's returned loss, times ``underflow.loss_factor``)
    multiplied by the loss scale in force (``GradScaler`` / DeepSpeed fp16; 1 without one), then
-   ``torch.autograd.grad`` w.r.t. the parameters: the gradient the training backward produced
+   the backward into the parameter copies: the gradient the training backward produced
    for that micro-batch, element for element;
 2. *reference*: the same forward with autocast off and float32 copies of the parameters,
    buffers and floating inputs, its gradient w.r.t. the float32 parameters.
@@ -29,18 +29,20 @@ Per parameter element: **lost to underflow** = non-zero in the reference, exactl
 low-precision gradient; **genuinely zero** = zero in the reference. Per layer the counts (lost,
 low-precision zeros, reference zeros, elements, low-precision non-finite) are summed over the
 layer's parameters and ride in the step's SUM all-reduce (``2 + 5 L`` float64: a per-rank
-"recomputed" count and the loss scale used first), so the job's ratio is over the W recomputed micro-batches. No extra
-collective and no host synchronisation (counts stay on the device until the step's one copy);
+"recomputed" count and the loss scale used first), so the job's ratio is over the W recomputed
+micro-batches. No extra collective and no host synchronisation (counts stay on the device until the step's one copy);
 the loss scale of a ``GradScaler`` is its device tensor.
 
-The replay runs through ``functional_call`` on the user's module (DDP: the inner module, so no
-DDP hook or collective), with detached parameter copies (no ``.grad`` is written, no parameter
-hook fires) and every module forward/backward hook of the model set aside for its duration
-(distgrad's own loss, logit, tracer and replay hooks do not see it; :func:`in_replay` tells the
-attention hook point). Dropout masks are the training forward's (its RNG state restored inside
-``torch.random.fork_rng``); floating buffers are passed as copies (BatchNorm statistics are not
-updated). Sharded engines (FSDP1/2, ZeRO-3) and model-parallel layouts are refused at
-``instrument()``: no rank holds the parameters the forward needs.
+The replay runs through ``functional_call``'s parameter swap on the user's module (DDP: the
+inner module, so no DDP hook or collective), with detached parameter copies swapped in through
+the forward and the backward (the model's ``.grad`` is not written, no parameter hook fires;
+activation checkpointing recomputes with the copies) and every module forward/backward hook of
+the model set aside for its duration (distgrad's own loss, logit, tracer and replay hooks do not
+see it; :func:`in_replay` tells the attention hook point). Dropout masks are the training
+forward's (its RNG state restored inside ``torch.random.fork_rng``); floating buffers are passed
+as copies (BatchNorm statistics are not updated). Sharded engines (FSDP1/2, ZeRO-3) and model-
+parallel layouts are refused at ``instrument()``: no rank holds the parameters the forward
+needs.
 
 Cost, paid only on a recomputation step: two forward + backward passes of one micro-batch on
 each rank (the reference in float32), a float32 copy of the parameters when they are held in
@@ -52,7 +54,10 @@ Needs the loss: the forward of the module must return it (a scalar tensor, a dic
 divides the loss outside the forward (gradient accumulation) says so with
 ``underflow.loss_factor``; DeepSpeed's division by the accumulation steps is applied
 automatically. When the forward returns no loss the step's measurement is dropped (counted as an
-internal error, warned once).
+internal error, warned once). A parameter the reference backward does not reach (unused by that
+micro-batch) is left out of the counts, not claimed zero. The model's own parameters are out of
+autograd (``requires_grad`` False) while the passes run, so nothing can accumulate into their
+``.grad``.
 
 Everything the signal adds lives in this module (the contract of :mod:`distgrad.signals`): its
 configuration section ``underflow`` (:class:`Underflow.Config`), its record part
@@ -84,7 +89,7 @@ from distgrad.signals import PackedSignal
 
 log = logging.getLogger("distgrad")
 
-__all__ = ["Underflow", "in_replay", "loss_of"]
+__all__ = ["Underflow", "NoLossError", "in_replay", "loss_of"]
 
 #: columns per layer in the SUM part
 COLS = ("lost", "zero_low", "zero_ref", "numel", "nonfinite_low")
@@ -120,18 +125,22 @@ def _replaying(root: torch.nn.Module) -> Iterator[None]:
         _DEPTH[0] -= 1
 
 
+class NoLossError(TypeError):
+    """The model's forward returned no scalar loss (see :func:`loss_of`)."""
+
+
 def loss_of(output: Any) -> torch.Tensor:
     """The loss a forward returned: a 0-d floating tensor, ``output["loss"]`` or ``output.loss``.
 
     Raises:
-        TypeError: no such loss (the forward returns logits only)."""
+        NoLossError: no such loss (the forward returns logits only)."""
     loss = output
     if isinstance(output, Mapping):
         loss = output.get("loss")
     elif not isinstance(output, torch.Tensor):
         loss = getattr(output, "loss", None)
     if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
-        raise TypeError("underflow: the model's forward returns no scalar loss (a tensor, a dict with 'loss' "
+        raise NoLossError("underflow: the model's forward returns no scalar loss (a tensor, a dict with 'loss' "
                         "or an object with .loss); the recomputation needs it")
     return loss
 
@@ -368,20 +377,24 @@ class Underflow(PackedSignal):
             bufs = {n: b.clone() for n, b in root.named_buffers()}
             args, kwargs = k.args, k.kwargs
             ctx = [torch.autocast(d, dtype=dt) for d, dt in k.autocast]
+        from torch.nn.utils.stateless import _reparametrize_module  # functional_call's own swap
+
         devices = [k.cuda_rng[0]] if k.cuda_rng is not None else []
-        with torch.random.fork_rng(devices=devices, device_type="cuda"), contextlib.ExitStack() as stack:
+        # the copies stay swapped in through the backward too: code that re-runs the module there
+        # (activation checkpointing, reentrant or not) recomputes with them, not with the real weights
+        with torch.random.fork_rng(devices=devices, device_type="cuda"), \
+                _reparametrize_module(root, {**params, **bufs}, tie_weights=True):
             torch.set_rng_state(k.cpu_rng)
             if k.cuda_rng is not None:
                 torch.cuda.set_rng_state(k.cuda_rng[1], k.cuda_rng[0])
-            for c in ctx:
-                stack.enter_context(c)
-            out = torch.func.functional_call(root, {**params, **bufs}, args, kwargs, strict=False)
-            loss = loss_of(out) * self.loss_factor
-        if scale is not None:
-            loss = loss * scale.to(loss.device)
-        leaves = list(params.values())
-        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-        return list(grads)
+            with contextlib.ExitStack() as stack:
+                for c in ctx:
+                    stack.enter_context(c)
+                loss = loss_of(root(*args, **kwargs)) * self.loss_factor
+            if scale is not None:
+                loss = loss * scale.to(loss.device)
+            loss.backward()  # into the copies' .grad only: the model's parameters are not in the graph
+        return [t.grad for t in params.values()]
 
     def local(self, inst: Any, pieces: Sequence[torch.Tensor | None],
               device: torch.device) -> tuple[torch.Tensor, None]:
@@ -395,27 +408,37 @@ class Underflow(PackedSignal):
         if any(t._version != v for t, v in k.versions):
             return out, None  # an input modified in place since its forward: cannot be vouched for
         scale = self._scale(inst, device)
+        frozen = [p for _, p in self.params if p.requires_grad]
         with _replaying(self.root), torch.enable_grad():
             try:
+                # the model's own parameters out of any graph while the passes run (belt and braces:
+                # the passes differentiate detached copies swapped in for them)
+                for p in frozen:
+                    p.requires_grad_(False)
                 low = self._pass(k, False, scale)
                 zero_low = [None if g is None else (g == 0) for g in low]
                 bad = [None if g is None else (~torch.isfinite(g)).sum() for g in low]
                 del low
                 ref = self._pass(k, True, None)
-            except TypeError:
+            except NoLossError:
                 if not self._warned:
                     self._warned = True
                     log.warning("distgrad: underflow.enabled: the model's forward returns no loss: nothing is "
                                 "measured (see docs/signals.md, 'Lost to underflow')")
                 raise
+            finally:
+                for p in frozen:
+                    p.requires_grad_(True)
         f64: dict[str, Any] = dict(dtype=torch.float64, device=device)
         rows = torch.zeros(len(self.layers), len(COLS), **f64)
-        for (_, p), zl, nb, g, li in zip(self.params, zero_low, bad, ref, self.param_layer):
-            n = p.numel()
-            nz = None if g is None else (g != 0)
-            lost = torch.zeros((), **f64) if zl is None or nz is None else (zl & nz).sum().to(**f64)
+        for zl, nb, g, li in zip(zero_low, bad, ref, self.param_layer):
+            if g is None:  # not reached by the reference backward: not measured (not claimed zero)
+                continue
+            n = g.numel()
+            nz = g != 0
+            lost = (nz.sum() if zl is None else (zl & nz).sum()).to(**f64)  # no training-precision grad: all 0
             z_low = torch.tensor(float(n), **f64) if zl is None else zl.sum().to(**f64)
-            z_ref = torch.tensor(float(n), **f64) if nz is None else (n - nz.sum()).to(**f64)
+            z_ref = (n - nz.sum()).to(**f64)
             nbad = torch.zeros((), **f64) if nb is None else nb.to(**f64)
             rows[li] += torch.stack([lost, z_low, z_ref, torch.tensor(float(n), **f64), nbad])
         out[0] = 1.0
