@@ -218,11 +218,16 @@ def ranks(tmp_path_factory):
     return res
 
 
-@pytest.mark.parametrize("key", ["ddp-zclip", "ddp-adagc"])
+@pytest.mark.parametrize("key", ["ddp-zclip", "ddp-adagc", "fsdp2-adagc"])
 def test_every_rank_applies_the_same_factors_and_the_reference_gradient(ranks, key):
     res = ranks[key]["ranks"]
     assert len(res) == 2
-    assert res[0]["factors"] == res[1]["factors"]  # bit-identical, decided on each rank without a collective
+    assert res[0]["decided"] == res[1]["decided"]  # bit-identical, decided on each rank without a collective
     assert res[0]["clipped_steps"] == res[1]["clipped_steps"] >= 1
+    assert min(res[0]["decided"]) < 0.5  # the constructed spike was clipped
+    for s0, s1 in zip(res[0]["factors"], res[1]["factors"]):  # the factor each rank applied to its piece
+        for a, b in zip(s0, s1):
+            if a is not None and b is not None:
+                assert a == pytest.approx(b, rel=1e-12)
     for r in res:
         assert r["max_rel_err"] < 1e-12  # consumed gradient vs factor * full-batch float64 reference

@@ -24,7 +24,7 @@ Two rules, each as its paper states it:
   Defaults: the paper's (lambda_rel 1.05, beta 0.98, 100 warm-up steps, lambda_abs 1.0).
 
 Every rank holds the same reduced norms and the same state, so every rank computes the same
-factors with no collective (tested: 2 gloo ranks, DDP). The factors scale the gradients in place
+factors with no collective (tested: 2 gloo ranks, DDP and FSDP2). The factors scale the gradients in place
 after distgrad's read (the exported statistics, ``distgrad_grad_norm`` included, are the pre-clip
 ones) and before the optimizer consumes them (:meth:`distgrad.engines.optimizer_boundary.OptimizerBoundary`).
 
