@@ -263,6 +263,7 @@ OPT_IN: dict[str, str] = {
     "logits": "logits.attention / logits.output: true",
     "underflow": "underflow.enabled: true",
     "action": "action.on_nonfinite / action.on_spike",
+    "adaptive_clip": "adaptive_clip.mode: zclip / adagc",
     "replica_weights": "replica_weights.hash_interval > 0 (DDP, ZeRO-0, HSDP)",
     "update_geometry": "update_geometry.enabled: true",
     "update_geometry_spectral": "update_geometry.spectral: true for the spectral norm",

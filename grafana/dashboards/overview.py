@@ -175,6 +175,16 @@ def build() -> Dashboard:
                        (f"distgrad_action_stop_requested{{{S}}}", "stop requested {{instance}}")),
                24, 8, bars=True, min_=0),
         ]),
+        opt_in_row("Adaptive clipping", ["adaptive_clip"], [
+            ts("Steps clipped by distgrad", "Optimizer steps on which distgrad's adaptive clipping (ZClip or AdaGC, "
+               "docs/action.md) scaled gradients down. The exported gradient norm stays the pre-clip one.",
+               queries((f"increase(distgrad_adaptive_clip_steps_total{{{S}}}[{RATE}])", "clipped {{instance}}")),
+               12, 8, bars=True, min_=0),
+            ts("Adaptive clip factor", "Smallest factor applied to a gradient on the last sampled step (1: nothing "
+               "clipped) and the parameter tensors it scaled down.",
+               queries((f"distgrad_adaptive_clip_factor{{{S}}}", "factor {{instance}}"),
+                       (f"distgrad_adaptive_clip_tensors{{{S}}}", "tensors {{instance}}")), 12, 8, unit="short"),
+        ]),
     ]
     return dashboard("overview", "distgrad / Overview",
                      "Training health from distgrad's rank-0 exporter: loss, gradient norm, fp16 loss scaling, non-finite steps, throughput, stalls, errors.",

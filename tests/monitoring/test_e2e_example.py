@@ -103,7 +103,7 @@ def test_every_dashboard_query_returns_data_from_the_live_run(env):
 
     allowed = set(OPT_IN) | {queries.ALERT}
     assert allowed == {"loss_scaler", "update_ratio", "replicated", "components", "tokens", "noise_scale",
-                       "curvature", "histogram", "action", "logits", "replica_weights", "underflow",
+                       "curvature", "histogram", "action", "adaptive_clip", "logits", "replica_weights", "underflow",
                        "update_geometry", "update_geometry_spectral", "update_geometry_muon",
                        "update_geometry_adafactor", "fp8", queries.ALERT}
     empty = [(q.dashboard, q.title, q.expr, q.conditional) for q, n in counts.items()
