@@ -97,6 +97,22 @@ def test_fp8_layers_equal_float64_recomputation_and_healthy_run_is_silent():
                                                                 / sum(r["elements"] for r in refs))
     _assert_alerts(s, set())
     assert s["distgrad_fp8_amax_disagreement"] == {}  # no tensor parallelism
+    assert _collapsed(recs) == set()
+
+
+def _collapsed(recs):
+    """The tensors whose served smallest scale fell below DistgradFp8ScaleCollapse's ratio of its
+    maximum over the run so far (the rule's max_over_time, every record one scrape)."""
+    from grafana import config
+
+    ratio = config.ALERTS["DistgradFp8ScaleCollapse"]["ratio"]
+    seen, out = {}, set()
+    for r in recs:
+        for role, v in Fp8Signal.samples(r.fp8)["distgrad_fp8_scale_min"].items():
+            seen[role] = max(seen.get(role, v), v)
+            if v < ratio * seen[role]:
+                out.add(role)
+    return out
 
 
 def _assert_alerts(s, expected):
@@ -161,6 +177,7 @@ def test_input_that_jumps_1000x_collapses_its_scale():
     after = recs[2].fp8.stats["blocks.0.up"]["input"]
     assert after["scale_min"] < before["scale_min"] / 300
     assert after["saturated"] == 0  # dynamic scaling follows the jump: no clipping
+    assert _collapsed(recs) == {"input"}  # DistgradFp8ScaleCollapse's condition, for the input only
 
 
 def test_saturation_counted_exactly_with_a_stale_scale():
