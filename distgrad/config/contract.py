@@ -69,6 +69,32 @@ class Declares:
         if own.get("METRICS"):
             _metrics.register(own["METRICS"], cls.part_name, cls.samples)
 
+    @classmethod
+    def section_of(cls, config: Any) -> Any:
+        """This plug-in's section of a :class:`~distgrad.config.DistgradConfig` (an instance of
+        :attr:`Config`). The field is added to ``DistgradConfig`` when the plug-in's class is
+        defined, so a type checker cannot see ``config.<key>``; read it through here.
+
+        Raises:
+            TypeError: the class declares no ``Config``.
+        """
+        if cls.Config is None:
+            raise TypeError(f"{cls.__qualname__} declares no Config section")
+        return getattr(config, cls.Config.section_key)
+
+    @classmethod
+    def set_part(cls, rec: Any, part: Any) -> None:
+        """Set this plug-in's record part on a :class:`~distgrad.record.StepRecord` (the attribute
+        :attr:`part_name`, added when the class is defined: invisible to a type checker, like
+        :meth:`section_of`).
+
+        Raises:
+            TypeError: the class declares no ``Part``.
+        """
+        if cls.part_name is None:
+            raise TypeError(f"{cls.__qualname__} declares no Part")
+        setattr(rec, cls.part_name, part)
+
     @staticmethod
     def samples(part: Any) -> dict[str, Any]:
         """The Prometheus samples of the record part (:attr:`Part`, never None here):

@@ -223,7 +223,7 @@ class AdaptiveClip(Diagnostic):
 
     def __init__(self, ctx: DiagnosticContext) -> None:
         super().__init__(ctx)
-        self.cfg = ctx.config.adaptive_clip
+        self.cfg = AdaptiveClip.section_of(ctx.config)
         self.mode: str = self.cfg.mode
         self.steps = 0
         self.clipped_steps = 0
@@ -337,11 +337,11 @@ class AdaptiveClip(Diagnostic):
         self._pending = None
         if d is None:
             d = {"acted": False, "reason": "not decided (the update was skipped, or no read before the update)"}
-        rec.adaptive_clip = AdaptiveClip.Part(
+        AdaptiveClip.set_part(rec, AdaptiveClip.Part(
             mode=self.mode, acted=bool(d.get("acted")), clipped=bool(d.get("clipped", False)),
             factor=float(d.get("factor", 1.0)), tensors_clipped=int(d.get("tensors", 0)) if d.get("clipped") else 0,
             threshold=d.get("threshold"), z=d.get("z"), warmup=bool(d.get("warmup", False)),
-            clipped_steps=self.clipped_steps, reason=d.get("reason"))
+            clipped_steps=self.clipped_steps, reason=d.get("reason")))
 
     # -- checkpoint -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -242,7 +242,7 @@ class RerunAttribution(Diagnostic):
 
     @classmethod
     def create(cls, ctx: DiagnosticContext) -> RerunAttribution | None:
-        return cls(ctx) if ctx.config.rerun.enabled else None
+        return cls(ctx) if cls.section_of(ctx.config).enabled else None
 
     def __init__(self, ctx: DiagnosticContext) -> None:
         super().__init__(ctx)
@@ -261,7 +261,7 @@ class RerunAttribution(Diagnostic):
         else:
             part = RerunAttribution.Part.from_dict(self.last.to_dict())
             part.totals = dict(self.totals)
-        rec.rerun = part
+        self.set_part(rec, part)
 
     def state_dict(self) -> dict[str, Any]:
         return {"totals": dict(self.totals), "last": self.last.to_dict()}
