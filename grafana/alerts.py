@@ -555,6 +555,33 @@ def _groups() -> dict[str, Any]:
             "shorten the amax history or use dynamic scaling (docs/runbook.md).",
         ),
     ]
+    col = a["DistgradRouterCollapse"]
+    training += [
+        _rule(
+            "DistgradRouterCollapse",
+            f"max by (job, instance, run) (distgrad_router_load_imbalance{sel()}) > {col['threshold']}\n",
+            "The MoE router of {{ $labels.job }} collapsed onto few experts.",
+            f"For {col['for']}, the busiest expert of some MoE layer of {WHO} has had more than {col['threshold']} "
+            "times the mean tokens per expert (now {{ $value | printf \"%.2f\" }} at sampled step "
+            f"{tvalue('distgrad_optimizer_step')}), in layer(s) "
+            + tlist(f"topk(3, distgrad_router_load_imbalance{{job=%q,instance=%q}} > {col['threshold']})",
+                    '{{ $s.Labels.moe_layer }} ({{ $s.Value | printf "%.2f" }})', "moe_layer", "unknown")
+            + ". The layer trains as a dense one and does not recover by itself: check the load-balancing loss "
+            "or bias update, the router's learning rate, and the tokens per expert in the JSONL record "
+            "(router.tokens); restart from a checkpoint before the collapse (docs/runbook.md).",
+        ),
+        _rule(
+            "DistgradRouterDeadExperts",
+            f"distgrad_router_dead_experts{sel()} > 0\n",
+            "Experts of {{ $labels.job }} receive no tokens.",
+            f"{{{{ $value | printf \"%.0f\" }}}} expert(s) of {WHO} got no token on each of the last router.dead_after "
+            f"sampled steps (sampled step {tvalue('distgrad_optimizer_step')}); the most unbalanced layer(s): "
+            + tlist("topk(3, distgrad_router_load_imbalance{job=%q,instance=%q})",
+                    '{{ $s.Labels.moe_layer }} (max/mean {{ $s.Value | printf "%.2f" }})', "moe_layer", "unknown")
+            + ". Their parameters are trained by nothing; the layers and expert indices are in the JSONL record "
+            "(router.dead). Check the load balancing (docs/runbook.md).",
+        ),
+    ]
     down, gone = a["DistgradExporterDown"], a["DistgradExporterAbsent"]
     # the last state the target served within the window (stale markers are not samples)
     last_state = f"last_over_time(distgrad_run_state{sel()}[" + "{w}])"

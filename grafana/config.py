@@ -144,6 +144,16 @@ ALERTS: dict[str, dict[str, Any]] = {
     # error (0 under dynamic scaling of a finite tensor; delayed or static scales): activations
     # or gradients are being cut: page when it holds for `for`.
     "DistgradFp8Saturation": {"severity": "critical", "for": "1m", "threshold": 1e-3},
+    # MoE router health (router.enabled: true, opt-in; distgrad.signals.router). Collapse: in some
+    # MoE layer the busiest expert got more than `threshold` times the mean tokens per expert
+    # (E/k when every token goes to the same k experts) on every sampled step for `for`: the layer
+    # trains as a dense one and does not recover by itself (critical: act now). Healthy routers
+    # stay below 2 (docs/signals.md, "MoE router health"); a layer with E/k <= threshold can only
+    # show collapse as dead experts.
+    "DistgradRouterCollapse": {"severity": "critical", "for": "5m", "threshold": 3.0},
+    # experts that got no token on each of the last router.dead_after sampled steps (the step
+    # count is the "for"): capacity the model pays for and does not use (a ticket)
+    "DistgradRouterDeadExperts": {"severity": "warning", "for": "0s"},
 }
 
 #: Alertmanager routing and inhibition; ``python grafana/build.py`` renders configs/alertmanager.yml

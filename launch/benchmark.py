@@ -23,8 +23,9 @@ Not part of the test suite. Without CUDA it starts 2 CPU ranks (gloo, ``DS_ACCEL
      ``log_tensor_stats`` (clone + histc + copy to host, 64 bins); DeepSpeed's
      ``safe_get_full_grad`` loop for per-parameter norms;
    - each packed signal (``distgrad.signals``: histogram, optimizer signals, noise scale,
-     curvature) alone on top of the sampled step without packed signals, and the noise scale's
-     per-micro-batch hook work and the logit precursors' per-sampled-micro-batch forward work;
+     curvature, MoE router health) alone on top of the sampled step without packed signals, and the
+     noise scale's per-micro-batch hook work and the logit precursors' and router hooks'
+     per-sampled-micro-batch forward work;
    - per row, in separate untimed passes: collectives and host syncs (the methods that wait for
      the device: ``item``, ``cpu``, ``tolist``, ``__bool__``, ``__float__``, ..., and waits for
      an asynchronous record's copy that had not completed), the extra peak memory (CUDA:
@@ -556,6 +557,40 @@ def worker(args: argparse.Namespace) -> None:
         rows.append(("fp8_hooks", f"signal: FP8 scaling health, its work per sampled micro-batch (amax, scale, "
                      f"underflow / saturation counts of input, weight, grad_output of {4 * layers} float8 linears "
                      f"[128, {width}] x [{width}, {width}]) [opt-in]", fp8_hooks))
+    # MoE router health (router.enabled) on a model of the same depth with n_exp experts, top-2
+    # per layer: (a) its packing and record at the boundary, (b) its forward work per sampled
+    # micro-batch and router (DeepSpeed's case, the upper bound: the [T, d] x [d, E] logits
+    # recomputed from the gate's input; Hugging Face's hook receives them), on random tensors
+    from distgrad.signals.router import RouterHealth, expert_counts, router_entropy_sum
+
+    n_exp, top_k = 8, 2
+    rsig = RouterHealth(1)
+    rsig.set_layers([str(i) for i in range(layers)], [n_exp] * layers)
+    racc = torch.zeros(rsig.sum_size, dtype=torch.float64, device=device)
+    for o in rsig._offsets:  # one forward of 128 tokens per layer, spread evenly
+        racc[o:o + 5] = torch.tensor([1.0, 1.0, 128.0, 128.0 * math.log(n_exp), 1.0], dtype=torch.float64)
+        racc[o + 5:o + 5 + n_exp] = 128.0 * top_k / n_exp
+    fn = with_signals(SignalPack([rsig]))
+    rows.append(("sig_router", f"signal: MoE router health, packing and record ({layers} layers x {n_exp} experts; "
+                 "router.enabled) [opt-in]", (lambda f: lambda: (setattr(rsig, "_acc", racc.clone()), f()))(fn)))
+    parts["sig_router"] = "router"
+    signal_rows.append("sig_router")
+    fake_router = [(torch.randn(128, width, generator=g).to(device), torch.randn(n_exp, width, generator=g).to(device))
+                   for _ in range(layers)]
+    fake_idx = [torch.topk(x @ w.T, top_k, dim=-1).indices for x, w in fake_router]
+
+    def router_hooks() -> None:
+        """The router hooks' work in the forward pass of one sampled micro-batch: per MoE layer the
+        gate logits recomputed from its input (DeepSpeed), their float64 softmax entropy and the
+        scatter-add of the top-k indices ([128, width] tokens, 8 experts, top-2)."""
+        for (x, w), idx in zip(fake_router, fake_idx):
+            router_entropy_sum(torch.nn.functional.linear(x.float(), w.float()))
+            expert_counts(idx, n_exp)
+
+    signal_rows.append("router_hooks")
+    rows.append(("router_hooks", f"signal: MoE router health, its work per sampled micro-batch in the forward "
+                 f"({layers} routers: logits [128, {n_exp}] from [128, {width}], float64 entropy, counts) [opt-in]",
+                 router_hooks))
     # warm-up (compiles the native kernel and, if listed, the torch.compile kernel)
     t_warm = {}
     for key, _, fn in rows:
@@ -801,7 +836,7 @@ def render(micros: list[dict], e2es: list[dict], args: argparse.Namespace) -> st
             lines.append(f"Packed signals (issue 15), each alone on top of the sampled step without packed signals "
                          f"({fmt_ms(bare)} ms); on by default in this run: {on}. The hooks rows are work done in the "
                          "backward pass per micro-batch (noise scale) or in the forward (and backward) pass of the "
-                         "sampled step's micro-batches (logit precursors, FP8 scaling health), not at the boundary.")
+                         "sampled step's micro-batches (logit precursors, FP8 scaling health, MoE router health), not at the boundary.")
             lines.append("")
             missing = [k for k, ok in (m.get("signal_parts_present") or {}).items() if not ok]
             lines.append("Every signal row's record carried its signal's values." if not missing else
@@ -811,7 +846,7 @@ def render(micros: list[dict], e2es: list[dict], args: argparse.Namespace) -> st
             lines.append("|---|---:|---:|---:|---:|---:|---:|")
             for key in m["signal_rows"]:
                 t = med[key]
-                added = t if key in ("gns_hooks", "logits_hooks", "fp8_hooks") else t - bare
+                added = t if key.endswith("_hooks") else t - bare
                 c, sy = m["counts"][key]
                 lines.append(f"| {labels[key]} | {fmt_ms(t)} | {fmt_ms(added)} | {added / fl:,.2f} | {c} | {sy} | "
                              f"{fmt_mb(m['peak_extra_bytes'][key])} |")

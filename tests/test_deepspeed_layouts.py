@@ -42,6 +42,26 @@ def test_moe_experts_exported_once_under_global_index(ds_layout_results):
     assert c["counters"]["internal_errors"] == 0
 
 
+def test_moe_router_health_sums_every_rank_and_equals_float64(ds_layout_results):
+    """router.enabled on the same run (ep_size 2, ZeRO-2, 4 ranks; the 2 collectives and 1 host
+    copy above are with it on): the tokens per expert equal the float64 top-1 of every rank's
+    gate inputs summed over ranks (exact), the entropy and l_aux the test's float64 / DeepSpeed's
+    values, the imbalance max/mean of those counts."""
+    c = _case(ds_layout_results, "moe-z2")
+    for rec, ranks in zip(c["records"], c["router_ref"]):
+        r = StepRecord.from_dict(rec).router
+        fwd = [f for per_rank in ranks for f in per_rank]
+        assert len(ranks) == 4 and len(fwd) == 4  # one forward per rank
+        (layer,) = r.tokens
+        counts = [sum(f["counts"][e] for f in fwd) for e in range(4)]
+        n = sum(f["tokens"] for f in fwd)
+        assert r.tokens[layer] == counts and sum(counts) == n == 4 * 6 and r.routed[layer] == n
+        assert r.entropy[layer] == pytest.approx(sum(f["entropy"] for f in fwd) / n, rel=1e-6)
+        assert r.imbalance[layer] == pytest.approx(max(counts) / (n / 4), rel=1e-12)
+        assert r.layer_aux_loss[layer] == pytest.approx(sum(f["l_aux"] for f in fwd) / 4, rel=1e-6)
+        assert r.aux_loss == pytest.approx(r.layer_aux_loss[layer], rel=1e-12)
+
+
 def test_nan_in_one_expert_named_with_global_expert_and_rank(ds_layout_results):
     """Step 1: a NaN in global rank 3's ZeRO-2 fragment of one of its experts (expert-parallel
     rank 1, so a global expert 2 or 3): named with that expert's global name and rank 3."""

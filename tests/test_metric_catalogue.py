@@ -19,6 +19,7 @@ from distgrad.diagnostics.detectors import DETECTOR_LABELS
 from distgrad.diagnostics import Diagnostics
 from distgrad.loss.tracker import rank_stats
 from distgrad.signals.noise_scale import GradientNoiseScale
+from distgrad.signals.router import RouterHealth
 from distgrad.signals.curvature import Curvature
 from distgrad.signals.underflow import Underflow
 from distgrad.record.action import ActionPart
@@ -115,6 +116,11 @@ def _sink(features: set[str]) -> PrometheusSink:
     if "logits" in f:
         rec.logits = LogitStats(attention_max={"0": 12.0, "1": 30.0}, attention_head_max={"0": [12.0, 3.0]},
                                 output_abs_max=9.0, z_mean=4.5, z_sq_mean=20.5, z_max=6.0, positions=16)
+    if "router" in f:
+        rec.router = RouterHealth.Part(tokens={"0": [3.0, 5.0, 0.0, 4.0], "1": [3.0, 3.0, 3.0, 3.0]},
+                                       imbalance={"0": 5 / 3, "1": 1.0}, cv={"0": 0.6, "1": 0.0},
+                                       entropy={"0": 1.2, "1": 1.3}, routed={"0": 6, "1": 6}, dead={"0": [2], "1": []},
+                                       aux_loss=1.1)
     if "duplicate_data" in f:
         rec.duplicate_data = DuplicateDataSignal.Part(streak=3, groups=[[0, 1]], ranks=[0, 1], first_step=3)
     if "update_geometry" in f:  # the Muon / Adafactor / spectral gauges only where their condition holds

@@ -23,6 +23,9 @@ Signals read from the records (a signal absent from every record is simply not r
 * ``underflow`` (:class:`distgrad.signals.underflow.Underflow.Part`): the fraction of gradient
   elements lost to underflow (non-zero in a float32 recomputation, exactly zero in the training
   precision) and the genuinely zero fraction, global and per layer, at each recomputation.
+* ``router`` (:class:`distgrad.signals.router.RouterHealth.Part`): per MoE layer the expert load
+  max/mean, the router entropy and the dead experts (worst / lowest / sum over layers), and the
+  auxiliary loss.
 
 Findings (rules; ``W`` = :data:`WINDOW` sampled steps):
 
@@ -55,6 +58,9 @@ Findings (rules; ``W`` = :data:`WINDOW` sampled steps):
   :data:`RISE_FACTOR` (3) times the median of the ``W`` before them, both positive, globally or in
   a layer (sharpening); named at the first step it held, with the layer of largest rise then.
 
+* ``router_collapse``: the first record in which a MoE layer's expert load max/mean is above
+  :data:`ROUTER_COLLAPSE` (3, DistgradRouterCollapse's default) or a layer has dead experts;
+  named: that layer (the highest imbalance, else the most dead experts) and the others.
 * ``duplicate_data``: a record whose ``duplicate_data`` part names data-parallel ranks with
   bit-identical losses (:mod:`distgrad.signals.duplicate_data`); named at the first such step,
   with the ranks.
@@ -239,11 +245,23 @@ SPECS["fp8"] = [
     ("underflow_ratio", "FP8 underflow: elements flushed to zero by the cast", False, _fp8("underflow")),
     ("saturation_ratio", "FP8 saturation: elements clipped by the cast", False, _fp8("saturated")),
 ]
+SPECS["router"] = [
+    ("imbalance", "MoE expert load max/mean (over layers: the worst; per layer)", False,
+     lambda p: (max(p.imbalance.values()) if p.imbalance else math.nan, dict(p.imbalance))),
+    ("entropy", "MoE router softmax entropy, nats (over layers: the lowest; per layer)", False,
+     lambda p: (min(p.entropy.values()) if p.entropy else math.nan, dict(p.entropy))),
+    ("dead", "MoE dead experts (over layers: the sum; per layer)", False,
+     lambda p: (float(sum(len(v) for v in p.dead.values())), {k: float(len(v)) for k, v in p.dead.items()})),
+    ("aux_loss", "MoE auxiliary load-balancing loss", False,
+     lambda p: (_f(p.aux_loss) if p.aux_loss is not None else math.nan, None)),
+]
 TITLES = {"underflow": "Lost to underflow", "grad_histogram": "Gradient value distribution",
           "noise_scale": "Gradient noise scale",
           "curvature": "Curvature along the last update", "optimizer_signals": "Optimizer (Adam) signals",
           "logits": "Logit precursors", "update_geometry": "Applied update geometry",
-          "fp8": "FP8 scaling health"}
+          "fp8": "FP8 scaling health", "router": "MoE router health"}
+#: a MoE layer's load max/mean above this is a collapsed router (DistgradRouterCollapse's default)
+ROUTER_COLLAPSE = 3.0
 #: (signal, metric) -> (finding kind, what rose, what to do) of the rise rule
 RISES = {
     ("optimizer_signals", "update_rms"): (
@@ -326,6 +344,7 @@ class SignalsAccumulator:
         self._rises: dict[tuple[str, str], list] = {}  # first firing: step, layer, ratio, before, after, steps held
         self._dup: SignalFinding | None = None  # first step data-parallel ranks shared their data
         self._rw: SignalFinding | None = None  # first hash step whose replica weights differed
+        self._router: SignalFinding | None = None  # first step a MoE layer collapsed or lost experts
 
     def add(self, r: StepRecord) -> None:
         step = int(r.step)
@@ -420,6 +439,22 @@ class SignalsAccumulator:
                 f"{', '.join(str(r) for r in w.mismatch_ranks) or '?'} outside the majority, {w.n_mismatch_params} "
                 f"parameter(s) ({names}); what to do: stop, check that rank's device, resume from a checkpoint "
                 f"before it ({RUNBOOK}#signal-replica-weights)"))
+
+    def _see_router(self, step: int, r: Any) -> None:
+        if self._router is not None:
+            return
+        over = {k: v for k, v in r.imbalance.items() if v > ROUTER_COLLAPSE}
+        dead = {k: v for k, v in r.dead.items() if v}
+        if not (over or dead):
+            return
+        layer = max(over, key=lambda k: over[k]) if over else max(dead, key=lambda k: len(dead[k]))
+        what = (f"the busiest expert got {over[layer]:.3g}x the mean tokens per expert (above {ROUTER_COLLAPSE})"
+                if over else f"experts {dead[layer]} got no token for router.dead_after sampled steps")
+        others = sorted((set(over) | set(dead)) - {layer})
+        self._router = SignalFinding("router_collapse", step, layer, (
+            f"MoE layer {layer}: {what} at step {step}" + (f" (also layers {', '.join(others)})" if others else "")
+            + "; what to do: fix the load balancing (auxiliary-loss coefficient, the balancing bias update, the "
+            f"router's learning rate) and restart from before the collapse ({RUNBOOK}#signal-router-collapse)"))
 
     def _see_optimizer_signals(self, step: int, o: Any) -> None:
         self._adam.append((_f(o.update_rms), _f(o.spike_fraction)))
@@ -553,7 +588,7 @@ class SignalsAccumulator:
                                                list(m.names), m.lay.result() if m.lay else None))
         rep.findings = (self._lost_finding() + self._underflow() + self._noise_finding() + self._excursion_finding()
                         + self._rise_findings()
-                        + [f for f in (self._dup, self._rw) if f is not None])
+                        + [f for f in (self._dup, self._rw, self._router) if f is not None])
         rep.findings.sort(key=lambda f: f.step)
         return rep
 

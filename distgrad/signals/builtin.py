@@ -15,6 +15,7 @@ from distgrad.signals import (
     histogram,  # noqa: F401,E402
     logits,  # noqa: F401,E402 - attention and output logit precursors
     noise_scale,  # noqa: F401,E402 - gradient noise scale
+    router,  # noqa: F401,E402 - MoE router health
     underflow,  # noqa: F401,E402 - lost to underflow vs genuinely zero (recomputation)
     update,  # noqa: F401,E402 - applied-update geometry for any optimizer
     weight_hash,  # noqa: F401,E402 - replica weight hashes

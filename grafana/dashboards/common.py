@@ -262,6 +262,7 @@ OPT_IN: dict[str, str] = {
     "curvature": "curvature.enabled: true",
     "logits": "logits.attention / logits.output: true",
     "underflow": "underflow.enabled: true",
+    "router": "router.enabled: true (MoE models)",
     "action": "action.on_nonfinite / action.on_spike",
     "adaptive_clip": "adaptive_clip.mode: zclip / adagc",
     "replica_weights": "replica_weights.hash_interval > 0 (DDP, ZeRO-0, HSDP)",

@@ -143,6 +143,21 @@ def build() -> Dashboard:
                queries((f"distgrad_fp8_amax_disagreement{{{S}}}", "{{tensor}}"),
                        (f"distgrad_fp8_amax_max{{{S}}}", "largest amax {{tensor}}")), 12, 8),
         ]),
+        opt_in_row("MoE router health", ["router"], [
+            ts("Expert load imbalance per MoE layer", "Max over experts / mean over experts of the tokens each expert "
+               "got in the sampled step, all ranks (router.enabled): 1 is balanced, E/k means every token goes to the same "
+               "k experts. DistgradRouterCollapse pages above "
+               f"{config.ALERTS['DistgradRouterCollapse']['threshold']}; "
+               "per-layer CV, entropy and dead experts are in the JSONL record (router.*).",
+               queries((f"distgrad_router_load_imbalance{{{S}}}", "max/mean {{moe_layer}}")), 12, 8, min_=0),
+            ts("Dead experts, lowest router entropy, auxiliary loss", "Experts that got no token on each of the last "
+               "router.dead_after sampled steps, all MoE layers (DistgradRouterDeadExperts); the lowest over layers "
+               "of the mean router softmax entropy (nats; log E uniform, toward 0 as a router turns one-hot); the "
+               "auxiliary load-balancing loss (DeepSpeed l_aux summed over layers, Hugging Face aux_loss).",
+               queries((f"distgrad_router_dead_experts{{{S}}}", "dead experts {{instance}}"),
+                       (f"distgrad_router_entropy_min_nats{{{S}}}", "min entropy {{instance}}"),
+                       (f"distgrad_router_aux_loss{{{S}}}", "aux loss {{instance}}")), 12, 8, min_=0),
+        ]),
     ]
     layer_var = ("layer", "Layer", 'label_values(distgrad_layer_grad_norm{job=~"$job", run=~"$run", instance=~"$instance"}, layer)')
     return dashboard("layers", "distgrad / Layers and parameters",

@@ -10,7 +10,9 @@ group) under ZeRO-2, two optimizer steps; records on rank 0:
     index ``expert-parallel rank * num_local_experts + local index`` (DeepSpeed's dispatch order),
     gathered from all ranks; float64 statistics;
   * the collectives and host syncs inside distgrad's ``collect`` / ``finish``.
-``moe-z2-nan``: the same, with a NaN put into global rank 3's ZeRO-2 fragment of one expert
+  * with ``router.enabled``: every rank's gate forwards recomputed in float64 by the test's own
+    hook (top-1 counts, softmax entropy, tokens, ``l_aux``), gathered from all ranks.
+``moe-z2-nan``: the same (router off), with a NaN put into global rank 3's ZeRO-2 fragment of one expert
 parameter on step 1. ``pipe-z0`` / ``pipe-z1``: a ``PipelineEngine`` (2 stages x 2-way data
 parallel) under ZeRO-0 / ZeRO-1, reference A gathered from both stages; ``pipe-z0-double``: the
 mutation counting both data-parallel replicas of a stage. ``refusals``:
@@ -79,9 +81,25 @@ def global_name(engine, name: str) -> str:
     return f"{head}.deepspeed_experts.{int(local) + 2 * ep_rank}.{tail}"
 
 
+def router_reference(gate, log: list) -> None:
+    """The test's own hook on the gate: per forward, float64 top-1 counts of softmax(x W^T), the
+    summed softmax entropy, the tokens and DeepSpeed's l_aux (reference for ``router``)."""
+    def hook(mod, args, out):
+        x = args[0].detach().double()
+        p = torch.softmax(x @ mod.wg.weight.detach().double().T, -1)
+        counts = torch.bincount(p.argmax(-1), minlength=p.shape[-1]).double()
+        log.append({"counts": counts.tolist(), "entropy": float(-(p * torch.log(p)).sum()), "tokens": x.shape[0],
+                    "l_aux": float(out[0])})
+    return gate.register_forward_hook(hook)
+
+
 def run_moe(key: str, rank: int) -> dict:
     engine = make_engine(2)
-    inst = distgrad.instrument(engine, exporter={"enabled": False})
+    router = {"enabled": True} if key == "moe-z2" else {}
+    inst = distgrad.instrument(engine, exporter={"enabled": False}, router=router)
+    forwards: list = []
+    handle = router_reference(engine.module.moe.deepspeed_moe.gate, forwards)
+    router_ref: list = []
     counts, refs, records = _count(inst), [], []
     inner = engine._take_model_step
     state = {"step": 0}
@@ -118,14 +136,19 @@ def run_moe(key: str, rank: int) -> dict:
             engine.backward(loss)
             engine.step()
             records.append(inst.last_record.to_dict() if inst.last_record else None)
+            every_rank: list = [None] * deepspeed.comm.get_world_size()
+            torch.distributed.all_gather_object(every_rank, forwards[:])
+            router_ref.append(every_rank)
+            forwards.clear()
     finally:
         counts.restore()
+        handle.remove()
     names: list = [None] * deepspeed.comm.get_world_size()
     torch.distributed.all_gather_object(names, [n for n, _ in engine.module.named_parameters()])
     hit: list = [None] * deepspeed.comm.get_world_size()
     torch.distributed.all_gather_object(hit, injected[0])
     out = {"records": records, "ref_full": refs, "counts": counts.per_step, "counters": dict(inst.counters),
-           "local_names": names, "injected": hit, "names": list(inst.names)}
+           "local_names": names, "injected": hit, "names": list(inst.names), "router_ref": router_ref}
     inst.close()
     return out
 

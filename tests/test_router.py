@@ -1,0 +1,254 @@
+"""MoE router health (distgrad/signals/router.py) on one process, against float64 recomputations
+made another way: for tiny Hugging Face Mixtral and Qwen2-MoE models (2 layers, 4 experts, top-2,
+hidden 16) the router inputs are captured by the test's own hooks, the router logits recomputed
+in float64 from the router weight, the top-k assignment counted with ``bincount`` and the
+softmax entropy taken in float64; the auxiliary loss is the model's own ``aux_loss`` output.
+Also: only sampled steps are computed, the record's JSON round trip, the served metrics, and the
+realistic collapse case (a DeepSeek-V3 style router whose load-balancing bias is updated with
+the wrong sign collapses onto one expert; the collapse threshold and the dead-expert count name
+that layer, and a run with the right sign stays silent)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import distgrad
+from distgrad.config import ConfigError
+from distgrad.record import StepRecord
+from distgrad.signals.router import RouterHealth, expert_counts, router_entropy_sum
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=32, output_router_logits=True)
+    torch.manual_seed(0)
+    return MixtralForCausalLM(cfg)
+
+
+def _qwen2_moe():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(vocab_size=37, hidden_size=16, intermediate_size=24, moe_intermediate_size=12,
+                         shared_expert_intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+                         output_router_logits=True)
+    torch.manual_seed(0)
+    return Qwen2MoeForCausalLM(cfg)
+
+
+def _reference(model, ids):
+    """Per layer: float64 tokens per expert of the top-k of softmax(x W^T) and the summed softmax
+    entropy, from the router inputs captured by the test's own pre-hooks; the model's aux_loss."""
+    cap, hs = {}, []
+    for i, layer in enumerate(model.model.layers):
+        g = layer.mlp.gate
+        hs.append(g.register_forward_pre_hook(lambda m, a, i=i: cap.__setitem__(i, (a[0].detach(), m))))
+    with torch.no_grad():
+        out = model(input_ids=ids)
+    for h in hs:
+        h.remove()
+    ref = {}
+    for i, (x, m) in cap.items():
+        x = x.reshape(-1, x.shape[-1]).double()
+        logits = x @ m.weight.detach().double().T
+        p = torch.softmax(logits, -1)
+        idx = torch.topk(p, m.top_k, dim=-1).indices
+        counts = torch.bincount(idx.reshape(-1), minlength=p.shape[-1]).double()
+        ent = -(p * torch.log(p)).sum()
+        ref[str(i)] = (counts, ent, x.shape[0])
+    return ref, float(out.aux_loss)
+
+
+@pytest.mark.parametrize("make", [_mixtral, _qwen2_moe], ids=["mixtral", "qwen2_moe"])
+def test_hf_router_counts_entropy_and_aux_loss_equal_float64_recomputation(make):
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"},
+                             router={"enabled": True})
+    sig = next(s for s in dg.signals.signals if s.name == "router")
+    assert sig.layers == ["0", "1"] and sig.experts == [4, 4]
+    recs, refs = [], []
+    dg.add_hook(recs.append)
+    g = torch.Generator().manual_seed(1)
+    for _step in range(2):
+        mb = []
+        for _j in range(2):  # 2 micro-batches of 3 sequences
+            ids = torch.randint(0, 37, (3, 7), generator=g)
+            mb.append(_reference(model, ids))
+            model(input_ids=ids, labels=ids).loss.backward()
+        refs.append(mb)
+        opt.step()
+        opt.zero_grad()
+    dg.close()
+    assert [r.step for r in recs] == [0, 1]
+    for rec, mb in zip(recs, refs):
+        r = rec.router
+        for layer in ("0", "1"):
+            counts = sum(m[0][layer][0] for m in mb)
+            ent = sum(m[0][layer][1] for m in mb)
+            n = sum(m[0][layer][2] for m in mb)
+            assert r.tokens[layer] == counts.tolist()  # exact integers
+            assert sum(r.tokens[layer]) == 2 * n and r.routed[layer] == n == 2 * 3 * 7
+            assert r.entropy[layer] == pytest.approx(ent.item() / n, rel=1e-6)
+            assert r.imbalance[layer] == pytest.approx((counts.max() / counts.mean()).item(), rel=1e-12)
+            assert r.cv[layer] == pytest.approx((counts.std(unbiased=False) / counts.mean()).item(), rel=1e-12)
+            assert r.dead[layer] == []
+        assert r.aux_loss == pytest.approx(sum(m[1] for m in mb) / 2, rel=1e-6)  # the model's own value
+        assert r.layer_aux_loss == {}
+        assert StepRecord.from_dict(rec.to_dict()).router == r
+        served = RouterHealth.samples(r)
+        assert served["distgrad_router_load_imbalance"] == r.imbalance
+        assert served["distgrad_router_dead_experts"] == 0.0
+        assert served["distgrad_router_entropy_min_nats"] == min(r.entropy.values())
+    assert dg.counters["internal_errors"] == 0
+
+
+def test_only_sampled_steps_are_computed_and_helpers():
+    model = _mixtral()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"},
+                             sampling={"interval": 2}, router={"enabled": True})
+    from distgrad.signals import router as R
+    calls, orig = [], R.router_entropy_sum
+    R.router_entropy_sum = lambda x: (calls.append(1), orig(x))[1]
+    recs = []
+    dg.add_hook(recs.append)
+    try:
+        for step in range(4):
+            ids = torch.randint(0, 37, (2, 5))
+            n0 = len(calls)
+            model(input_ids=ids, labels=ids).loss.backward()
+            assert len(calls) - n0 == (2 if step % 2 == 0 else 0)  # two routers, sampled steps only
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():  # evaluation forwards are not counted
+                model(input_ids=ids)
+    finally:
+        R.router_entropy_sum = orig
+    dg.close()
+    assert [r.step for r in recs] == [0, 2] and all(sum(r.router.tokens["0"]) == 2 * 10 for r in recs)
+    # the helpers against closed forms
+    assert expert_counts(torch.tensor([[0, 2], [2, 3]]), 5).tolist() == [1, 0, 2, 1, 0]
+    assert router_entropy_sum(torch.zeros(3, 8)).item() == pytest.approx(3 * math.log(8), rel=1e-15)
+    assert router_entropy_sum(torch.tensor([[0.0, -1e4]])).item() == pytest.approx(0.0, abs=1e-300)
+
+
+def test_router_off_by_default_and_clear_errors():
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False})
+    assert "router" not in {s.name for s in dg.signals.signals}
+    dg.close()
+    with pytest.raises(ConfigError, match="router.enabled"):
+        distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, router={"enabled": True})
+    with pytest.raises(ConfigError, match="router.modules"):
+        distgrad.instrument(model, optimizer=opt, exporter={"enabled": False},
+                            router={"enabled": True, "modules": "("})
+
+
+#: the balancing bias step (DeepSeek-V3 uses 0.001) and the steps of the collapse case
+GAMMA = 0.002
+COLLAPSE_STEPS = 25
+
+
+def _deepseek_v3():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(vocab_size=37, hidden_size=16, intermediate_size=24, moe_intermediate_size=12,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
+                           num_experts_per_tok=1, n_group=1, topk_group=1, first_k_dense_replace=0,
+                           n_shared_experts=1, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
+                           qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return DeepseekV3ForCausalLM(cfg)
+
+
+def _balancing_run(flipped_layer: int | None, steps: int = COLLAPSE_STEPS):
+    """DeepSeek-V3's auxiliary-loss-free balancing (arXiv 2412.19437 sec. 2.1.2): after each step
+    the loop moves each expert's bias ``e_score_correction_bias`` by ``gamma`` against its load
+    (down when above the mean). ``flipped_layer``: that layer's update has the wrong sign (a bug),
+    so the busiest expert's bias keeps rising until every token goes to it."""
+    model = _deepseek_v3()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"},
+                             router={"enabled": True, "dead_after": 5})
+    loads: dict[int, torch.Tensor] = {}
+    gates = [layer.mlp.gate for layer in model.model.layers]
+    hs = [g.register_forward_hook(lambda m, a, o, i=i: loads.__setitem__(i, torch.bincount(
+        o[-1].reshape(-1), minlength=4).float())) for i, g in enumerate(gates)]
+    g = torch.Generator().manual_seed(1)
+    recs = []
+    for _s in range(steps):
+        ids = torch.randint(0, 37, (4, 12), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        recs.append(dg.last_record.router)
+        with torch.no_grad():
+            for i, gate in enumerate(gates):
+                sign = 1.0 if i == flipped_layer else -1.0
+                gate.e_score_correction_bias += sign * GAMMA * torch.sign(loads[i] - loads[i].mean())
+    for h in hs:
+        h.remove()
+    dg.close()
+    assert dg.counters["internal_errors"] == 0
+    return recs
+
+
+
+def test_router_collapse_pages_naming_its_layer_and_a_balanced_run_stays_silent():
+    """The realistic case (issue 25, item 6): layer 1's balancing bias update has the wrong sign;
+    its load collapses onto one expert: the imbalance crosses DistgradRouterCollapse's threshold
+    and the other three experts become dead (DistgradRouterDeadExperts), in layer 1 only. With the
+    right sign on both layers neither fires on any step."""
+    from grafana import config as gconfig
+
+    threshold = gconfig.ALERTS["DistgradRouterCollapse"]["threshold"]
+    bad = _balancing_run(flipped_layer=1)
+    over = [s for s, r in enumerate(bad) if r.imbalance["1"] > threshold]
+    dead = [s for s, r in enumerate(bad) if r.dead["1"]]
+    assert over and dead, ([r.imbalance["1"] for r in bad], [r.dead["1"] for r in bad])
+    assert bad[-1].imbalance["1"] == 4.0 and len(bad[-1].dead["1"]) == 3  # every token on one expert: E / k
+    assert all(r.imbalance["0"] <= threshold and not r.dead["0"] for r in bad)  # the healthy layer is not named
+    served = RouterHealth.samples(bad[-1])
+    assert max(served["distgrad_router_load_imbalance"], key=served["distgrad_router_load_imbalance"].get) == "1"
+    assert served["distgrad_router_dead_experts"] == 3.0 and bad[-1].dead["1"] and not bad[-1].dead["0"]
+    print(f"router collapse: imbalance above {threshold} from step {over[0]}, dead experts from step {dead[0]}")
+    good = _balancing_run(flipped_layer=None)
+    worst = max(v for r in good for v in r.imbalance.values())
+    assert worst <= threshold and not any(v for r in good for v in r.dead.values()), worst
+
+
+def test_report_router_series_and_collapse_finding():
+    """The offline report (distgrad/report/signals.py): the imbalance series is the max over layers
+    and the router_collapse finding names the first step and the layer above the threshold
+    (ROUTER_COLLAPSE, DistgradRouterCollapse's default), linking its runbook section."""
+    import re
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from distgrad.report import signals as sig
+
+    acc = sig.SignalsAccumulator(max_points=64)
+    for s in range(12):
+        bad = 1.0 + 0.5 * s  # layer 1 rises past 3 at step 5 (3.5)
+        acc.add(SimpleNamespace(step=s, router=RouterHealth.Part(
+            imbalance={"0": 1.2, "1": bad}, entropy={"0": 1.3, "1": 1.0}, dead={"0": [], "1": []}, aux_loss=1.5)))
+    res = acc.result()
+    (f,) = [x for x in res.findings if x.kind == "router_collapse"]
+    assert (f.step, f.layer) == (5, "1") and sig.ROUTER_COLLAPSE < 3.5
+    anchors = {m.group(1) for m in re.finditer(r"^#+ (\S+)\s*$", (Path(__file__).resolve().parents[1] / "docs" /
+                                                                  "runbook.md").read_text(), re.M)}
+    assert f"signal-{f.kind.replace('_', '-')}" in anchors and "#signal-router-collapse" in f.detail
+    s = next(s for s in res.series if s.signal == "router" and s.metric == "imbalance")
+    assert s.glob.last[-1, 0] == 1.0 + 0.5 * 11 and s.layers == ["0", "1"]
+    quiet = sig.SignalsAccumulator(max_points=64)
+    for s in range(12):
+        quiet.add(SimpleNamespace(step=s, router=RouterHealth.Part(imbalance={"0": 1.9}, dead={"0": []})))
+    assert not quiet.result().findings
