@@ -252,3 +252,43 @@ def test_report_router_series_and_collapse_finding():
     for s in range(12):
         quiet.add(SimpleNamespace(step=s, router=RouterHealth.Part(imbalance={"0": 1.9}, dead={"0": []})))
     assert not quiet.result().findings
+
+
+def test_finish_dead_streak_checkpointed_and_layers_not_seen_everywhere_left_out():
+    """RouterHealth.finish on hand-built reduced parts (2 ranks): imbalance / CV / entropy / l_aux
+    against closed forms, an expert dead after ``dead_after`` sampled steps without a token, the
+    streak carried through state_dict / load_state_dict, and a layer observed on 1 of 2 ranks left
+    out of the record."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    def make():
+        s = RouterHealth(1, dead_after=2)
+        s.set_layers(["0", "1"], [3, 2])
+        return s
+
+    def step(sig, seen0, counts0, counts1):
+        s = np.zeros(sig.sum_size)
+        o0, o1 = sig._offsets
+        s[o0:o0 + 5] = [seen0, 2, 6, 6 * 0.5, 0.0]
+        s[o0 + 5:o0 + 8] = counts0
+        s[o1:o1 + 5] = [2, 2, 6, 3.0, 0.4]
+        s[o1 + 5:o1 + 7] = counts1
+        rec = SimpleNamespace(router=None)
+        sig.finish(SimpleNamespace(world_size=2), rec, s, np.zeros(0), 1.0)
+        return rec.router
+
+    sig = make()
+    r = step(sig, 2, [6, 0, 6], [12, 0])
+    assert r.dead == {"0": [], "1": []} and r.routed == {"0": 6, "1": 6}
+    assert r.imbalance["0"] == 6 / 4 and r.cv["0"] == pytest.approx(math.sqrt(8) / 4, rel=1e-15)
+    assert r.entropy["0"] == 0.5 and r.layer_aux_loss == {"1": 0.2} and r.aux_loss == 0.2
+    r = step(sig, 2, [6, 0, 6], [12, 0])
+    assert r.dead == {"0": [1], "1": [1]}
+    restored = make()
+    restored.load_state_dict(sig.state_dict())
+    r = step(restored, 1, [6, 0, 6], [12, 0])  # layer 0 seen on one rank only
+    assert "0" not in r.tokens and "0" not in r.imbalance and "0" not in r.dead
+    assert r.dead == {"1": [1]}  # the restored streak: a fresh signal would not call it dead yet
+    assert step(make(), 2, [6, 0, 6], [12, 0]).dead == {"0": [], "1": []}
