@@ -233,3 +233,51 @@ def test_deepspeed_adam_modes_are_read_from_the_optimizer():
     assert group_problem("AdamW", group) is None
     assert "coupled L2" in group_problem("Adam", group)
     assert group_problem("Adam", {**group, "decoupled_weight_decay": True}) is None
+
+
+def test_every_kth_sampled_step_computes_same_values_and_serves_no_stale_sample(monkeypatch):
+    """``optimizer_signals.every: 3``: the signals are computed on sampled steps 0, 3, 6 (the
+    step counter decides) with values bit-identical to an ``every: 1`` run of the same seed (whose
+    values test_adamw_signals_match_float64 checks against float64); the sampled steps in between
+    read no optimizer state (no native kernel call), carry None, and the Prometheus sink renders no
+    ``distgrad_update_rms`` sample for them (no stale value from the last computing step)."""
+    from distgrad.export.prometheus import _record_metrics
+    from distgrad.signals import adam_native
+
+    adam_native.native()
+    real_run = adam_native.run
+
+    def run(every):
+        calls = []
+        monkeypatch.setattr(adam_native, "run", lambda *a: calls.append(len(a[1])) or real_run(*a))
+        m = _model()
+        opt = torch.optim.AdamW(m.parameters(), lr=3e-2, betas=(0.8, 0.95), eps=1e-6)
+        dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False},
+                                 optimizer_signals={"spike_threshold": 2.0, "every": every})
+        recs = []
+        dg.add_hook(recs.append)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(8):
+            m(torch.randn(8, 6, generator=gen)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        dg.close()
+        return {r.step: r for r in recs}, calls
+
+    full, full_calls = run(1)
+    sparse, sparse_calls = run(3)
+    assert sorted(full) == sorted(sparse) == list(range(8))
+    assert len(full_calls) == 7 and len(sparse_calls) == 2  # steps 1-7; steps 3 and 6 (step 0: no moment)
+    for step in range(1, 8):
+        if step % 3 == 0:
+            assert sparse[step].optimizer_signals is not None
+            assert json.dumps(sparse[step].optimizer_signals.to_dict()) == \
+                json.dumps(full[step].optimizer_signals.to_dict())
+        else:
+            assert sparse[step].optimizer_signals is None and full[step].optimizer_signals is not None
+
+    def served(rec):
+        return [s for fam in _record_metrics(rec) if fam.name == "distgrad_update_rms" for s in fam.samples]
+
+    assert len(served(sparse[3])) == 1 and served(sparse[3])[0].value == sparse[3].optimizer_signals.update_rms
+    assert served(sparse[4]) == [] and served(sparse[5]) == []
