@@ -1,6 +1,6 @@
 """Static checks of the package: ``ruff check distgrad`` (the rule set and line length of
-pyproject.toml's ``[tool.ruff]``) and ``mypy`` (``[tool.mypy]``: distgrad/, its baseline of
-unchecked modules) pass, and each configuration is live (a known defect in a copy is reported).
+pyproject.toml's ``[tool.ruff]``) and ``mypy`` (``[tool.mypy]``: every module of distgrad/,
+annotated) pass, and each configuration is live (a known defect in a copy is reported).
 docs/contributing.md ("Checks") gives the same commands to run by hand.
 """
 
@@ -59,12 +59,13 @@ def test_mypy_passes_on_distgrad(mypy_cache):
 
 def test_mypy_reports_type_errors(tmp_path, mypy_cache):
     # a copy of the package where a checked module assigns a str to an int and an untyped function
-    # (check_untyped_defs) calls a method that does not exist: both are reported
+    # calls a method that does not exist: the assignment, the missing annotations
+    # (disallow_untyped_defs) and the call inside the untyped body (check_untyped_defs) are reported
     shutil.copytree(REPO / "distgrad", tmp_path / "distgrad", ignore=shutil.ignore_patterns("__pycache__"))
     mod = tmp_path / "distgrad" / "_version.py"
     mod.write_text(mod.read_text() + "\n_n: int = 'one'\n\n\ndef _f():\n    return 'x'.no_such_method()\n")
     r = _mypy(mypy_cache, cwd=tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
     errors = [line for line in r.stdout.splitlines() if ": error:" in line]
-    assert len(errors) == 2 and all(e.startswith("distgrad/_version.py:") for e in errors), r.stdout
-    assert "[assignment]" in errors[0] and "[attr-defined]" in errors[1], r.stdout
+    assert len(errors) == 3 and all(e.startswith("distgrad/_version.py:") for e in errors), r.stdout
+    assert "[assignment]" in errors[0] and "[no-untyped-def]" in errors[1] and "[attr-defined]" in errors[2], r.stdout

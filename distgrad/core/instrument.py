@@ -65,6 +65,7 @@ from distgrad.stats import (
 from distgrad.stats.layout import StepBlocks
 
 if TYPE_CHECKING:
+    from distgrad.diagnostics import Diagnostics
     from distgrad.engines.optimizer_boundary import OptimizerBoundary
     from distgrad.export.prometheus import PrometheusSink
 
@@ -170,7 +171,7 @@ class Instrument:
         self._watcher = UnsampledWatch(config.sampling.interval)  # non-finite flags of unsampled steps
         self._unsampled: dict[str, list[int]] | None = None
         self._unsampled_logged = False
-        self.diagnostics = None
+        self.diagnostics: Diagnostics | None = None
         mode = config.statistics.async_records
         #: the opt-in action and adaptive clipping (distgrad.diagnostics.action): need synchronous
         #: records, so "auto" is off with them

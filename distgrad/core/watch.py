@@ -61,7 +61,7 @@ class UnsampledWatch:
         self._overflow: set[int] = set()
         self._taken_overflow: set[int] = set()  # overflow slots of the flags last taken
 
-    def observe(self, step: int, pieces: Sequence[torch.Tensor], loss_sum: torch.Tensor | None,
+    def observe(self, step: int, pieces: Sequence[torch.Tensor | None], loss_sum: torch.Tensor | None,
                 device: torch.device) -> None:
         """Flag unsampled step ``step`` (``step % interval != 0``) from this rank's gradient
         ``pieces`` (1-D, any float dtypes; empty ones allowed) and the summed ``loss_sum`` (0-d

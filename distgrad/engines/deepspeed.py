@@ -59,7 +59,7 @@ class DeepSpeedSource(GradSource):
 
     engine_name = "deepspeed"
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: Any) -> None:
         if not is_deepspeed_engine(engine):
             raise TypeError(f"expected a deepspeed.DeepSpeedEngine, got {type(engine).__name__}")
         if engine.optimizer is None:

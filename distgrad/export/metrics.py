@@ -24,7 +24,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 __all__ = ["Label", "Metric", "LABELS", "CONDITIONS", "CATALOGUE", "SCOPES", "PLUGIN_SAMPLES", "condition", "label",
            "gauge", "counter", "register", "by_name", "names", "family", "series_per", "markdown"]
@@ -180,11 +183,13 @@ class Metric:
         return math.prod(len(LABELS[lab].values or ()) or 1 for lab in self.labels)
 
 
-def _g(name, unit, help, when="sample", labels=(), doc="", max_series=None) -> Metric:
+def _g(name: str, unit: str, help: str, when: str = "sample", labels: Iterable[str] = (), doc: str = "",
+       max_series: int | None = None) -> Metric:
     return Metric(name, "gauge", tuple(labels), unit, help, when, doc, max_series)
 
 
-def _c(name, unit, help, when="always", labels=(), doc="", max_series=None) -> Metric:
+def _c(name: str, unit: str, help: str, when: str = "always", labels: Iterable[str] = (), doc: str = "",
+       max_series: int | None = None) -> Metric:
     return Metric(name, "counter", tuple(labels), unit, help, when, doc, max_series)
 
 
@@ -534,7 +539,8 @@ def names(when: Iterable[str] | None = None) -> list[str]:
     return [m.name for m in CATALOGUE if keep is None or m.when in keep]
 
 
-def family(name: str, value: float | None = None, labels: Iterable[str] | None = None) -> Any:
+def family(name: str, value: float | None = None,
+           labels: Iterable[str] | None = None) -> GaugeMetricFamily | CounterMetricFamily:
     """A prometheus_client metric family for the declared metric ``name`` (help, type, label
     names from the catalogue): ``GaugeMetricFamily`` or ``CounterMetricFamily``. With
     ``value``, an unlabelled family holding that one sample. ``labels`` overrides the label
@@ -546,7 +552,8 @@ def family(name: str, value: float | None = None, labels: Iterable[str] | None =
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     m = by_name(name)
-    cls = CounterMetricFamily if m.type == "counter" else GaugeMetricFamily
+    cls: type[GaugeMetricFamily | CounterMetricFamily] = (CounterMetricFamily if m.type == "counter"
+                                                           else GaugeMetricFamily)
     if value is not None:
         return cls(m.family, m.help, value=value)
     return cls(m.family, m.help, labels=list(labels if labels is not None else m.labels))

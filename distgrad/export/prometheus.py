@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from distgrad.export import metrics
@@ -196,20 +196,21 @@ class DistgradCollector(Collector):
             counters, labeled = dict(self._counters), dict(self._labeled_counters)
         info = metrics.family("distgrad_info", labels=sorted(self.static))
         info.add_metric([self.static[k] for k in sorted(self.static)], 1.0)
-        out = [info, metrics.family("distgrad_world_size", value=self.world_size),
+        out: list[Metric] = [info, metrics.family("distgrad_world_size", value=self.world_size),
                metrics.family("distgrad_run_state", value=state)]
         if step_time is not None:
             out.append(metrics.family("distgrad_last_step_timestamp_seconds", value=step_time))
         for key, name in COUNTERS.items():
             if key in counters:
                 out.append(metrics.family(name, value=counters[key]))
-        by_name: dict[str, Metric] = {}
+        by_name: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
         for (name, labels), v in sorted(labeled.items()):
             fam = by_name.get(name)
             if fam is None:
                 fam = by_name[name] = metrics.family(name)
             fam.add_metric([v for _, v in labels], v)
-        return version, out + list(by_name.values())
+        out.extend(by_name.values())
+        return version, out
 
     def snapshot_body(self) -> tuple[int, list[Metric]]:
         """``(body_version, families)`` of the latest record (none before the first sample)."""
@@ -394,8 +395,8 @@ def _loss_metrics(rec: StepRecord) -> Iterable[Metric]:
             yield metrics.family(name, value=float(v))
         fam = metrics.family("distgrad_token_loss_cumulative_ratio")
         cum = 0.0
-        for le, n in zip(metrics.LABELS["le"].values or (), t.hist):
-            cum += n
+        for le, count in zip(metrics.LABELS["le"].values or (), t.hist):
+            cum += count
             fam.add_metric([le], cum / t.tokens)
         yield fam
         for name, key in (("distgrad_source_token_loss_mean", "mean"),

@@ -518,7 +518,9 @@ class StepRecord:
         rec = cls(**{k: v for k, v in kw.items() if k in names})
         for k, tp in PLUGIN_PARTS.items():  # the plug-ins' parts, by their registered classes
             if d.get(k) is not None:
-                setattr(rec, k, adapter(tp).validate_python(d[k]))
+                # a class object is hashable (type.__hash__); mypy applies the part dataclass's
+                # instance-level __hash__ = None to type[_Part] and rejects it as the cache's key
+                setattr(rec, k, adapter(tp).validate_python(d[k]))  # type: ignore[arg-type]
         return rec
 
 

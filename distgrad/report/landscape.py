@@ -76,7 +76,7 @@ class SliceResult:
 
     def to_dict(self) -> dict:
         """JSON-ready dict (non-finite losses become None)."""
-        def f(a):
+        def f(a: Any) -> list[float | None]:
             return [None if not math.isfinite(v) else float(v) for v in np.asarray(a).reshape(-1)]
         loss = np.asarray(self.loss)
         out = {"alphas": f(self.alphas), "betas": None if self.betas is None else f(self.betas),
@@ -95,13 +95,18 @@ class _Param:
     targets: list[tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]  # live tensor, full -> piece
 
 
-def _flat_range(start: int, n: int, shape: tuple[int, ...]):
+#: a parameter's piece: the full tensor -> this rank's part of it (flat), and the dim-0 row of
+#: each element of that part
+_Piece = tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[], torch.Tensor]]
+
+
+def _flat_range(start: int, n: int, shape: tuple[int, ...]) -> _Piece:
     row = max(1, math.prod(shape[1:])) if len(shape) else 1
     return (lambda full: full.reshape(-1)[start:start + n],
             lambda: torch.div(torch.arange(start, start + n), row, rounding_mode="floor"))
 
 
-def _block(offset: Sequence[int], lshape: Sequence[int]):
+def _block(offset: Sequence[int], lshape: Sequence[int]) -> _Piece:
     def take(full: torch.Tensor) -> torch.Tensor:
         for d, (o, n) in enumerate(zip(offset, lshape)):
             full = full.narrow(d, o, n)

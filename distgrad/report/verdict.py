@@ -42,10 +42,14 @@ import math
 import re
 import statistics
 from collections import deque
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from distgrad.record import StepRecord
+
+if TYPE_CHECKING:
+    from distgrad.record.incidents import Incident
 
 RUNBOOK = "docs/runbook.md"
 _ADAPTER = re.compile(r"(^|[._])(lora_[A-Za-z0-9_]*|lora|adapter[s]?|ia3_[A-Za-z0-9_]*|prompt_encoder)([._]|$)")
@@ -74,12 +78,12 @@ _ADVICE = {
 }
 
 
-def _finding(kind: str, step: int, what: str, **fmt) -> tuple[str, int, str]:
+def _finding(kind: str, step: int, what: str, **fmt: Any) -> tuple[str, int, str]:
     anchor = "verdict-" + kind.replace("_", "-")
     return kind, step, f"{what}; what to do: {_ADVICE[kind].format(**fmt)} ({RUNBOOK}#{anchor})"
 
 
-def incident_finding(inc) -> tuple[str, int, str]:
+def incident_finding(inc: Incident) -> tuple[str, int, str]:
     """``(kind, step, detail)`` of an :class:`~distgrad.record.incidents.Incident` the online policy
     opened, with what to do and the runbook section, as :meth:`VerdictChecks.findings` gives."""
     best = inc.level_step if inc.level_step is not None else inc.step
@@ -151,7 +155,7 @@ class VerdictChecks:
         self._last_step = 0
 
     # ------------------------------------------------------------------------------------
-    def _put(self, kind: str, step: int, what: str, _inc=None, **fmt) -> None:
+    def _put(self, kind: str, step: int, what: str, _inc: Incident | None = None, **fmt: Any) -> None:
         if kind not in self._out:
             self._out[kind] = incident_finding(_inc) if _inc is not None else _finding(kind, step, what, **fmt)
             if _inc is not None and _inc.rank is not None:

@@ -231,7 +231,7 @@ class SignalPack:
                     inst._internal_error(f"signal {sig.name}")
                     s = m = None
                     failed = True
-            if s is None:
+            if s is None or m is None:  # both None or both set
                 s = torch.zeros(sig.sum_size, dtype=torch.float64, device=device)
                 m = torch.full((sig.max_size,), -float("inf"), dtype=torch.float64, device=device)
             flag = torch.full((1,), 1.0 if failed else 0.0, dtype=torch.float64, device=device)

@@ -352,7 +352,7 @@ class AdamSignal(PackedSignal):
             sums[self.inv[i]].append(self._sums(g, m, v, t, slot.group, scale).to(device))
         zero = torch.zeros(len(COLS), dtype=f64, device=device)
         body = torch.stack([torch.stack(r).sum(0) if r else zero for r in sums])  # [L, 8]
-        if todo:
+        if todo and fn is not None:  # fn is not None: todo holds the kernel's pieces
             rows = torch.cat([torch.tensor(counts, dtype=f64)[:, None],
                               adam_native.run(fn, todo, self._params(prms, scale))], 1)
             body = body.index_add(0, torch.tensor(where, dtype=torch.int64, device=device), rows.to(device))

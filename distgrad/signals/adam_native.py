@@ -25,7 +25,7 @@ GRAD_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 STATE_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _compile():
+def _compile() -> cbuild.NativeFn:
     return cbuild.compile_c(cbuild.c_source("distgrad.signals", "dg_adam.c"), "dg_adam",
                             [ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int32],
                             flags=["-fno-math-errno", "-pthread"])
@@ -40,7 +40,7 @@ def eligible(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> bool:
             and g.is_contiguous() and m.is_contiguous() and v.is_contiguous())
 
 
-def run(fn, pieces: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+def run(fn: cbuild.NativeFn, pieces: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
         params: Sequence[tuple[float, float, float, float, float]] | torch.Tensor) -> torch.Tensor:
     """The sums of :func:`eligible` pieces ``(g, m, v)`` with per-piece ``(scale, bc, eps2,
     theta, sign)`` (a float32 ``[P, 5]`` CPU tensor or numbers; ``g / scale``; ``v_hat = v / bc``;
@@ -102,7 +102,7 @@ def close(got: Sequence[float], want: Sequence[float], g: torch.Tensor, m: torch
     return True
 
 
-def _self_check(fn) -> None:
+def _self_check(fn: cbuild.NativeFn) -> None:
     """Compare the kernel with :func:`reference` on every dtype combination, tails, zeros and
     tiny values in ``v``, NaN/Inf in ``g``; raise on a difference."""
     gen = torch.Generator().manual_seed(0)
@@ -130,6 +130,6 @@ def _self_check(fn) -> None:
 _kernel = cbuild.LazyKernel(_compile, _self_check, "native optimizer-signal kernel (torch kernels are used instead)")
 
 
-def native():
+def native() -> cbuild.NativeFn | None:
     """The kernel function, or None when unavailable (tried once per process; logged once)."""
     return _kernel()

@@ -24,12 +24,12 @@ log = logging.getLogger("distgrad")
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 
-def _compile():
+def _compile() -> cbuild.NativeFn:
     return cbuild.compile_c(cbuild.c_source("distgrad.signals", "dg_hist.c"), "dg_hist",
                             [ctypes.c_int64] + [ctypes.c_void_p] * 7)
 
 
-def run(fn, pieces: Sequence[torch.Tensor], rows: Sequence[int], n_rows: int
+def run(fn: cbuild.NativeFn, pieces: Sequence[torch.Tensor], rows: Sequence[int], n_rows: int
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Count contiguous CPU pieces (dtypes of :data:`KINDS`) into ``(raw32 int64 [n_rows, 256],
     raw64 int64 [n_rows, 2048], nonzero int64 [n_rows])``; ``rows[i]``: the row of piece i."""
@@ -59,7 +59,7 @@ def _expected(x: torch.Tensor) -> tuple[np.ndarray, int]:
     return np.bincount((u >> np.uint32(23)).astype(np.int64), minlength=256), int((u != 0).sum())
 
 
-def _self_check(fn) -> None:
+def _self_check(fn: cbuild.NativeFn) -> None:
     """Compare the kernel with numpy on every kind, zeros, subnormals, NaN and Inf; raise on a difference."""
     g = torch.Generator().manual_seed(0)
     base = torch.randn(4099, generator=g, dtype=torch.float64) * torch.pow(
@@ -83,6 +83,6 @@ def _self_check(fn) -> None:
 _kernel = cbuild.LazyKernel(_compile, _self_check, "native histogram kernel (torch kernels are used instead)")
 
 
-def native():
+def native() -> cbuild.NativeFn | None:
     """The kernel function, or None when unavailable (tried once per process; logged once)."""
     return _kernel()

@@ -202,7 +202,8 @@ def _install_hf() -> Callable[[], None] | None:
             def get_interface(attn_implementation: Any, default: Callable) -> Callable:
                 return _wrap_interface(orig(attn_implementation, default))
 
-            ALL_ATTENTION_FUNCTIONS.get_interface = get_interface
+            # an instance attribute over the class's method, deleted again by undo()
+            ALL_ATTENTION_FUNCTIONS.get_interface = get_interface  # type: ignore[method-assign]
             _HF_PATCH["orig"] = orig
         _HF_PATCH["count"] += 1
 
@@ -380,7 +381,7 @@ class LogitSignal(PackedSignal):
         named = list(module.named_modules())
         if self.attention:
             pat = re.compile(self.attention_modules) if self.attention_modules else None
-            chosen = []
+            chosen: list[tuple[str, Any]] = []
             for name, m in named:
                 cname = clean_name(name) if name else name
                 if pat is not None:
@@ -492,7 +493,7 @@ class LogitSignal(PackedSignal):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"output head returned {type(output).__name__}, not logits")
             s, m = output_logit_stats(x)
-            if self._out_sums is None:
+            if self._out_sums is None or self._out_max is None:  # both None or both set
                 self._out_sums, self._out_max = s, m
             else:
                 self._out_sums = self._out_sums + s.to(self._out_sums.device)
@@ -509,12 +510,14 @@ class LogitSignal(PackedSignal):
         if error:
             raise RuntimeError("logit statistics failed on a micro-batch of this step") from (
                 error if isinstance(error, Exception) else None)
-        f64 = dict(dtype=torch.float64, device=device)
-        head = torch.tensor([float(any(seen)), float(out_sums is not None)], **f64)
-        z = out_sums.to(**f64) if out_sums is not None else torch.zeros(3, **f64)
-        layer_seen = torch.tensor([float(v) for v in seen], **f64)
-        mx = out_max.to(**f64) if out_max is not None else torch.full((2,), -math.inf, **f64)
-        am = att.to(**f64) if att is not None else torch.full((self._slots,), -math.inf, **f64)
+        f64, dev = torch.float64, device
+        head = torch.tensor([float(any(seen)), float(out_sums is not None)], dtype=f64, device=dev)
+        z = out_sums.to(dtype=f64, device=dev) if out_sums is not None else torch.zeros(3, dtype=f64, device=dev)
+        layer_seen = torch.tensor([float(v) for v in seen], dtype=f64, device=dev)
+        mx = (out_max.to(dtype=f64, device=dev) if out_max is not None
+              else torch.full((2,), -math.inf, dtype=f64, device=dev))
+        am = (att.to(dtype=f64, device=dev) if att is not None
+              else torch.full((self._slots,), -math.inf, dtype=f64, device=dev))
         return torch.cat([head, z, layer_seen]), torch.cat([mx, am])
 
     def skip(self, inst: Any, step: int) -> None:

@@ -36,7 +36,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from importlib import resources
-from typing import Any
+from typing import Any, Literal, Protocol
 
 log = logging.getLogger("distgrad")
 
@@ -183,8 +183,18 @@ def _build_cached(source: str, flags: Sequence[str]) -> tuple[str, bool]:
     return so, True
 
 
+class NativeFn(Protocol):
+    """A ctypes function of :func:`compile_c`: called with Python ints (pointers, sizes) for its
+    ``argtypes``, it returns its ``restype``'s value (an int for the default ``c_int``)."""
+
+    _path: str | None  #: the library's path in the kernel cache (None: a temporary build)
+    _built: bool  #: whether this process compiled it
+
+    def __call__(self, *args: Any) -> Any: ...
+
+
 def compile_c(source: str, symbol: str, argtypes: Sequence[Any], *, flags: Sequence[str] = (),
-              restype: Any = ctypes.c_int) -> Any:
+              restype: Any = ctypes.c_int) -> NativeFn:
     """The function ``symbol`` of C ``source`` as a ctypes function with ``argtypes`` /
     ``restype``, compiled once per machine into the kernel cache (see the module docstring) or,
     where the cache is not writable, into a temporary directory of this process (logged once).
@@ -241,19 +251,19 @@ class LazyKernel:
         what: the kernel's name in the warning, e.g. ``"native histogram kernel (...)"``.
     """
 
-    def __init__(self, build: Callable[[], Any], self_check: Callable[[Any], None], what: str) -> None:
+    def __init__(self, build: Callable[[], NativeFn], self_check: Callable[[NativeFn], None], what: str) -> None:
         self.build, self.self_check, self.what = build, self_check, what
-        self.fn: Any = None
+        self.fn: NativeFn | Literal[False] | None = None
         self._lock = threading.Lock()
 
-    def __call__(self) -> Any:
+    def __call__(self) -> NativeFn | None:
         if self.fn is None:
             with self._lock:
                 if self.fn is None:
                     self.fn = self._load()
         return self.fn or None
 
-    def _load(self) -> Any:
+    def _load(self) -> NativeFn | Literal[False]:
         try:
             if os.name != "posix":
                 raise RuntimeError("only built on POSIX systems")

@@ -28,7 +28,7 @@ def _fused_reduction(x: torch.Tensor) -> torch.Tensor:
 _compiled: Callable[[torch.Tensor], torch.Tensor] | bool | None = None
 
 
-def _compiled_fn():
+def _compiled_fn() -> Callable[[torch.Tensor], torch.Tensor] | None:
     global _compiled
     if _compiled is None:
         try:
@@ -36,7 +36,7 @@ def _compiled_fn():
         except Exception as e:  # noqa: BLE001
             log.warning("distgrad: torch.compile unavailable for the statistics, using eager (%s)", e)
             _compiled = False
-    return _compiled or None
+    return _compiled if callable(_compiled) else None
 
 
 def _piece_stats_compiled(x: torch.Tensor) -> torch.Tensor:

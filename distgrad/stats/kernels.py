@@ -101,7 +101,7 @@ def stats_table(pieces: Sequence[torch.Tensor | None], device: torch.device) -> 
         if fn is not None and p.device.type == "cpu" and p.dtype in _NATIVE_DTYPES and p.is_contiguous():
             native_idx.append(i)
             native_in.append(p)
-    native = _call_native(fn, native_in) if native_idx else None
+    native = _call_native(fn, native_in) if fn is not None and native_in else None
     _count("native", len(native_idx))
     if native is not None and len(native_idx) == P:
         return native.to(device)

@@ -29,14 +29,14 @@ def c_source() -> str:
 
 
 _NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-def _compile_native():
+def _compile_native() -> cbuild.NativeFn:
     """Compile and load ``dg_stats.c``; returns the ctypes function or raises."""
     return cbuild.compile_c(c_source(), "dg_stats",
                             [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                              ctypes.c_int32], flags=["-fno-math-errno", "-pthread"])
 
 
-def _call_native(fn, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+def _call_native(fn: cbuild.NativeFn, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
     """Run the native kernel on non-empty contiguous CPU fp32/bf16 pieces -> float64 [P, 8]."""
     P = len(pieces)
     meta = torch.tensor([[p.data_ptr(), p.numel(), _NATIVE_DTYPES[p.dtype]] for p in pieces],
@@ -51,7 +51,7 @@ def _call_native(fn, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def _self_check(fn) -> None:
+def _self_check(fn: cbuild.NativeFn) -> None:
     """Compare the native kernel with float64 torch on awkward inputs; raise on any difference."""
     g = torch.Generator().manual_seed(0)
     n = 3 * 65536 + 2048 * 3 + 21  # several blocks, chunk and lane tails
@@ -90,6 +90,6 @@ _kernel = cbuild.LazyKernel(_compile_native, _self_check,
                             "native statistics kernel (the eager torch kernel is used instead)")
 
 
-def _native():
+def _native() -> cbuild.NativeFn | None:
     """The native kernel function, or None when unavailable (loaded, self-checked, once per process)."""
     return _kernel()

@@ -68,7 +68,7 @@ _cache: dict[str, tuple] = {}  # device string -> (key, meta tensor, groups, n_b
 _TL_DTYPES: tuple = ()  # triton dtypes by dtype code, set when the kernels are built
 
 
-def _build() -> tuple:
+def _build() -> tuple[Any, Any]:
     """Import the kernels (imports triton)."""
     import triton.language as tl
 
@@ -79,7 +79,7 @@ def _build() -> tuple:
     return k.block_kernel, k.combine_kernel
 
 
-def _get_kernels():
+def _get_kernels() -> tuple[Any, Any] | None:
     global _kernels
     if _kernels is None:
         with _lock:
