@@ -42,6 +42,7 @@ from distgrad.core.step_collectives import provenance, update_ratio_sums, update
 from distgrad.core.watch import UnsampledWatch, step_ranges
 from distgrad.diagnostics.action import Action, Decision
 from distgrad.diagnostics.culprit import LocalGradCheck, culprit_flags, decode, pre_reduction_leaves
+from distgrad.diagnostics.rerun import RerunAttribution
 from distgrad.engines.base import GradSource
 from distgrad.export import metrics
 from distgrad.export.base import Sink, SinkError
@@ -179,7 +180,7 @@ class Instrument:
         #: (the rerun attribution, distgrad.diagnostics.rerun, needs them too: it reruns before the update)
         self.async_records = mode == "on" or (mode == "auto" and self._device_type() == "cuda"
                                               and not (self.action.active or self.action.clipping)
-                                              and not config.rerun.enabled)
+                                              and not RerunAttribution.section_of(config).enabled)
         self._parked: dict[str, Any] | None = None  # the sampled step waiting for its host copy
         self.local_grad_check: LocalGradCheck | None = None  # culprit rank: local grads before reduction
         #: the packed signals (distgrad.signals) riding in the step's two collectives; decided
