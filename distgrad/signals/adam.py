@@ -38,9 +38,10 @@ scale the gradients carry at the read is not known on the device without a sync)
 Not computed on the first optimizer step (no moment exists before it: the record part is None)
 nor on fp16 overflow steps, nor on the sampled steps ``optimizer_signals.every`` leaves out (one
 sampled step in ``every`` computes them, decided from the step counter; the others carry None).
-Cost: one read of ``g``, ``m`` and ``v`` per sampled step (about ten elementwise operations, float32, float64 sums; on the CPU one fused pass of the native
-kernel :mod:`distgrad.signals.adam_native`, the torch path when it is unavailable), ``8 L + 1``
-float64 in the SUM collective (L layer labels), nothing kept between steps.
+Cost: one read of ``g``, ``m`` and ``v`` per sampled step (about ten elementwise operations,
+float32, float64 sums; on the CPU one fused pass of the native kernel
+:mod:`distgrad.signals.adam_native`, the torch path when it is unavailable), ``8 L + 1`` float64 in
+the SUM collective (L layer labels), nothing kept between steps.
 """
 
 from __future__ import annotations
