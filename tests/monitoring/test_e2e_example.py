@@ -94,7 +94,8 @@ def test_every_dashboard_query_returns_data_from_the_live_run(env):
     # default run lacks (grafana/dashboards/common.py OPT_IN: fp16 loss scale, update ratio, ZeRO-0
     # replicas, loss components and per-token losses, which the example's loop does not pass; the
     # opt-in noise scale, curvature, gradient histogram, skip/stop action, logit precursors,
-    # replica weight hashes, the lost-to-underflow recomputation and FP8 scaling health, which it
+    # replica weight hashes, the lost-to-underflow recomputation, FP8 scaling health, MoE router
+    # health, adaptive clipping, update geometry and rerun attribution, which it
     # does not enable), whose panels sit in collapsed rows that say how to turn them on
     # (tests/test_dashboards.py); alerts; or sink errors (exported per file sink; the example writes
     # none). Those metrics are served as declared (tests/test_metric_catalogue.py) with values
@@ -105,7 +106,7 @@ def test_every_dashboard_query_returns_data_from_the_live_run(env):
     assert allowed == {"loss_scaler", "update_ratio", "replicated", "components", "tokens", "noise_scale",
                        "curvature", "histogram", "action", "adaptive_clip", "logits", "replica_weights", "underflow",
                        "update_geometry", "update_geometry_spectral", "update_geometry_muon",
-                       "update_geometry_adafactor", "fp8", queries.ALERT}
+                       "update_geometry_adafactor", "fp8", "router", "rerun", queries.ALERT}
     empty = [(q.dashboard, q.title, q.expr, q.conditional) for q, n in counts.items()
              if n == 0 and q.kind != "annotation" and not set(q.conditional) & allowed
              and q.metrics != ("distgrad_sink_errors_total",)
