@@ -659,6 +659,7 @@ def worker(args: argparse.Namespace) -> None:
         "counts": {k: list(v) for k, v in counts.items()}, "peak_extra_bytes": mem, "device_ops": ops,
         "stats_kernel_use": dstats.kernel_use(), "signal_rows": signal_rows,
         "default_signals": default_signals, "signal_parts_present": parts_present,
+        "adam_every": int(inst.config.optimizer_signals.every),
         "norm_rel_err_vs_fp64": acc_err, "extrema_counts_equal_to_eager": exact_vs_eager,
     }
     if rank == 0:
@@ -829,6 +830,21 @@ def render(micros: list[dict], e2es: list[dict], args: argparse.Namespace) -> st
                          f"{fmt_mb(m['peak_extra_bytes'][key])} |" + (f" {o[0]} + {o[1]} |" if gpu and o else
                                                                       " |" if gpu else ""))
         lines.append("")
+        if "sampled_step_bare" in med:  # issue 26 item 6: the default sampled step against the floor
+            bare, k0 = med["sampled_step_bare"], m.get("adam_every", 1)
+            on = ", ".join(m.get("default_signals") or []) or "none"
+            lines.append(f"Default sampled step against the floor (default signals: {on}; `optimizer_signals.every` "
+                         f"is {k0} in this run): a sampled step that computes them {fmt_ms(ss)} ms = {ss / fl:,.2f}x the "
+                         f"floor (the worst sampled step); one that `optimizer_signals.every` leaves out costs the step "
+                         f"without packed signals, {fmt_ms(bare)} ms = {bare / fl:,.2f}x (the typical sampled step "
+                         "for every >= 2). Mean over k consecutive sampled steps, (worst + (k - 1) typical) / k:")
+            lines.append("")
+            lines.append("| optimizer_signals.every | typical sampled step x floor | worst x floor | mean x floor |")
+            lines.append("|---:|---:|---:|---:|")
+            for k in sorted({1, 2, 4, 8, 16, k0}):
+                typ = ss if k == 1 else bare
+                lines.append(f"| {k} | {typ / fl:,.2f} | {ss / fl:,.2f} | {(ss + (k - 1) * bare) / k / fl:,.2f} |")
+            lines.append("")
         if m.get("signal_rows"):
             bare = med["sampled_step_bare"]
             labels = dict((k, lab) for k, lab in m["rows"])
