@@ -833,9 +833,10 @@ def render(micros: list[dict], e2es: list[dict], args: argparse.Namespace) -> st
         if "sampled_step_bare" in med:  # issue 26 item 6: the default sampled step against the floor
             bare, k0 = med["sampled_step_bare"], m.get("adam_every", 1)
             on = ", ".join(m.get("default_signals") or []) or "none"
-            lines.append(f"Default sampled step against the floor (default signals: {on}; `optimizer_signals.every` "
-                         f"is {k0} in this run): a sampled step that computes them {fmt_ms(ss)} ms = {ss / fl:,.2f}x the "
-                         f"floor (the worst sampled step); one that `optimizer_signals.every` leaves out costs the step "
+            lines.append(f"Default sampled step against the floor (default signals: {on}; "
+                         f"`optimizer_signals.every` is {k0} in this run): a sampled step that computes them "
+                         f"{fmt_ms(ss)} ms = {ss / fl:,.2f}x the floor (the worst sampled step); one that "
+                         "`optimizer_signals.every` leaves out costs the step "
                          f"without packed signals, {fmt_ms(bare)} ms = {bare / fl:,.2f}x (the typical sampled step "
                          "for every >= 2). Mean over k consecutive sampled steps, (worst + (k - 1) typical) / k:")
             lines.append("")
