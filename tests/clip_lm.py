@@ -8,6 +8,12 @@ entropy. The model: embedding, 2 pre-norm transformer layers (width 64, 4 heads,
 tied output head. AdamW (betas 0.9 / 0.95, weight decay 0.1). The learning rate: a 20-step
 linear warm-up to ``lr``; ``unstable`` multiplies it by ``mult`` for ``SPIKE_LEN`` steps
 every ``SPIKE_EVERY`` steps from step ``SPIKE_START`` on (a schedule error / restart of the warm-up: the loss spikes).
+The garbage case (``train(..., garbage=garbage_steps(steps))``): the batches of ``GARBAGE_LEN``
+consecutive steps every ``GARBAGE_EVERY`` from ``GARBAGE_START`` are replaced by corrupted ones
+(every sequence one token repeated: a burst of padding / a null-filled shard); their gradient is
+~20x the clean one (global norm ~11 vs ~0.6 at step 120, SGD), and applied unclipped it damages
+the weights, so the loss of the FOLLOWING clean batches spikes. Spikes are then counted on the
+clean steps only (:meth:`Run.clean_losses`).
 
 Loss spikes are counted by one detector for every run: distgrad's paging detector
 (:class:`~distgrad.diagnostics.robust_spike.RobustJumpDetector`, default settings) fed the loss
@@ -26,6 +32,7 @@ import torch.nn.functional as F
 VOCAB, SEQ, WIDTH, LAYERS, HEADS, BATCH = 64, 32, 64, 2, 4, 16
 WARMUP = 20
 SPIKE_START, SPIKE_EVERY, SPIKE_LEN, SPIKE_MULT = 120, 60, 3, 30.0
+GARBAGE_START, GARBAGE_EVERY, GARBAGE_LEN = 100, 40, 3
 
 
 class TinyLM(nn.Module):
@@ -65,6 +72,20 @@ def markov_batches(seed: int, steps: int) -> list[torch.Tensor]:
     return out
 
 
+def garbage_steps(steps: int, start: int = GARBAGE_START, every: int = GARBAGE_EVERY,
+                  length: int = GARBAGE_LEN) -> list[int]:
+    """The steps whose batch is replaced by a garbage batch (:func:`garbage_batch`): ``length``
+    consecutive steps every ``every`` steps from ``start`` on, below ``steps``."""
+    return [s for s in range(start, steps) if (s - start) % every < length]
+
+
+def garbage_batch(seed: int, step: int) -> torch.Tensor:
+    """A corrupted batch (BATCH, SEQ + 1): every sequence one token repeated (a run of padding /
+    a null-filled shard), the token drawn from (``seed``, ``step``)."""
+    g = torch.Generator().manual_seed(7919 * seed + step)
+    return torch.full((BATCH, SEQ + 1), int(torch.randint(0, VOCAB, (1,), generator=g)), dtype=torch.long)
+
+
 def lr_at(step: int, lr: float, unstable: bool, mult: float = SPIKE_MULT) -> float:
     """The schedule (module docstring)."""
     base = lr * min(1.0, (step + 1) / WARMUP)
@@ -83,6 +104,13 @@ class Run:
     losses: list[float] = field(default_factory=list)
     clipped_steps: int = 0
     min_factor: float = 1.0
+    garbage: list[int] = field(default_factory=list)
+
+    def clean_losses(self) -> list[float]:
+        """The losses of the steps that trained on a clean batch (the garbage steps' own losses
+        left out: they measure the batch, not damage to the model)."""
+        bad = set(self.garbage)
+        return [v for s, v in enumerate(self.losses) if s not in bad]
 
     def final_loss(self, last: int = 20) -> float:
         """Mean loss of the last ``last`` steps (nats/token)."""
@@ -91,10 +119,11 @@ class Run:
 
 
 def train(mode: str, seed: int, steps: int, unstable: bool, lr: float = 3e-3, optim: str = "adamw",
-          mult: float = SPIKE_MULT, **clip: object) -> Run:
+          mult: float = SPIKE_MULT, garbage: list[int] | None = None, **clip: object) -> Run:
     """Train TinyLM for ``steps`` optimizer steps instrumented by distgrad (exporter off),
     ``adaptive_clip.mode`` = ``mode`` (``off``, ``zclip``, ``adagc``; other ``adaptive_clip`` keys
-    in ``clip``). Same initial weights and batches for every mode of a seed."""
+    in ``clip``); the batches of the steps in ``garbage`` replaced by :func:`garbage_batch`. Same
+    initial weights and batches for every mode of a seed."""
     import distgrad
 
     torch.set_num_threads(1)  # tiny tensors: one thread (several spin-wait on a loaded machine)
@@ -105,9 +134,12 @@ def train(mode: str, seed: int, steps: int, unstable: bool, lr: float = 3e-3, op
         else torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
     inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False},
                                adaptive_clip={"mode": mode, **clip}, optimizer_signals={"enabled": False})
-    run = Run(mode, seed, unstable)
+    run = Run(mode, seed, unstable, garbage=sorted(garbage or []))
+    bad = set(run.garbage)
     try:
         for step, batch in enumerate(markov_batches(seed, steps)):
+            if step in bad:
+                batch = garbage_batch(seed, step)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, lr, unstable, mult)
             logits = model(batch[:, :-1])
