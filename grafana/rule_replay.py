@@ -14,7 +14,11 @@ consecutive sampled steps.
 Rules about the target rather than the records (``up``, ``absent(up)``) are not evaluated: a
 replay has no scrape target (:data:`LIVENESS_RULES`); the live test covers them.
 
-Used by tests/monitoring/test_paging_corpus.py and launch/paging_eval.py. Needs ``promtool``
+:func:`render_alerts` gives the labels and rendered annotations (summary, description: the text a
+page carries) of an alert firing at one step, via ``promtool test rules`` over the same series.
+
+Used by tests/monitoring/test_paging_corpus.py, tests/monitoring/test_precursor_paging.py and
+launch/paging_eval.py. Needs ``promtool``
 and ``prometheus`` ($PROMTOOL / $PROMETHEUS override); :class:`tests.monitoring.stack.MissingBinary`
 -like ``FileNotFoundError`` when absent.
 """
@@ -273,3 +277,80 @@ def evaluate_jsonl(paths: dict[str, str | os.PathLike], rule_file: str | os.Path
                    work_dir: str | os.PathLike | None = None) -> dict[str, RunEval]:
     """:func:`evaluate` over JSONL run logs (``{run name: path}``)."""
     return evaluate({run: read_records(p) for run, p in paths.items()}, rule_file, dt, work_dir)
+
+
+# ------------------------------------------------------------------------------ rendered alerts
+def _promtool_value(v: str) -> str:
+    """A sample value of :func:`run_series` in promtool's input-series notation."""
+    return {"+Inf": "Inf", "NaN": "NaN", "-Inf": "-Inf"}.get(v, v)
+
+
+def _parse_go_labels(text: str) -> dict[str, str]:
+    """``{a="x", b="y \\"z\\""}`` as Go's ``labels.Labels.String`` prints it (values quoted by
+    ``strconv.Quote``) -> ``{"a": "x", "b": 'y "z"'}``."""
+    import ast
+
+    return {m.group(1): ast.literal_eval(m.group(2)) for m in re.finditer(r'(\w+)=("(?:[^"\\]|\\.)*")', text)}
+
+
+def render_alerts(records: Sequence[Any], run: str, rule_file: str | os.PathLike, alert: str, step: int,
+                  dt: float = 1.0, work_dir: str | os.PathLike | None = None
+                  ) -> list[tuple[dict[str, str], dict[str, str]]]:
+    """The alerts ``alert`` of ``rule_file`` firing at the run's record step ``step``, each as
+    ``(labels, annotations)`` with the annotation templates rendered by Prometheus' own template
+    engine (``$labels``, ``$value`` and the ``query`` function, which sees the run's series),
+    i.e. the text a notification about that alert would carry.
+
+    The records up to ``step`` are rendered as in :func:`evaluate` (one record every ``dt``
+    seconds, ``job``/``instance``/``run`` labels) into the input series of a ``promtool test
+    rules`` unit test of the unchanged rule file (``for:`` applied by promtool at ``dt``
+    evaluations); the test expects no alert, and promtool's failure report lists the alerts that
+    did fire, with their labels and annotations. ``dt`` must be a whole number of milliseconds.
+
+    Returns ``[]`` when the alert is not firing at that step. Raises ValueError (``step`` not a
+    record step), FileNotFoundError (no promtool), RuntimeError (promtool failed otherwise)."""
+    steps = [r.step for r in records]
+    if step not in steps:
+        raise ValueError(f"step {step} is not a record step of run {run!r}")
+    n = steps.index(step) + 1
+    ms = round(dt * 1000)
+    if ms <= 0 or abs(ms - dt * 1000) > 1e-6:
+        raise ValueError(f"dt={dt!r} is not a positive whole number of milliseconds")
+    rules = alerting_rules(rule_file)
+    names = metric_names(rules)
+    for r in rules:  # the series the annotation templates query, too
+        for text in r.get("annotations", {}).values():
+            names |= set(re.findall(r"\b(distgrad_[a-zA-Z0-9_]+)", text))
+    series: dict[str, list[str]] = {}
+    for lines in run_series(records[:n], run, names, 0.0, dt).values():
+        for line in lines:
+            key, value, t = line.rsplit(" ", 2)
+            i = round(float(t) / dt)
+            series.setdefault(key, ["_"] * n)[i] = _promtool_value(value)
+    own = work_dir is None
+    tmp = Path(tempfile.mkdtemp(prefix="rule-render-")) if own else Path(work_dir)
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        test = {"rule_files": [str(Path(rule_file).resolve())], "evaluation_interval": f"{ms}ms",
+                "tests": [{"interval": f"{ms}ms",
+                           "input_series": [{"series": k, "values": " ".join(v)}
+                                            for k, v in sorted(series.items())],
+                           "alert_rule_test": [{"eval_time": f"{(n - 1) * ms}ms", "alertname": alert,
+                                                "exp_alerts": []}]}]}
+        path = tmp / "render_test.yml"
+        path.write_text(yaml.safe_dump(test, sort_keys=False, width=1 << 20))
+        p = subprocess.run([_binary("PROMTOOL", "promtool"), "test", "rules", str(path)], check=False,
+                           capture_output=True, text=True)
+        out = p.stdout + p.stderr
+        if p.returncode == 0:
+            return []
+        if "got:[" not in out:
+            raise RuntimeError(f"promtool test rules failed: {out[-3000:]}")
+        got = out.split("got:[", 1)[1]
+        found = re.findall(r"Labels:(\{.*?\})\s*\n\s*Annotations:(\{.*\})\s*\n", got)
+        if not found:
+            raise RuntimeError(f"cannot read promtool's report: {out[-3000:]}")
+        return [(_parse_go_labels(lab), _parse_go_labels(ann)) for lab, ann in found]
+    finally:
+        if own:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -28,13 +28,15 @@ GAS, B = 2, 6
 LAYERS = ["blocks.0.up", "blocks.0.down", "blocks.1.up", "blocks.1.down"]
 
 
-def _run(steps, batch, interval=1, **fp8):
+def _run(steps, batch, interval=1, jsonl=None, **fp8):
     """``steps`` optimizer steps of GAS micro-batches ``batch(step, micro) -> (x, y)``; returns
-    the records, the captured casts per step, the served samples of the last record."""
+    the records, the captured casts per step, the served samples of the last record. ``jsonl``:
+    a path for distgrad's JSONL sink (tests/monitoring/test_precursor_paging.py replays it)."""
     model = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"},
-                             sampling={"interval": interval}, fp8={"enabled": True, **fp8})
+                             sampling={"interval": interval}, fp8={"enabled": True, **fp8},
+                             sinks={"jsonl": {"path": jsonl}})
     recs = []
     dg.add_hook(recs.append)
     caps_per_step = []

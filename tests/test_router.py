@@ -169,15 +169,17 @@ def _deepseek_v3():
     return DeepseekV3ForCausalLM(cfg)
 
 
-def _balancing_run(flipped_layer: int | None, steps: int = COLLAPSE_STEPS):
+def _balancing_run(flipped_layer: int | None, steps: int = COLLAPSE_STEPS, jsonl: str | None = None):
     """DeepSeek-V3's auxiliary-loss-free balancing (arXiv 2412.19437 sec. 2.1.2): after each step
     the loop moves each expert's bias ``e_score_correction_bias`` by ``gamma`` against its load
     (down when above the mean). ``flipped_layer``: that layer's update has the wrong sign (a bug),
-    so the busiest expert's bias keeps rising until every token goes to it."""
+    so the busiest expert's bias keeps rising until every token goes to it. ``jsonl``: a path for
+    distgrad's JSONL sink (tests/monitoring/test_precursor_paging.py replays it through the rules)."""
     model = _deepseek_v3()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"},
-                             router={"enabled": True, "dead_after": 5})
+                             router={"enabled": True, "dead_after": 5},
+                             sinks={"jsonl": {"path": jsonl}})
     loads: dict[int, torch.Tensor] = {}
     gates = [layer.mlp.gate for layer in model.model.layers]
     hs = [g.register_forward_hook(lambda m, a, o, i=i: loads.__setitem__(i, torch.bincount(
