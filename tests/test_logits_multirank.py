@@ -1,8 +1,8 @@
-"""The logit precursors and the FP8 scaling health on 2 gloo ranks under DeepSpeed ZeRO-2 and
-FSDP2 (one launch of tests/dist/logits_cases.py): each step's per-layer, per-head maximum attention logit equals the
-max over both ranks and both micro-batches of the float64 recomputation, the output z statistics
-the float64 ones over every position of both ranks, and the sampled step keeps its 2 collectives
-and 1 host copy."""
+"""The logit precursors, the FP8 scaling health and (FSDP2) the MoE router health on 2 gloo
+ranks under DeepSpeed ZeRO-2 and FSDP2 (one launch of tests/dist/logits_cases.py): each step's
+per-layer, per-head maximum attention logit equals the max over both ranks and both micro-batches
+of the float64 recomputation, the output z statistics the float64 ones over every position of
+both ranks, and the sampled step keeps its 2 collectives and 1 host copy."""
 
 from __future__ import annotations
 
@@ -86,3 +86,40 @@ def test_fp8_multirank_equal_float64_over_both_ranks(logits_results, key):
                     assert st["amax_disagreement"] > 1.2
             else:
                 assert "amax_disagreement" not in st
+
+
+def test_router_fsdp2_equal_float64_over_both_ranks(logits_results):
+    """MoE router health under FSDP2 (tests/dist/router_cases.py: a tiny Hugging Face Mixtral,
+    each decoder layer an FSDP2 unit, 2 ranks with their own data): per layer the tokens per
+    expert equal the float64 top-k counts of both ranks' micro-batches summed (exact integers),
+    the entropy the float64 softmax entropy summed over both ranks over their tokens, imbalance and
+    coefficient of variation those of the counts, the auxiliary loss the mean of the model's own
+    ``aux_loss`` over the four forwards; 2 collectives and 1 host copy per sampled step."""
+    from distgrad.signals.router import RouterHealth
+    from tests.dist.router_cases import GAS, STEPS
+
+    ranks = logits_results["cases"]["router_fsdp2"]["ranks"]
+    for r in ranks:
+        assert "error" not in r, r.get("traceback")
+        assert r["internal_errors"] == 0
+    r0 = ranks[0]
+    assert r0["counts"][0]["collectives"] == 2
+    assert r0["counts"][1:] == [{"collectives": 2, "syncs": 1}] * (STEPS - 1)
+    assert len(r0["records"]) == STEPS
+    for s, rec in enumerate(r0["records"]):
+        part = RouterHealth.Part.from_dict(rec)
+        fwd = [m for r in ranks for m in r["refs"][s]]
+        assert len(fwd) == 2 * GAS
+        assert set(part.tokens) == {"0", "1"}
+        for layer in ("0", "1"):
+            counts = np.sum([m["layers"][layer]["counts"] for m in fwd], axis=0)
+            n = sum(m["layers"][layer]["tokens"] for m in fwd)
+            assert part.tokens[layer] == counts.tolist()  # exact integers
+            assert part.routed[layer] == n and counts.sum() == 2 * n  # top-2
+            assert part.entropy[layer] == pytest.approx(sum(m["layers"][layer]["entropy"] for m in fwd) / n, rel=1e-6)
+            assert part.imbalance[layer] == pytest.approx(counts.max() / counts.mean(), rel=1e-12)
+            assert part.cv[layer] == pytest.approx(counts.std() / counts.mean(), rel=1e-12)
+            assert part.dead[layer] == []
+        assert part.aux_loss == pytest.approx(np.mean([m["aux_loss"] for m in fwd]), rel=1e-6)
+    # the ranks saw different tokens: the sums are over both, not one rank's twice
+    assert r0["refs"][0][0]["layers"]["0"]["counts"] != ranks[1]["refs"][0][0]["layers"]["0"]["counts"]
