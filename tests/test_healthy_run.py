@@ -132,5 +132,6 @@ def _run_and_check(tmp_path, capsys) -> None:
     assert main(["summary", str(path), "--fail-on-problem"]) == 0
     out = capsys.readouterr().out
     assert "verdict: HEALTHY" in out
-    # the default-on optimizer signals give no finding either (distgrad/report/signals.py)
-    assert "optimizer_signals" in lines[-1] and "FINDINGS: none" in out, out
+    # the default-on optimizer signals (one sampled step in optimizer_signals.every) give no finding
+    # either (distgrad/report/signals.py)
+    assert any(ln.get("optimizer_signals") for ln in lines) and "FINDINGS: none" in out, out

@@ -82,7 +82,7 @@ def test_adamw_signals_match_float64(async_records, clip, kernel, monkeypatch):
     theta = 2.0
     dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False},
                              statistics={"async_records": async_records}, clip={"max_grad_norm": clip},
-                             optimizer_signals={"spike_threshold": theta, "top_layers": 2})
+                             optimizer_signals={"spike_threshold": theta, "top_layers": 2, "every": 1})
     names = [n for n, _ in m.named_parameters()]
     keys = dict(zip(names, group_keys(names, "layer")))
     expected = {}
@@ -162,7 +162,7 @@ def test_nonfinite_gradient_gives_nan_spike_fraction_not_a_low_count():
     m = _model()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     theta = 2.0
-    dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False}, optimizer_signals={"spike_threshold": theta})
+    dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False}, optimizer_signals={"spike_threshold": theta, "every": 1})
     names = [n for n, _ in m.named_parameters()]
     keys = dict(zip(names, group_keys(names, "layer")))
     recs, seen = [], {}
@@ -235,13 +235,14 @@ def test_deepspeed_adam_modes_are_read_from_the_optimizer():
     assert group_problem("Adam", {**group, "decoupled_weight_decay": True}) is None
 
 
-def test_every_kth_sampled_step_computes_same_values_and_serves_no_stale_sample(monkeypatch):
+def test_every_kth_sampled_step_computes_same_values_and_serves_last_computed(monkeypatch):
     """``optimizer_signals.every: 3``: the signals are computed on sampled steps 0, 3, 6 (the
     step counter decides) with values bit-identical to an ``every: 1`` run of the same seed (whose
     values test_adamw_signals_match_float64 checks against float64); the sampled steps in between
-    read no optimizer state (no native kernel call), carry None, and the Prometheus sink renders no
-    ``distgrad_update_rms`` sample for them (no stale value from the last computing step)."""
-    from distgrad.export.prometheus import _record_metrics
+    read no optimizer state (no native kernel call) and carry None in the record, while the
+    Prometheus collector keeps serving the last computing step's values, with
+    ``distgrad_optimizer_signals_step`` naming that step."""
+    from distgrad.export.prometheus import DistgradCollector
     from distgrad.signals import adam_native
 
     adam_native.native()
@@ -276,8 +277,26 @@ def test_every_kth_sampled_step_computes_same_values_and_serves_no_stale_sample(
         else:
             assert sparse[step].optimizer_signals is None and full[step].optimizer_signals is not None
 
-    def served(rec):
-        return [s for fam in _record_metrics(rec) if fam.name == "distgrad_update_rms" for s in fam.samples]
+    col = DistgradCollector({}, 1)
 
-    assert len(served(sparse[3])) == 1 and served(sparse[3])[0].value == sparse[3].optimizer_signals.update_rms
-    assert served(sparse[4]) == [] and served(sparse[5]) == []
+    def served(rec):
+        col.update(rec, {})
+        fams = {f.name: f for f in col.snapshot_body()[1]}
+        return {name: {tuple(s.labels.values()): s.value for s in fams[name].samples} if name in fams else {}
+                for name in ("distgrad_update_rms", "distgrad_layer_update_rms", "distgrad_optimizer_signals_step",
+                             "distgrad_optimizer_step")}
+
+    # steps 0-2: nothing computed yet (step 0 has no moment), nothing served
+    for step in range(3):
+        got = served(sparse[step])
+        assert got["distgrad_update_rms"] == {} and got["distgrad_optimizer_signals_step"] == {}
+    for step in range(3, 8):
+        got = served(sparse[step])
+        last = step - step % 3  # the last computing step
+        ref = sparse[last].optimizer_signals
+        assert got["distgrad_optimizer_step"] == {(): float(step)}
+        assert got["distgrad_optimizer_signals_step"] == {(): float(last)}
+        assert got["distgrad_update_rms"] == {(): ref.update_rms}
+        assert got["distgrad_layer_update_rms"] == {(k,): v for k, v in ref.layer_update_rms.items()}
+        if step != last:  # a held value, not the (different) value every: 1 computes on this step
+            assert got["distgrad_update_rms"] != {(): full[step].optimizer_signals.update_rms}

@@ -48,6 +48,11 @@ class Declares:
     #: its Prometheus metrics (:class:`~distgrad.export.metrics.Metric` entries; their ``when``
     #: declared with :func:`distgrad.export.metrics.condition`)
     METRICS: ClassVar[tuple[_metrics.Metric, ...]] = ()
+    #: True: the Prometheus sink keeps serving the last samples of :attr:`Part` on records whose
+    #: part is None (a plug-in computed on some sampled steps only), with the optimizer step they
+    #: come from as ``distgrad_<part_name>_step``, which :attr:`METRICS` must declare. The JSONL
+    #: record keeps None on those steps.
+    hold: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kw: Any) -> None:
         """Register what the subclass declares in its own body.
@@ -67,7 +72,7 @@ class Declares:
             cls.part_name = name
             register_part(name, own["Part"])
         if own.get("METRICS"):
-            _metrics.register(own["METRICS"], cls.part_name, cls.samples)
+            _metrics.register(own["METRICS"], cls.part_name, cls.samples, hold=bool(cls.hold))
 
     @classmethod
     def section_of(cls, config: Any) -> Any:

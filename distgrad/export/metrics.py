@@ -469,6 +469,9 @@ for _m in CATALOGUE:
 #: ``(record part attribute, part -> {metric name: value}, their names)``, in registration order;
 #: the Prometheus sink serves them generically
 PLUGIN_SAMPLES: list[tuple[str | None, Callable[[Any], dict[str, Any]], tuple[str, ...]]] = []
+#: plug-ins whose last samples the Prometheus sink keeps serving on records where their part is
+#: None (``Declares.hold``): ``{record part attribute: name of the gauge of the step they come from}``
+PLUGIN_HOLD: dict[str, str] = {}
 
 
 def condition(key: str, text: str) -> str:
@@ -502,16 +505,24 @@ def label(name: str, text: str, values: tuple[str, ...] | None = None) -> str:
 
 
 def register(entries: Iterable[Metric], part: str | None,
-             samples: Callable[[Any], dict[str, Any]]) -> None:
+             samples: Callable[[Any], dict[str, Any]], hold: bool = False) -> None:
     """Add a plug-in's metrics to :data:`CATALOGUE` (after the built-in ones) and its sampler
     to :data:`PLUGIN_SAMPLES`: ``samples(record.<part>)`` gives ``{metric name: value}`` for a
-    record whose part is set.
+    record whose part is set. ``hold``: serve the last part's samples on records whose part is
+    None, with the optimizer step it comes from as the gauge ``distgrad_<part>_step``
+    (:data:`PLUGIN_HOLD`), which ``entries`` must declare.
 
     Raises:
-        ValueError: a name already declared (or a bad entry, see :class:`Metric`).
+        ValueError: a name already declared (or a bad entry, see :class:`Metric`); ``hold``
+            without a part or without its step gauge among ``entries``.
     """
     global CATALOGUE
     entries = tuple(entries)
+    if hold:
+        step = f"distgrad_{part}_step"
+        if part is None or step not in {m.name for m in entries}:
+            raise ValueError(f"a plug-in that holds its samples (part {part!r}) must declare the gauge {step}")
+        PLUGIN_HOLD[part] = step
     for m in entries:
         for k in {m.name, m.family}:
             if k in _BY_NAME:

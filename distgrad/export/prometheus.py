@@ -100,6 +100,8 @@ class DistgradCollector(Collector):
         self._lock = threading.Lock()
         self._record: StepRecord | None = None
         self._last_nonfinite: tuple[list[dict], dict, list[dict], dict | None] = ([], {}, [], None)
+        #: the last set part of each holding plug-in (:data:`metrics.PLUGIN_HOLD`) and its step
+        self._held: dict[str, tuple[int, Any]] = {}
         self._step_time: float | None = None
         self.has_loss_scaler, self.has_samples = has_loss_scaler, has_samples
         self._counters: dict[str, int] = {k: 0 for k in COUNTERS
@@ -149,6 +151,10 @@ class DistgradCollector(Collector):
         with self._lock:
             if record is not None:
                 self._record = record
+                for part_name in metrics.PLUGIN_HOLD:
+                    part = getattr(record, part_name, None)
+                    if part is not None:
+                        self._held[part_name] = (int(record.step), part)
                 event = record.nonfinite_event
                 if event:  # the first step of the last non-finite streak, kept after it ends
                     self._last_nonfinite = ([r.to_dict() for r in event.rows],
@@ -215,11 +221,11 @@ class DistgradCollector(Collector):
     def snapshot_body(self) -> tuple[int, list[Metric]]:
         """``(body_version, families)`` of the latest record (none before the first sample)."""
         with self._lock:
-            version, rec = self.body_version, self._record
+            version, rec, held = self.body_version, self._record, dict(self._held)
             nonfinite_rows, provenance, culprits, module = self._last_nonfinite
         if rec is None:
             return version, []
-        out = list(_record_metrics(rec))
+        out = list(_record_metrics(rec, held))
         if culprits:  # the culprit view of the last non-finite event's first step
             fam = metrics.family("distgrad_nonfinite_culprit")
             rows = [(str(c["rank"]), k) for c in culprits for k in ("loss", "grad") if c.get(k)]
@@ -249,7 +255,7 @@ class DistgradCollector(Collector):
         return version, out
 
 
-def _record_metrics(rec: StepRecord) -> Iterable[Metric]:
+def _record_metrics(rec: StepRecord, held: dict[str, tuple[int, Any]] | None = None) -> Iterable[Metric]:
     p = rec.params
     singles = {
         "distgrad_grad_norm": rec.grad_norm, "distgrad_optimizer_step": rec.step,
@@ -263,7 +269,7 @@ def _record_metrics(rec: StepRecord) -> Iterable[Metric]:
     yield from _rank_metrics(rec)
     yield from _loss_metrics(rec)
     yield from _incident_metrics(rec)
-    yield from _plugin_metrics(rec)
+    yield from _plugin_metrics(rec, held or {})
 
     selected = rec.aggregates.exported_params if rec.aggregates is not None else None
     # parameters without a gradient anywhere this step (unused; numel 0 after the reduction)
@@ -303,13 +309,22 @@ def _record_metrics(rec: StepRecord) -> Iterable[Metric]:
         yield fam
 
 
-def _plugin_metrics(rec: StepRecord) -> Iterable[Metric]:
+def _plugin_metrics(rec: StepRecord, held: dict[str, tuple[int, Any]]) -> Iterable[Metric]:
     """The metrics declared by plug-ins (a signal's ``METRICS`` and ``samples``,
     :data:`distgrad.export.metrics.PLUGIN_SAMPLES`), from their record parts: a number is an
     unlabelled sample, a ``{label value: number}`` dict the series of a one-label metric (``{(value,
-    value): number}`` for several labels; empty: none), None no series."""
+    value): number}`` for several labels; empty: none), None no series. A holding plug-in
+    (:data:`distgrad.export.metrics.PLUGIN_HOLD`) whose part is None on ``rec`` serves its last
+    part ``held[part_name] = (step, part)``; its step gauge names the step the samples come from."""
     for part_name, samples, declared in metrics.PLUGIN_SAMPLES:
         part = getattr(rec, part_name) if part_name else rec
+        if part_name in metrics.PLUGIN_HOLD:
+            if part is None and part_name in held:
+                step, part = held[part_name]
+            elif part is not None:
+                step = int(rec.step)
+            if part is not None:
+                yield metrics.family(metrics.PLUGIN_HOLD[part_name], value=float(step))
         if part is None:
             continue
         for name, v in samples(part).items():

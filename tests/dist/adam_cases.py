@@ -46,7 +46,7 @@ def deepspeed_case(stage: int) -> dict:
     model = TinyModel()
     engine, _ = build_deepspeed(model, stage, lr=LR,
                                 adamw_params={"betas": list(BETAS), "eps": EPS, "weight_decay": WD})
-    inst = distgrad.instrument(engine, exporter={"enabled": False})
+    inst = distgrad.instrument(engine, exporter={"enabled": False}, optimizer_signals={"every": 1})
     named = [(clean_name(n), p) for n, p in engine.module.named_parameters() if p.requires_grad]
     assert [n for n, _ in named] == inst.names
     refs: list[dict] = []
@@ -92,7 +92,7 @@ def fsdp2_case() -> dict:
         state["step"] += 1
 
     opt.register_step_pre_hook(capture)
-    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False})
+    inst = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, optimizer_signals={"every": 1})
     assert [n for n, _ in named] == inst.names
     records, counts = _torch_steps(inst, model, opt)
     out = {"records": records, "refs": refs, "counts": counts, "counters": dict(inst.counters),
@@ -124,7 +124,7 @@ def fsdp1_case() -> dict:
         state["step"] += 1
 
     opt.register_step_pre_hook(capture)
-    inst = distgrad.instrument(w, optimizer=opt, exporter={"enabled": False})
+    inst = distgrad.instrument(w, optimizer=opt, exporter={"enabled": False}, optimizer_signals={"every": 1})
     records, counts = _torch_steps(inst, w, opt)
     out = {"records": records, "refs": refs, "counts": counts, "counters": dict(inst.counters),
            "optimizer": type(opt).__name__, "names": list(inst.names)}
@@ -159,7 +159,7 @@ def ddp_case() -> dict:
         state["step"] += 1
 
     opt.register_step_pre_hook(capture)
-    inst = distgrad.instrument(w, optimizer=opt, exporter={"enabled": False})
+    inst = distgrad.instrument(w, optimizer=opt, exporter={"enabled": False}, optimizer_signals={"every": 1})
     records, counts = _torch_steps(inst, w, opt)
     out = {"records": records, "refs": refs, "counts": counts, "counters": dict(inst.counters),
            "optimizer": type(opt).__name__}
