@@ -297,3 +297,18 @@ def test_a_diagnostic_declares_its_section_part_and_metrics_in_its_module(tmp_pa
     assert got["served"] == [0.25]
     assert got["state"] == {"peak": 4.0}
     assert got["in_catalogue"] and got["in_docs"]
+
+
+def test_a_holding_plugin_must_declare_its_step_gauge():
+    """``Declares.hold`` (metrics.register(..., hold=True)) needs the gauge
+    ``distgrad_<part>_step`` among the plug-in's metrics; without it the registration is refused
+    and nothing is registered. AdamSignal holds and names its step gauge."""
+    from distgrad.signals.adam import AdamSignal
+
+    assert AdamSignal.hold and metrics.PLUGIN_HOLD["optimizer_signals"] == "distgrad_optimizer_signals_step"
+    assert metrics.by_name("distgrad_optimizer_signals_step").name in {m.name for m in AdamSignal.METRICS}
+    n, held = len(metrics.CATALOGUE), dict(metrics.PLUGIN_HOLD)
+    entry = metrics.Metric("distgrad_test_hold_value", "gauge", (), "1", "A test gauge.", "always")
+    with pytest.raises(ValueError, match="distgrad_test_hold_step"):
+        metrics.register((entry,), "test_hold", lambda part: {}, hold=True)
+    assert len(metrics.CATALOGUE) == n and metrics.PLUGIN_HOLD == held

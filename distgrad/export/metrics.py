@@ -522,7 +522,6 @@ def register(entries: Iterable[Metric], part: str | None,
         step = f"distgrad_{part}_step"
         if part is None or step not in {m.name for m in entries}:
             raise ValueError(f"a plug-in that holds its samples (part {part!r}) must declare the gauge {step}")
-        PLUGIN_HOLD[part] = step
     for m in entries:
         for k in {m.name, m.family}:
             if k in _BY_NAME:
@@ -532,6 +531,8 @@ def register(entries: Iterable[Metric], part: str | None,
             _BY_NAME[k] = m
     CATALOGUE = CATALOGUE + entries
     PLUGIN_SAMPLES.append((part, samples, tuple(m.name for m in entries)))
+    if hold and part is not None:
+        PLUGIN_HOLD[part] = f"distgrad_{part}_step"
 
 
 def by_name(name: str) -> Metric:
