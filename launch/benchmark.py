@@ -67,7 +67,9 @@ SIGNAL_ROWS = [
     ("sig_histogram", "signal: log2|g| histogram per layer (histogram.enabled)", "grad_histogram",
      {"histogram": {"enabled": True}}),
     ("sig_optimizer", "signal: Adam update RMS, spike fraction, moments, Fisher, cosine "
-     "(optimizer_signals.enabled)", "optimizer_signals", {"optimizer_signals": {"enabled": "on"}}),
+     "(optimizer_signals.enabled)", "optimizer_signals",
+     # every: 1 so that each timed call computes them (the default every: 8 would time the steps left out)
+     {"optimizer_signals": {"enabled": "on", "every": 1}}),
     ("sig_noise_scale", "signal: gradient noise scale, packing and estimate (noise_scale.enabled)", "noise_scale",
      {"noise_scale": {"enabled": True}}),
     ("sig_curvature", "signal: curvature along the last update (curvature.enabled)", "curvature",

@@ -169,8 +169,8 @@ class AdamSignal(PackedSignal):
             "optimizer state and their record part is None, while the Prometheus sink keeps serving the last "
             "computed values with distgrad_optimizer_signals_step naming their step. 1: every sampled step. The "
             "signals read g, exp_avg and exp_avg_sq (3x the bytes of the statistics pass): measured at 113.9M "
-            "parameters on CPU, every: 1 puts the default sampled step at 5-6x the floor, every: 8 (the default) "
-            "at a mean of 1.8-2.0x (docs/performance.md)."))
+            "parameters on CPU, every: 1 puts the default sampled step at 4-6x the floor, every: 8 (the default) "
+            "at a mean of 1.1-2.0x (docs/performance.md)."))
 
     @dataclass
     class Part(_Part):
