@@ -79,6 +79,7 @@ from distgrad.export.metrics import Metric, condition
 from distgrad.naming.grouping import group_keys
 from distgrad.record.base import _Part
 from distgrad.signals import PackedSignal
+from distgrad.signals.adam import _inner_optimizer
 from distgrad.stats.eager import sum_of_squares
 
 #: per-parameter SUM columns: sum dW^2, sum W_before^2, Muon's sum (orthogonalised step / lr)^2,
@@ -89,18 +90,6 @@ MUON_TARGET = 0.2
 #: overall SUM columns after the per-parameter ones: Muon's owned elements, Muon entries not on
 #: ``match_rms_adamw``, Adafactor entries seen, Adafactor entries whose factored state is not located
 N_EXTRA = 4
-
-
-def _inner(inst: Any) -> Any:
-    """The torch optimizer that steps the parameters (inside DeepSpeed's wrapper), or None."""
-    src = inst.source
-    opt = getattr(src, "optimizer", None)
-    if opt is None and getattr(src, "engine", None) is not None:
-        opt = src.engine.optimizer
-        inner = getattr(opt, "optimizer", None)
-        if isinstance(inner, torch.optim.Optimizer):
-            opt = inner
-    return opt
 
 
 def _shape(p: Any) -> tuple[int, ...]:
@@ -284,7 +273,7 @@ class UpdateGeometry(PackedSignal):
         self.layers = sorted(set(keys))
         self.inv = np.array([self.layers.index(k) for k in keys], dtype=np.int64)
         self.numels = np.array([float(x) for x in inst.pieces(list(inst.source.numels))], dtype=np.float64)
-        opt = _inner(inst)
+        opt = _inner_optimizer(inst)
         self.opt_name = type(opt).__name__ if opt is not None else "unknown"
         params = inst.pieces(list(getattr(inst.source, "_params", [None] * len(inst.source.numels))))
         self.shapes: list[tuple[int, ...] | None] = [None if p is None else _shape(p) for p in params]
