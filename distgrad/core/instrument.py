@@ -857,6 +857,32 @@ class Instrument:
                       where, kind[1], traceback.format_exc())
         self._publish_counters()
 
+    def dump_flight_recorder(self, reason: str, step: int, what: str) -> str | None:
+        """Write the flight recorder's buffer (``flightrec-step{step}-{reason}.json`` / ``.txt``,
+        :meth:`distgrad.diagnostics.flight_recorder.FlightRecorder.dump`) for a plug-in's event.
+
+        Args:
+            reason: the file name's cause (``"rerun"``, ``"replica_weights"``).
+            step: the event's optimizer step.
+            what: the event in words, for the log line when the files cannot be written.
+
+        Returns:
+            the JSON file's path, or None when no recorder runs (no provenance diagnostic, or
+            ``flight_recorder.dir`` unset) or the write failed (logged and counted as a
+            ``flight_recorder`` sink error; never raised into the training loop).
+        """
+        prov = self.diagnostics.get("provenance") if self.diagnostics is not None else None
+        recorder = getattr(prov, "recorder", None)
+        if recorder is None or not self.config.flight_recorder.dir:
+            return None
+        try:
+            return str(recorder.dump(reason, step=step))
+        except OSError as e:
+            log.warning("distgrad: flight-recorder report of %s at step %d not written to "
+                        "flight_recorder.dir=%r: %s", what, step, self.config.flight_recorder.dir, e)
+            self._sink_error("flight_recorder")
+            return None
+
     def _sink_error(self, name: str) -> None:
         self.sink_errors[name] = self.sink_errors.get(name, 0) + 1
         if self.prometheus is not None:

@@ -544,18 +544,9 @@ class Rerun:
         inst = self.inst
         if part is None or part.step != rec.step or part.verdict is None or inst.global_rank != 0:
             return
-        prov = inst.diagnostics.get("provenance") if inst.diagnostics is not None else None
-        recorder = getattr(prov, "recorder", None)
-        if recorder is None or not inst.config.flight_recorder.dir:
-            return
-        try:
-            path = recorder.dump("rerun", step=rec.step)
-        except OSError as e:
-            log.warning("distgrad: flight-recorder report of the rerun at step %d not written to "
-                        "flight_recorder.dir=%r: %s", rec.step, inst.config.flight_recorder.dir, e)
-            inst._sink_error("flight_recorder")
-            return
-        log.warning("distgrad: rerun attribution written to the flight recorder: %s", path)
+        path = inst.dump_flight_recorder("rerun", rec.step, "the rerun")
+        if path is not None:
+            log.warning("distgrad: rerun attribution written to the flight recorder: %s", path)
 
 
 def attach_rerun(inst: Any) -> Rerun | None:

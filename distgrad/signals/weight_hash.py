@@ -262,19 +262,10 @@ class WeightHash(PackedSignal):
         if key in self._reported or inst.global_rank != 0:
             return
         self._reported.add(key)
-        prov = inst.diagnostics.get("provenance") if inst.diagnostics is not None else None
-        recorder = getattr(prov, "recorder", None)
-        if recorder is None or not inst.config.flight_recorder.dir:
-            return
-        try:
-            path = recorder.dump("replica_weights", step=rec.step)
-        except OSError as e:
-            log.warning("distgrad: flight-recorder report of the replica weight mismatch at step %d not written "
-                        "to flight_recorder.dir=%r: %s", rec.step, inst.config.flight_recorder.dir, e)
-            inst._sink_error("flight_recorder")
-            return
-        rec.flight_recorder_report = str(path)
-        log.warning("distgrad: flight-recorder report written to %s", path)
+        path = inst.dump_flight_recorder("replica_weights", rec.step, "the replica weight mismatch")
+        if path is not None:
+            rec.flight_recorder_report = path
+            log.warning("distgrad: flight-recorder report written to %s", path)
 
     def state_dict(self) -> dict | None:
         return {"last": self.last.to_dict()} if self.last is not None else None
