@@ -17,20 +17,27 @@ def logits_results(tmp_path_factory):
     return launch("logits_cases.py", tmp_path_factory.mktemp("logits") / "logits.json")
 
 
+def _clean_ranks(results: dict, key: str, steps: int) -> list[dict]:
+    """The ranks' results of case ``key``, after checking that every rank ran without error or
+    internal error, and that rank 0's sampled steps each made 2 collectives and, from the second
+    step on, 1 host copy (the first step under ZeRO-2 also has the one-time host reads of
+    distgrad's set-up on this engine: 66 here, the same with the signals off)."""
+    ranks = results["cases"][key]["ranks"]
+    for r in ranks:
+        assert "error" not in r, r.get("traceback")
+        assert r["internal_errors"] == 0
+    assert ranks[0]["counts"][0]["collectives"] == 2
+    assert ranks[0]["counts"][1:] == [{"collectives": 2, "syncs": 1}] * (steps - 1)
+    return ranks
+
+
 @pytest.mark.parametrize("key", ["z2", "fsdp2"])
 def test_logits_multirank_equal_float64_over_the_global_batch(logits_results, key):
     from tests.dist.logits_cases import STEPS
 
     assert logits_results["world_size"] == 2
-    ranks = logits_results["cases"][key]["ranks"]
-    for r in ranks:
-        assert "error" not in r, r.get("traceback")
-        assert r["internal_errors"] == 0
+    ranks = _clean_ranks(logits_results, key, STEPS)
     r0 = ranks[0]
-    # from the second step on; the first step under ZeRO-2 also has the one-time host reads of
-    # distgrad's set-up on this engine (66 here, the same with the logits signal off)
-    assert r0["counts"][0]["collectives"] == 2
-    assert r0["counts"][1:] == [{"collectives": 2, "syncs": 1}] * (STEPS - 1)
     for s, rec in enumerate(r0["records"]):
         refs = [r["refs"][s] for r in ranks]
         assert rec is not None
@@ -56,13 +63,8 @@ def test_fp8_multirank_equal_float64_over_both_ranks(logits_results, key):
     pytest.importorskip("torchao")
     from tests.dist.fp8_cases import GAS, STEPS
 
-    ranks = logits_results["cases"][key]["ranks"]
-    for r in ranks:
-        assert "error" not in r, r.get("traceback")
-        assert r["internal_errors"] == 0
+    ranks = _clean_ranks(logits_results, key, STEPS)
     r0 = ranks[0]
-    assert r0["counts"][0]["collectives"] == 2
-    assert r0["counts"][1:] == [{"collectives": 2, "syncs": 1}] * (STEPS - 1)
     for s, rec in enumerate(r0["records"]):
         assert rec is not None and rec["tp_size"] == (2 if key == "fp8_fsdp2" else 1)
         keys = set(ranks[0]["refs"][s])
@@ -98,13 +100,8 @@ def test_router_fsdp2_equal_float64_over_both_ranks(logits_results):
     from distgrad.signals.router import RouterHealth
     from tests.dist.router_cases import GAS, STEPS
 
-    ranks = logits_results["cases"]["router_fsdp2"]["ranks"]
-    for r in ranks:
-        assert "error" not in r, r.get("traceback")
-        assert r["internal_errors"] == 0
+    ranks = _clean_ranks(logits_results, "router_fsdp2", STEPS)
     r0 = ranks[0]
-    assert r0["counts"][0]["collectives"] == 2
-    assert r0["counts"][1:] == [{"collectives": 2, "syncs": 1}] * (STEPS - 1)
     assert len(r0["records"]) == STEPS
     for s, rec in enumerate(r0["records"]):
         part = RouterHealth.Part.from_dict(rec)
