@@ -44,7 +44,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,6 +53,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "launch"))
+from dist_env import free_port  # noqa: E402  (a port below the ephemeral range)
 SIZES = {  # name: (layers, width, heads)
     "10m": (6, 384, 6),
     "100m": (16, 768, 12),
@@ -91,10 +92,6 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into
                "all_to_all_single", "broadcast_object_list")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,10 +17,37 @@ import os
 import socket
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux
+    ``/proc/sys/net/ipv4/ip_local_port_range``; IANA's 49152-65535 elsewhere)."""
+    try:
+        lo, hi = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nobody listens on now, chosen *outside* the ephemeral range.
+
+    Binding to port 0 would return a port from the ephemeral range, and until the caller binds it
+    again any outgoing connection (a gloo pair, a TCPStore client, a scrape) may take it as its
+    local port: a launched job then fails with "Address already in use". A random port below
+    that range (and away from the launchers' default 29500) is never handed out that way; one
+    that is taken now is skipped. Raises OSError if no port in the range can be bound."""
+    import random
+
+    lo, hi = _ephemeral_range()
+    start, stop = (20000, min(lo, 65536)) if lo > 21000 else (max(hi + 1, 1024), 65536)
+    candidates = [p for p in range(start, stop) if not 29400 <= p < 29600]
+    for port in random.sample(candidates, min(64, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free TCP port on {host} in {start}-{stop - 1}")
 
 
 def discover() -> str:
@@ -37,7 +64,7 @@ def discover() -> str:
             rank, size = comm.Get_rank(), comm.Get_size()
             local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
             hosts = comm.allgather(socket.gethostname())
-            port = comm.bcast(int(os.environ.get("MASTER_PORT", 0)) or _free_port(), root=0)
+            port = comm.bcast(int(os.environ.get("MASTER_PORT", 0)) or free_port(), root=0)
         except ImportError:  # mpi4py missing: Open MPI's variables
             rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
             size = int(os.environ["OMPI_COMM_WORLD_SIZE"])
@@ -51,5 +78,5 @@ def discover() -> str:
         return "mpi"
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     return "single"

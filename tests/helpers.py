@@ -5,20 +5,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from launch.dist_env import free_port  # a port below the ephemeral range: see its docstring
 
 ROOT = Path(__file__).resolve().parent.parent
 DIST = ROOT / "tests" / "dist"
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(script: str, out: Path, *args: str, nproc: int = 2, timeout: int = 900,

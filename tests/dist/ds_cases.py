@@ -287,12 +287,9 @@ def special_cases(rank: int, world: int, tmp: str) -> dict:
     # closes the instrument, so the port is free again and the engine is left as it was
     import distgrad.engines.deepspeed as ds_adapter
 
-    probe = socket.socket()
-    port = 0
-    if rank == 0:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    probe.close()
+    from launch.dist_env import free_port
+
+    port = free_port() if rank == 0 else 0  # below the ephemeral range: gloo's pairs cannot take it
     t = torch.tensor([port])
     tdist.broadcast(t, 0)
     port = int(t.item())

@@ -25,7 +25,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -33,6 +32,8 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
+
+from launch.dist_env import free_port  # noqa: F401  (re-exported: below the ephemeral range)
 
 REPO = Path(__file__).resolve().parents[2]
 #: The repository's generated rule file.
@@ -93,11 +94,6 @@ def find_binary(env: str, *names: str) -> str:
     return path
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate: Callable[[], T], timeout: float = 30.0, interval: float = 0.2,
