@@ -165,7 +165,7 @@ class RerunAttribution(Diagnostic):
         """Rerun attribution: on a non-finite step or a replica mismatch, re-execute the step's
         forward and backward for the culprit rank's kept micro-batches on that rank and on another
         rank, and classify the fault as bad data, a persistent device fault or a transient one
-        (see docs/runbook.md, "DistgradRerunFaultyDevice")."""
+        (see docs/runbook.md, "DistgradRerunFaultyNode")."""
 
         section_key: ClassVar[str] = "rerun"
         enabled: bool = Field(False, description=(
