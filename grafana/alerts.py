@@ -551,8 +551,10 @@ def _groups() -> dict[str, Any]:
             f"For {sat['for']}, more than {sat['threshold']:g} of the elements of a float8 tensor of layer "
             f"{{{{ $labels.layer }}}} of {WHO} were clipped by the float8 cast (now "
             f"{{{{ $value | printf \"%.3g\" }}}} at sampled step {step}): its scale is stale for the "
-            "tensor's range (delayed or static scaling). The record's fp8 part names the module and tensor; "
-            "shorten the amax history or use dynamic scaling (docs/runbook.md).",
+            "tensor's range (a precomputed weight scale not refreshed: torchao's "
+            "precompute_float8_dynamic_scale_for_fsdp belongs after every optimizer step; delayed or static "
+            "scaling). The record's fp8 part names the module and tensor; fix the scale's source, restart "
+            "from a checkpoint before the episode if the loss moved (docs/runbook.md).",
         ),
     ]
     col = a["DistgradRouterCollapse"]

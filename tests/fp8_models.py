@@ -38,21 +38,25 @@ class Fp8Model(nn.Module):
         return self.head(x)
 
 
-def make(seed: int = 0) -> Fp8Model:
-    """The model with its block linears converted by torchao (emulated float8 matmuls)."""
+def make(seed: int = 0, fsdp_float8_all_gather: bool = False) -> Fp8Model:
+    """The model with its block linears converted by torchao (emulated float8 matmuls);
+    ``fsdp_float8_all_gather``: torchao's ``enable_fsdp_float8_all_gather`` (the weights become
+    ``WeightWithDynamicFloat8CastTensor``; FSDP2 then all-gathers them in float8)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     torch.manual_seed(seed)
     m = Fp8Model()
-    convert_to_float8_training(m, config=Float8LinearConfig(emulate=True),
+    cfg = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
+    convert_to_float8_training(m, config=cfg,
                                module_filter_fn=lambda mod, fqn: fqn.startswith("blocks."))
     return m
 
 
-def capture(model: nn.Module) -> tuple[dict, list]:
+def capture(model: nn.Module, weights: bool = True) -> tuple[dict, list]:
     """Record, another way than the signal's hooks, every tensor each float8 layer casts: a
-    forward hook (its input and weight) and a full backward hook (its grad_output), as float64
-    copies, into ``caps[(module name, tensor)]`` lists; returns ``(caps, handles)``."""
+    forward hook (its input and, with ``weights``, its weight) and a full backward hook (its
+    grad_output), as copies, into ``caps[(module name, tensor)]`` lists; returns
+    ``(caps, handles)``."""
     from torchao.float8.float8_linear import Float8Linear
 
     caps: dict = {}
@@ -62,7 +66,8 @@ def capture(model: nn.Module) -> tuple[dict, list]:
             def fwd(mod, args, out, name=name):
                 if torch.is_grad_enabled():
                     caps.setdefault((name, "input"), []).append(args[0].detach().clone())
-                    caps.setdefault((name, "weight"), []).append(mod.weight.detach().clone())
+                    if weights:
+                        caps.setdefault((name, "weight"), []).append(mod.weight.detach().clone())
 
             def bwd(mod, gin, gout, name=name):
                 caps.setdefault((name, "grad_output"), []).append(gout[0].detach().clone())
@@ -70,10 +75,12 @@ def capture(model: nn.Module) -> tuple[dict, list]:
     return caps, handles
 
 
-def reference(xs: list[torch.Tensor], dtype: torch.dtype) -> dict[str, float]:
+def reference(xs: list[torch.Tensor], dtype: torch.dtype, amax_of_scale: float | None = None) -> dict[str, float]:
     """The float64 reference of the casts of ``xs`` (one tensor per micro-batch) to ``dtype``
     with torchao's dynamic tensorwise scale written out from its definition
-    (``scale = float32(fp8_max / max(amax, 1e-12))``, amax in float64): the scaled values are
+    (``scale = float32(fp8_max / max(amax, 1e-12))``, amax in float64; ``amax_of_scale``: the
+    amax the scale was computed from when it is not the tensor's own, a stale precomputed
+    scale), the scaled values are
     cast by torch (a saturating cast) and compared with the float64 values: underflow = nonzero
     in float64 and 0 after the cast; saturated = the cast off by more than half the last step
     below fp8_max."""
@@ -84,7 +91,8 @@ def reference(xs: list[torch.Tensor], dtype: torch.dtype) -> dict[str, float]:
     for x in xs:
         x64 = x.double()
         amax = x64.abs().max().item()
-        scale = torch.tensor(fi.max / max(amax, 1e-12), dtype=torch.float64).float()
+        src = amax if amax_of_scale is None else amax_of_scale
+        scale = torch.tensor(fi.max / max(src, 1e-12), dtype=torch.float64).float()
         y32 = x.float() * scale
         c = y32.to(dtype).double()
         y64 = x64 * scale.double()
@@ -95,3 +103,21 @@ def reference(xs: list[torch.Tensor], dtype: torch.dtype) -> dict[str, float]:
         out["underflow"] += int(((x64 != 0) & (c == 0)).sum())
         out["saturated"] += int(((y64.abs() - c.abs()) > top / 2).sum())
     return out
+
+
+_FSDP_CASES: dict = {}
+
+
+def fsdp_cases() -> dict:
+    """The results of one launch of tests/dist/fp8_fsdp_cases.py (2 gloo ranks: the float8
+    all-gather run with a stale precomputed scale and its healthy twin), made once per test
+    session and shared by tests/test_fp8.py (exactness) and
+    tests/monitoring/test_precursor_paging.py (the replay of its JSONL logs)."""
+    if not _FSDP_CASES:
+        import tempfile
+        from pathlib import Path
+
+        from tests.helpers import launch
+
+        _FSDP_CASES.update(launch("fp8_fsdp_cases.py", Path(tempfile.mkdtemp(prefix="dg_fp8_fsdp_")) / "out.json"))
+    return _FSDP_CASES

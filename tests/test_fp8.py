@@ -258,3 +258,64 @@ def test_distgrad_reexecutions_are_not_observed():
             st = part.stats[name][role]
             assert st["observed"] == 1 and st["elements"] == ref["elements"]
             assert st["amax_max"] == pytest.approx(ref["amax_max"], rel=1e-6)
+
+
+@pytest.mark.parametrize("key", ["fp8_stale", "fp8_fresh"])
+def test_fsdp2_float8_all_gather_stale_precomputed_scale_saturates_exactly(key):
+    """FSDP2 with torchao's float8 all-gather on 2 gloo ranks (tests/dist/fp8_fsdp_cases.py, one
+    launch shared with tests/monitoring/test_precursor_paging.py). ``fp8_stale``:
+    ``precompute_float8_dynamic_scale_for_fsdp`` called once at set-up, so every weight cast uses
+    the scale of the initial weight; ``fp8_fresh``: called after each optimizer step (torchao's
+    docstring). Per step and float8 layer, the weight's counts equal the float64 recomputation of
+    the cast of the whole weight (both ranks' shards, captured before the forward) with the scale
+    torchao used (from the initial weight's amax / the current one's), for each of the GAS
+    micro-batches; amax = the whole weight's, on both extremes; the input and grad_output as
+    in the other multi-rank cases. The stale run saturates in block 1 (learning rate 0.05) from
+    step 1 on, beyond DistgradFp8Saturation's threshold, and never in block 0 (5e-4); the fresh
+    run never saturates. 2 collectives per sampled step, 1 host copy after the first."""
+    from grafana import config
+    from tests.dist.fp8_fsdp_cases import GAS, STEPS
+    from tests.dist.fp8_fsdp_cases import LAYERS as FL
+    from tests.fp8_models import fsdp_cases
+
+    res = fsdp_cases()
+    assert res["world_size"] == 2
+    ranks = res["cases"][key]["ranks"]
+    for r in ranks:
+        assert "error" not in r, r.get("traceback")
+        assert r["internal_errors"] == 0
+        assert [c["collectives"] for c in r["counts"]] == [2] * STEPS
+        assert [c["syncs"] for c in r["counts"][1:]] == [1] * (STEPS - 1)
+    thr = config.ALERTS["DistgradFp8Saturation"]["threshold"]
+    first = {n: torch.tensor(sum((r["shards"][0][n] for r in ranks), []), dtype=torch.float64) for n in FL}
+    for s, rec in enumerate(ranks[0]["records"]):
+        assert rec is not None and set(rec["stats"]) == set(FL)
+        for name in FL:
+            whole = torch.tensor(sum((r["shards"][s][name] for r in ranks), []), dtype=torch.float64)
+            assert whole.shape == first[name].shape  # both ranks' shards: the whole weight
+            stale = first[name].abs().max().item() if key == "fp8_stale" else None
+            ref = reference([whole], DTYPES["weight"], amax_of_scale=stale)
+            st = rec["stats"][name]["weight"]
+            assert st["observed"] == 2 * GAS
+            for c in ("elements", "underflow", "saturated"):
+                assert st[c] == GAS * ref[c], (s, name, c)
+            assert st["amax_min"] == st["amax_max"] == pytest.approx(ref["amax_max"], rel=1e-6)
+            assert st["scale_min"] == st["scale_max"] == pytest.approx(ref["scale_max"], rel=1e-6)
+            ratio = st["saturated"] / st["elements"]
+            if key == "fp8_stale" and s >= 1 and name.startswith("blocks.1."):
+                assert ratio > thr, (s, name, ratio)
+            else:
+                assert ratio == 0, (s, name, ratio)
+            for role in ("input", "grad_output"):
+                refs = [m for r in ranks for m in r["refs"][s][f"{name}|{role}"]]
+                st = rec["stats"][name][role]
+                assert st["observed"] == len(refs) == 2 * GAS
+                for c in ("elements", "underflow", "saturated"):
+                    assert st[c] == sum(m[c] for m in refs), (s, name, role, c)
+                assert st["amax_min"] == pytest.approx(min(m["amax_min"] for m in refs), rel=1e-6)
+                assert st["amax_max"] == pytest.approx(max(m["amax_max"] for m in refs), rel=1e-6)
+                assert st["scale_min"] == pytest.approx(min(m["scale_min"] for m in refs), rel=1e-6)
+        if key == "fp8_stale" and s >= 1:
+            # the served per-layer metric names layer 1 only
+            srv = Fp8Signal.samples(Fp8Signal.Part.from_dict(rec))["distgrad_fp8_layer_saturation_ratio"]
+            assert {k for k, v in srv.items() if v > thr} == {"1"}, srv

@@ -33,6 +33,19 @@ Both counts are exact (float64 sums of integers) and equal to the elements that
 ``y.to(float8_dtype)`` turns into 0 / clips beyond its rounding interval
 (tests/test_fp8.py recomputes them that way in float64).
 
+FSDP2 with torchao's float8 all-gather (``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``):
+each rank casts its high-precision weight SHARD to float8 before the all-gather (torchao's
+``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather``), with the scale set by
+``precompute_float8_dynamic_scale_for_fsdp`` when the user called it (``_precomputed_scale``,
+kept until the next call) or else the mesh-reduced dynamic one, and the layer receives a
+``Float8TrainingTensor``. The weight is then read from this rank's shard (the sharded parameter
+found at :meth:`Fp8Signal.attach`) with the scale that ``Float8TrainingTensor`` carries, so the
+counts over the ranks' shards are the whole weight's; its amax (both extremes) is the largest over
+the shards, the whole weight's (the weight does not change within a step), and it takes no TP
+slot. A precomputed scale that is not refreshed after every optimizer step (called once at
+set-up, or before the step) is the realistic way a torchao run saturates: the weights grow past
+the range the old scale was made for, and FSDP's cast clips them (tests/dist/fp8_fsdp_cases.py).
+
 Tensor parallelism (``fp8.tp_size`` > 1: consecutive ranks ``r // tp_size`` form a TP group,
 tp innermost as Megatron / torchtitan order them): each rank's largest amax over the step's
 micro-batches, of each layer and tensor, rides in its TP group's slots of the MAX all-reduce as
@@ -169,6 +182,24 @@ def _role_config(module: Any, role: str) -> tuple[Any, torch.dtype] | None:
     if cc.scaling_type is ScalingType.DISABLED:
         return None
     return cc.scaling_granularity, (cc.target_dtype or e4m3_dtype)
+
+
+def _fsdp_float8_weight(module: Any) -> Any:
+    """The FSDP2-sharded weight of a float8 layer under torchao's float8 all-gather
+    (``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``): the ``nn.Parameter`` DTensor
+    whose local shard is a ``WeightWithDynamicFloat8CastTensor`` (FSDP2 keeps this object across
+    steps and swaps it back onto the module after each reshard); None otherwise."""
+    w = getattr(module, "weight", None)
+    if type(w).__name__ != "DTensor" or type(getattr(w, "_local_tensor", None)).__name__ != (
+            "WeightWithDynamicFloat8CastTensor"):
+        return None
+    return w
+
+
+def _already_float8(x: Any) -> bool:
+    """``x`` is a torchao ``Float8TrainingTensor`` (cast before the layer: FSDP2's float8
+    all-gather hands the layer its weight in float8)."""
+    return type(x).__name__ == "Float8TrainingTensor"
 
 
 def _float8_modules(module: Any) -> list[tuple[str, Any]]:
@@ -351,6 +382,7 @@ class Fp8Signal(PackedSignal):
         self.layer_of: list[str] = []
         self.roles: list[list[str]] = []  # per module, the roles it casts
         self._cfg: list[dict[str, tuple[Any, torch.dtype, bool]]] = []
+        self._fsdp_w: list[Any] = []  # per module, its FSDP2 float8 all-gather sharded weight or None
         self.armed = True
         self._reset()
 
@@ -396,6 +428,7 @@ class Fp8Signal(PackedSignal):
                     per[role] = (rc[0], rc[1], bool(m.config.round_scales_to_power_of_2))
             self._cfg.append(per)
             self.roles.append(list(per))
+        self._fsdp_w = [_fsdp_float8_weight(m) for _, m in chosen]
         handles = []
         for i, (_, m) in enumerate(chosen):
             handles.append(m.register_forward_pre_hook(lambda mod, args, i=i: self._pre(i, mod, args)))
@@ -417,14 +450,18 @@ class Fp8Signal(PackedSignal):
         # not the underflow recomputation's nor the rerun attribution's forwards (in_replay)
         return self.armed and torch.is_grad_enabled() and not in_replay()
 
-    def observe(self, i: int, role: str, x: torch.Tensor) -> None:
-        """Add one cast of tensor ``role`` of layer ``i`` to this step's parts. Never raises (a
-        failure is raised again in :meth:`local`: counted, the step's part dropped on every rank)."""
+    def observe(self, i: int, role: str, x: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Add one cast of tensor ``role`` of layer ``i`` to this step's parts (``scale``: the
+        scale the cast used when it is not the dynamic one of ``x``, see :func:`cast_stats`).
+        Never raises (a failure is raised again in :meth:`local`: counted, the step's part
+        dropped on every rank)."""
         try:
             cfg = self._cfg[i].get(role)
             if cfg is None:
                 return
-            s, m = cast_stats(x, cfg[1], cfg[0], cfg[2])
+            if x.numel() == 0:  # an empty FSDP2 shard: nothing cast on this rank
+                return
+            s, m = cast_stats(x, cfg[1], cfg[0], cfg[2], scale=scale)
             dev = s.device
             if self._sum is None:
                 self._sum = torch.zeros(self.sum_size, dtype=torch.float64, device=dev)
@@ -443,7 +480,21 @@ class Fp8Signal(PackedSignal):
         if torch.is_autocast_enabled():  # as Float8Linear.forward
             x = x.to(torch.get_autocast_gpu_dtype())
         self.observe(i, "input", x)
-        self.observe(i, "weight", mod.weight)
+        w = mod.weight
+        if _already_float8(w):
+            # FSDP2's float8 all-gather: each rank cast its high-precision shard with the scale the
+            # Float8TrainingTensor carries (torchao's fsdp_pre_all_gather: the precomputed scale of
+            # precompute_float8_dynamic_scale_for_fsdp when set, else the mesh-reduced dynamic one);
+            # count this rank's shard against that scale (the shards sum to the whole weight)
+            src = self._fsdp_w[i] if i < len(self._fsdp_w) else None
+            if src is None:
+                self._error = self._error or TypeError(
+                    f"fp8: the weight of {self.names[i]} reached the layer already in float8 from an unknown "
+                    "source (only FSDP2's float8 all-gather is read)")
+                return
+            self.observe(i, "weight", src._local_tensor._tensor, scale=w._scale)
+        else:
+            self.observe(i, "weight", w)
 
     def _post(self, i: int, out: Any) -> None:
         if not self._active() or "grad_output" not in self.roles[i]:
@@ -464,7 +515,10 @@ class Fp8Signal(PackedSignal):
         m = (m.to(**f64) if m is not None else torch.full((self._local_size,), -math.inf, **f64)).view(-1, _NM)
         if self.groups:
             # per TP group: this rank's largest amax over the step's micro-batches, and its negative
-            hi = m[:, 2:3]
+            hi = m[:, 2:3].clone()
+            for i, src in enumerate(self._fsdp_w):  # an FSDP2 shard's amax is not a TP shard's
+                if src is not None:
+                    hi[i * len(ROLES) + ROLES.index("weight")] = -math.inf
             seen = hi > -math.inf
             grp = torch.full((m.shape[0], 2 * self.groups), -math.inf, **f64)
             grp[:, self.group:self.group + 1] = hi
@@ -488,8 +542,11 @@ class Fp8Signal(PackedSignal):
                     continue
                 mx = max_part[k * self._nm:(k + 1) * self._nm]
                 seen = mx[2] > -math.inf
+                # the weight of an FSDP2 float8 all-gather layer: each rank saw its shard, the
+                # whole weight's amax is the max over the ranks (constant within the step)
+                whole = role == "weight" and i < len(self._fsdp_w) and self._fsdp_w[i] is not None
                 st = {"observed": obs, "elements": n, "underflow": under, "saturated": sat,
-                      "amax_min": float(-mx[3]) if seen else math.nan,
+                      "amax_min": (float(mx[2]) if whole else float(-mx[3])) if seen else math.nan,
                       "amax_max": float(mx[2]) if seen else math.nan,
                       "scale_min": math.nan if bad else float(-mx[1]),
                       "scale_max": math.nan if bad else float(mx[0])}

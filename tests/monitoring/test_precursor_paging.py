@@ -1,19 +1,23 @@
 """Issue 25, "Done when": the router and float8 cases each page with the right layer named.
 
 The realistic cases of tests/test_router.py (a tiny DeepSeek-V3 whose layer 1 balancing-bias
-update has the wrong sign collapses onto one expert) and tests/test_fp8.py (a float8 model whose
-input becomes all zeros at step 2: amax 0), each with its healthy twin (the right sign; the
-normal input), write distgrad's JSONL log; the SHIPPED rule file is evaluated over every record
-of the four logs (grafana/rule_replay.py ``evaluate_jsonl``: distgrad's exporter renders each
-record, promtool backfills, a real Prometheus evaluates each rule with ``for:`` applied), and
-the firing alert's annotations are rendered by Prometheus' template engine
+update has the wrong sign collapses onto one expert), tests/test_fp8.py (a float8 model whose
+input becomes all zeros at step 2: amax 0) and tests/dist/fp8_fsdp_cases.py (FSDP2 with torchao's
+float8 all-gather, 2 ranks, ``precompute_float8_dynamic_scale_for_fsdp`` called once at set-up:
+the growing weights of layer 1 saturate), each with its healthy twin (the right sign; the normal
+input; the precompute call after each optimizer step), write distgrad's JSONL log; the SHIPPED
+rule file is evaluated over every record of the six logs (grafana/rule_replay.py
+``evaluate_jsonl``: distgrad's exporter renders each record, promtool backfills, a real
+Prometheus evaluates each rule with ``for:`` applied), and the firing alert's annotations are
+rendered by Prometheus' template engine
 (``rule_replay.render_alerts``: a ``promtool test rules`` run over the same series), i.e. the
 text the page carries.
 
 Time axis: one sampled step every DT = 30 s (``sampling.interval`` 1 and a 30 s optimizer step
-of a large MoE model), so DistgradRouterCollapse's ``for: 5m`` is 10 consecutive sampled steps.
-The expected firing steps and layers are computed from the records themselves (the served
-samples, against the thresholds in grafana/config.py), not hard-coded.
+of a large MoE model), so DistgradRouterCollapse's ``for: 5m`` is 10 consecutive sampled steps
+and DistgradFp8Saturation's ``for: 1m`` 2. The expected firing steps and layers are computed
+from the records themselves (the served samples, against the thresholds in grafana/config.py),
+not hard-coded.
 """
 
 from __future__ import annotations
@@ -48,6 +52,16 @@ def replay(tmp_path_factory):
 
     _run(3, zero_at_2, jsonl=str(paths["fp8_zero"]))
     _run(3, _batch(), jsonl=str(paths["fp8_ok"]))
+    # FSDP2 float8 all-gather on 2 ranks, the stale precomputed scale and the documented placement
+    # (tests/dist/fp8_fsdp_cases.py; the launch is shared with tests/test_fp8.py): rank 0's log
+    from tests.fp8_models import fsdp_cases
+
+    res = fsdp_cases()
+    for name in ("fp8_stale", "fp8_fresh"):
+        r0 = res["cases"][name]["ranks"][0]
+        assert "error" not in r0, r0.get("traceback")
+        paths[name] = tmp / f"{name}.jsonl"
+        paths[name].write_text(r0["jsonl"])
     try:
         ev = rule_replay.evaluate_jsonl(paths, RULES_PATH, dt=DT)
     except FileNotFoundError as e:
@@ -104,3 +118,38 @@ def test_fp8_amax_zero_pages_naming_its_layer_and_the_normal_run_fires_nothing(r
     print("fp8 amax zero: page at step 2: " + "; ".join(a["summary"] for _, a in fired))
     assert rule_replay.render_alerts(recs, "fp8_zero", RULES_PATH, "DistgradFp8AmaxZero", 1, DT) == []
     assert replay["ev"]["fp8_ok"].pages() == []
+
+
+def test_fp8_stale_precomputed_scale_saturation_pages_naming_layer_1_and_the_documented_placement_fires_nothing(
+        replay):
+    """The float8 saturation case of issue #25 item 6: the FSDP2 float8 all-gather run whose
+    scale was precomputed once (tests/dist/fp8_fsdp_cases.py ``fp8_stale``) pages
+    DistgradFp8Saturation naming layer 1 (the layer whose weights grow; layer 0's learning rate
+    is 100x smaller and it does not saturate), once the served saturation ratio has held above
+    the threshold for the rule's ``for:``; the run with the call after each optimizer step
+    (``fp8_fresh``) fires nothing."""
+    from distgrad.signals.fp8 import Fp8Signal
+
+    recs = replay["recs"]["fp8_stale"]
+    rule = next(r for r in rule_replay.alerting_rules(RULES_PATH) if r["alert"] == "DistgradFp8Saturation")
+    threshold = gconfig.ALERTS["DistgradFp8Saturation"]["threshold"]
+    sat = [Fp8Signal.samples(r.fp8)["distgrad_fp8_layer_saturation_ratio"] for r in recs]
+    over = [{k for k, v in x.items() if v > threshold} for x in sat]
+    start = next(i for i in range(len(over)) if all(over[i:]))
+    need = math.ceil(rule_replay.parse_duration(rule["for"]) / DT)
+    assert start + need < len(recs), (start, need, sat)
+    fire = recs[start + need].step
+    assert over[start + need] == {"1"}, sat  # layer 0 never saturates
+    ev = replay["ev"]["fp8_stale"]
+    assert ev.pages("critical") == [("DistgradFp8Saturation", fire)], ev.pages()
+    fired = rule_replay.render_alerts(recs, "fp8_stale", RULES_PATH, "DistgradFp8Saturation", fire, DT)
+    assert [lab["layer"] for lab, _ in fired] == ["1"], fired
+    ((lab, ann),) = fired
+    assert lab["severity"] == "critical" and lab["run"] == "fp8_stale"
+    assert "FP8 saturation in layer 1 of" in ann["summary"], ann
+    assert f"(now {sat[start + need]['1']:.3g} at sampled step {fire})" in ann["description"], ann
+    assert "precompute_float8_dynamic_scale_for_fsdp" in ann["description"], ann
+    print(f"fp8 saturation: above {threshold} from step {recs[start].step}, page at step {fire}: "
+          + ann["summary"] + " " + ann["description"])
+    assert rule_replay.render_alerts(recs, "fp8_stale", RULES_PATH, "DistgradFp8Saturation", fire - 1, DT) == []
+    assert replay["ev"]["fp8_fresh"].pages() == []
