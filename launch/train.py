@@ -45,6 +45,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distgrad.signals.logits import observe_attention
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -61,6 +63,9 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # distgrad's hook point for the maximum attention logit (logits.attention, with
+        # logits.attention_modules selecting these modules); a no-op unless watched on a sampled step
+        observe_attention(self, q, k, is_causal=True)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
 

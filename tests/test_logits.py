@@ -178,6 +178,40 @@ def test_logits_off_by_default_and_clear_errors():
     assert not L._MODULES
 
 
+@pytest.mark.parametrize("modules,silent", [(r"^blocks\.\d+\.qk$", False), (r"^blocks\.\d+$", True)])
+def test_watched_modules_that_never_report_are_named_once(modules, silent, caplog):
+    """A user selecting attention modules that do not call observe_attention (here the q/k
+    projections, which are not attention code) gets no attention series: one warning names the
+    modules and the hook point, instead of silence. Modules that report get no warning, and the
+    output head is served either way (its z mean against the float64 logsumexp of the logits)."""
+    torch.manual_seed(0)
+    model = _SDPAModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"},
+                             logits={"attention": True, "attention_modules": modules,
+                                     "output": True, "output_module": "head"})
+    recs, zs = [], []
+    dg.add_hook(recs.append)
+    with caplog.at_level("WARNING", logger="distgrad"):
+        for _ in range(3):
+            ids = torch.randint(0, 23, (3, 7))
+            out = model(ids)
+            zs.append(torch.logsumexp(out.detach().double(), -1).mean().item())
+            F.cross_entropy(out.flatten(0, 1), ids.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+    dg.close()
+    warned = [r.getMessage() for r in caplog.records if "reported its logits" in r.getMessage()]
+    assert [r.logits.z_mean for r in recs] == pytest.approx(zs, rel=1e-6)
+    assert all(bool(r.logits.attention_max) == silent for r in recs)
+    if silent:
+        assert not warned
+    else:
+        assert len(warned) == 1, warned  # once, not per step
+        assert "observe_attention" in warned[0] and "sampled step 0" in warned[0]
+    assert dg.counters["internal_errors"] == 0
+
+
 @pytest.mark.parametrize("after,fires", [(3.0, True), (2.99, False)])
 def test_report_attention_logit_rise_rule_and_series(after, fires):
     """The offline report (distgrad/report/signals.py): the series of the maximum attention logit
@@ -202,3 +236,44 @@ def test_report_attention_logit_rise_rule_and_series(after, fires):
     s = next(s for s in res.series if s.signal == "logits" and s.metric == "attention_max")
     assert s.glob.last[-1, 0] == max(20.0, 10.0 * after) and s.layers == ["0", "1"]  # the max over layers
 
+
+
+def test_example_job_model_reports_attention_through_the_hook_point():
+    """The example job's model (launch/train.py's GPT) with the settings README's "The example
+    job" gives for the logit precursors: every block's per-head maximum attention logit equals
+    q.k/sqrt(d) recomputed in float64 from its qkv projection's output, causally masked, and
+    the output head's max |logit| that of the returned logits' recomputation."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "launch" / "train.py"
+    spec = importlib.util.spec_from_file_location("example_train", path)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    torch.manual_seed(0)
+    model = train.GPT(n_layer=2, d=32, n_head=4, block=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"},
+                             logits={"attention": True, "attention_modules": r"^blocks\.\d+\.attn$",
+                                     "output": True, "output_module": "head"})
+    recs, cap, handles = [], {}, []
+    dg.add_hook(recs.append)
+    for i, b in enumerate(model.blocks):
+        handles.append(b.attn.qkv.register_forward_hook(lambda m, x, y, i=i: cap.__setitem__(i, y.detach().double())))
+    handles.append(model.head.register_forward_hook(lambda m, x, y: cap.__setitem__("head", y.detach().double())))
+    idx = torch.randint(0, 256, (3, 16))
+    model(idx, torch.randint(0, 256, (3, 16))).backward()
+    opt.step()
+    for h in handles:
+        h.remove()
+    dg.close()
+    (rec,) = recs
+    allowed = torch.ones(16, 16, dtype=torch.bool).tril()
+    for i in range(2):
+        q, k, _ = cap[i].split(32, dim=2)
+        q, k = (t.view(3, 16, 4, 8).transpose(1, 2) for t in (q, k))
+        s = (q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(~allowed, -math.inf)
+        ref = s.transpose(0, 1).reshape(4, -1).amax(1)
+        assert rec.logits.attention_head_max[str(i)] == pytest.approx(ref.tolist(), rel=1e-5, abs=1e-6)
+    assert rec.logits.output_abs_max == pytest.approx(cap["head"].abs().max().item(), rel=1e-6)
+    assert dg.counters["internal_errors"] == 0

@@ -49,6 +49,7 @@ observed on every rank, or an output head not observed on every rank, is left ou
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import threading
@@ -77,6 +78,8 @@ _LOCK = threading.Lock()
 #: module -> (signal, layer index): the modules selected by a live signal
 _MODULES: dict[Any, tuple[LogitSignal, int]] = {}
 _HF_PATCH: dict[str, Any] = {"count": 0, "orig": None}
+
+log = logging.getLogger("distgrad")
 
 
 def attention_head_max(q: torch.Tensor, k: torch.Tensor, scale: float | None = None,
@@ -359,6 +362,7 @@ class LogitSignal(PackedSignal):
         self.attention, self.output, self.interval = attention, output, int(interval)
         self.attention_modules, self.output_module = attention_modules, output_module
         self.naming_rules = naming_rules
+        self._warned_unobserved = False
         self.layers: list[str] = []
         self.heads: list[int] = []  # per layer, 0: unknown
         self._offsets: list[int] = []
@@ -528,6 +532,16 @@ class LogitSignal(PackedSignal):
                grad_scale: float) -> None:
         w = inst.world_size
         part = LogitSignal.Part()
+        if self.attention and self.layers and sum_part[0] == 0 and not self._warned_unobserved:
+            # every rank decides alike from the reduced count; a log line, no collective
+            self._warned_unobserved = True
+            if getattr(inst, "rank", 0) == 0:
+                log.warning("distgrad: logits.attention: none of the watched attention modules (%s) reported its "
+                            "logits on sampled step %d on any rank, so no attention logit is exported. A module "
+                            "that is not a Hugging Face attention module must call "
+                            "distgrad.signals.logits.observe_attention(self, q, k, ...) next to its attention "
+                            "kernel (docs/signals.md, \"Logit precursors\").", ", ".join(self.layers[:4])
+                            + (", ..." if len(self.layers) > 4 else ""), rec.step)
         if self.output and sum_part[1] >= w and sum_part[4] > 0:
             n = float(sum_part[4])
             part.z_mean = float(sum_part[2] / n)
