@@ -261,7 +261,7 @@ def test_distgrad_reexecutions_are_not_observed():
 
 
 @pytest.mark.parametrize("key", ["fp8_stale", "fp8_fresh"])
-def test_fsdp2_float8_all_gather_stale_precomputed_scale_saturates_exactly(key):
+def test_fsdp2_float8_all_gather_stale_precomputed_scale_saturates_exactly(key, tmp_path):
     """FSDP2 with torchao's float8 all-gather on 2 gloo ranks (tests/dist/fp8_fsdp_cases.py, one
     launch shared with tests/monitoring/test_precursor_paging.py). ``fp8_stale``:
     ``precompute_float8_dynamic_scale_for_fsdp`` called once at set-up, so every weight cast uses
@@ -272,7 +272,8 @@ def test_fsdp2_float8_all_gather_stale_precomputed_scale_saturates_exactly(key):
     micro-batches; amax = the whole weight's, on both extremes; the input and grad_output as
     in the other multi-rank cases. The stale run saturates in block 1 (learning rate 0.05) from
     step 1 on, beyond DistgradFp8Saturation's threshold, and never in block 0 (5e-4); the fresh
-    run never saturates. 2 collectives per sampled step, 1 host copy after the first."""
+    run never saturates. 2 collectives per sampled step, 1 host copy after the first. The offline
+    report's saturation series (per layer and global) equals the references' fractions."""
     from grafana import config
     from tests.dist.fp8_fsdp_cases import GAS, STEPS
     from tests.dist.fp8_fsdp_cases import LAYERS as FL
@@ -288,8 +289,10 @@ def test_fsdp2_float8_all_gather_stale_precomputed_scale_saturates_exactly(key):
         assert [c["syncs"] for c in r["counts"][1:]] == [1] * (STEPS - 1)
     thr = config.ALERTS["DistgradFp8Saturation"]["threshold"]
     first = {n: torch.tensor(sum((r["shards"][0][n] for r in ranks), []), dtype=torch.float64) for n in FL}
+    report = []  # per step, per layer: the reference's [saturated, elements] over its modules and tensors
     for s, rec in enumerate(ranks[0]["records"]):
         assert rec is not None and set(rec["stats"]) == set(FL)
+        report.append({"0": [0, 0], "1": [0, 0]})
         for name in FL:
             whole = torch.tensor(sum((r["shards"][s][name] for r in ranks), []), dtype=torch.float64)
             assert whole.shape == first[name].shape  # both ranks' shards: the whole weight
@@ -301,6 +304,8 @@ def test_fsdp2_float8_all_gather_stale_precomputed_scale_saturates_exactly(key):
                 assert st[c] == GAS * ref[c], (s, name, c)
             assert st["amax_min"] == st["amax_max"] == pytest.approx(ref["amax_max"], rel=1e-6)
             assert st["scale_min"] == st["scale_max"] == pytest.approx(ref["scale_max"], rel=1e-6)
+            lay = report[-1][name.split(".")[1]]
+            lay[0], lay[1] = lay[0] + GAS * ref["saturated"], lay[1] + GAS * ref["elements"]
             ratio = st["saturated"] / st["elements"]
             if key == "fp8_stale" and s >= 1 and name.startswith("blocks.1."):
                 assert ratio > thr, (s, name, ratio)
@@ -315,7 +320,25 @@ def test_fsdp2_float8_all_gather_stale_precomputed_scale_saturates_exactly(key):
                 assert st["amax_min"] == pytest.approx(min(m["amax_min"] for m in refs), rel=1e-6)
                 assert st["amax_max"] == pytest.approx(max(m["amax_max"] for m in refs), rel=1e-6)
                 assert st["scale_min"] == pytest.approx(min(m["scale_min"] for m in refs), rel=1e-6)
+                lay[0] += sum(m["saturated"] for m in refs)
+                lay[1] += sum(m["elements"] for m in refs)
         if key == "fp8_stale" and s >= 1:
             # the served per-layer metric names layer 1 only
             srv = Fp8Signal.samples(Fp8Signal.Part.from_dict(rec))["distgrad_fp8_layer_saturation_ratio"]
             assert {k for k, v in srv.items() if v > thr} == {"1"}, srv
+    # the offline report's FP8 saturation series, from rank 0's JSONL log: per layer the clipped
+    # fraction over its modules and tensors, equal to the references'
+    from distgrad.export.jsonl import read_jsonl
+    from distgrad.report.signals import SignalsAccumulator
+
+    log = tmp_path / f"{key}.jsonl"
+    log.write_text(ranks[0]["jsonl"])
+    acc = SignalsAccumulator(max_points=16)
+    for r in read_jsonl(log):
+        acc.add(r)
+    sat = next(x for x in acc.result().series if x.signal == "fp8" and x.metric == "saturation_ratio")
+    for lay in ("0", "1"):
+        col = sat.per_layer.last[:, sat.layers.index(lay)]
+        np.testing.assert_allclose(col, [r[lay][0] / r[lay][1] for r in report], rtol=1e-12)
+    np.testing.assert_allclose(sat.glob.last[:, 0], [sum(v[0] for v in r.values()) / sum(v[1] for v in r.values())
+                                                     for r in report], rtol=1e-12)
