@@ -10,21 +10,28 @@ import numpy as np
 import pytest
 import torch
 
+from distgrad.config import ConfigError, DistgradConfig
 from distgrad.config.sections import StatisticsConfig
+from distgrad.export import metrics
 from distgrad.naming.grouping import (
     DEFAULT_SERIES_BUDGET,
     DEFAULT_TOP_K,
+    GLOBAL_RESERVE,
     GLOBAL_SERIES,
     KIND_SERIES,
     LAYER_SERIES,
     PARAM_SERIES,
     UPDATE_RATIO_SERIES,
     aggregate,
+    check_budget,
     group_keys,
+    opt_in_series,
     select_series,
     series_capacity,
     series_count,
+    series_terms,
 )
+from distgrad.diagnostics import Diagnostics
 from distgrad.record import STAT_FIELDS, ParamStats
 from tests.synthetic import llama70b_layout
 
@@ -248,15 +255,102 @@ def test_llama70b_series_within_default_budget(llama70b):
     n_layers = len(set(group_keys(names, "layer")))
     n_kinds = len(set(group_keys(names, "module_kind")))
     assert (n_layers, n_kinds) == (83, 10)
-    sel = select_series(stats)  # defaults: budget 2000, top_k 100
+    cfg = DistgradConfig()  # the default configuration: the families it enables are counted
+    sel = select_series(stats, config=cfg)  # defaults: budget 2500, top_k 100
     assert len(sel) == DEFAULT_TOP_K
-    count = series_count(len(names), n_layers, n_kinds, sel)
-    assert count == PARAM_SERIES * 100 + LAYER_SERIES * 83 + KIND_SERIES * 10 + GLOBAL_SERIES
+    count = series_count(len(names), n_layers, n_kinds, sel, config=cfg)
+    t = series_terms(cfg)
+    assert count == t["PARAM_SERIES"] * 100 + t["LAYER_SERIES"] * 83 + t["KIND_SERIES"] * 10 + t["GLOBAL_SERIES"]
     assert count <= DEFAULT_SERIES_BUDGET
-    assert series_count(len(names), n_layers, n_kinds, sel, update_ratio=True) <= DEFAULT_SERIES_BUDGET
+    assert series_count(len(names), n_layers, n_kinds, sel, update_ratio=True, config=cfg) <= DEFAULT_SERIES_BUDGET
+    # without a configuration every declared family is counted (the module constants)
+    assert series_count(len(names), n_layers, n_kinds, sel) == (
+        PARAM_SERIES * 100 + LAYER_SERIES * 83 + KIND_SERIES * 10 + GLOBAL_SERIES) >= count
     # the selection is the top-k by norm
     norms = stats.norm
     assert min(norms[sel]) >= max(np.delete(norms, sel))
+
+
+#: every family the configuration switches on or off, switched on (the update ratio included)
+ALL_ON = {"router.enabled": True, "fp8.enabled": True, "curvature.enabled": True, "histogram.enabled": True,
+          "noise_scale.enabled": True, "underflow.enabled": True, "rerun.enabled": True, "logits.attention": True,
+          "logits.output": True, "update_geometry.enabled": True, "update_geometry.spectral": True,
+          "replica_weights.hash_interval": 10, "adaptive_clip.mode": "zclip", "action.on_nonfinite": "skip",
+          "statistics.update_ratio": True}
+
+
+def _by_hand(cfg, n_layers, n_kinds, k, update_ratio):
+    """The series count written out from the catalogue entries and the configuration's own keys
+    (each family's switch read here from its section, not through metrics.SWITCHES)."""
+    on = {"router": cfg.router.enabled, "fp8": cfg.fp8.enabled, "curvature": cfg.curvature.enabled,
+          "histogram": cfg.histogram.enabled, "noise_scale": cfg.noise_scale.enabled,
+          "underflow": cfg.underflow.enabled, "rerun": cfg.rerun.enabled,
+          "logits": cfg.logits.attention or cfg.logits.output,
+          "update_geometry": cfg.update_geometry.enabled, "update_geometry_muon": cfg.update_geometry.enabled,
+          "update_geometry_adafactor": cfg.update_geometry.enabled,
+          "update_geometry_spectral": cfg.update_geometry.enabled and cfg.update_geometry.spectral,
+          "replica_weights": cfg.replica_weights.hash_interval > 0, "adaptive_clip": cfg.adaptive_clip.mode != "off",
+          "action": cfg.action.on_nonfinite != "none" or cfg.action.on_spike != "none",
+          "incident": cfg.incidents.enabled, "replicated": cfg.statistics.replica_check,
+          "adam": cfg.optimizer_signals.enabled != "off", "duplicate_data": cfg.duplicate_data.steps > 0}
+    assert set(on) == set(metrics.SWITCHES) - {"update_ratio"}  # a new switch: add it here
+    n = GLOBAL_RESERVE
+    for m in metrics.CATALOGUE:
+        if m.when == "update_ratio":
+            n += m.series() * k if update_ratio else 0
+        elif on.get(m.when, True):
+            n += m.series() * {"param": k, "layer": n_layers, "module_kind": n_kinds}.get(m.scope or "", 1)
+    return n
+
+
+def test_llama70b_budget_counts_the_enabled_families_and_reports_the_opt_in_ones(llama70b):
+    names, _, stats = llama70b
+    default, all_on = DistgradConfig(), DistgradConfig.from_dict(ALL_ON)
+    assert metrics.switched_off(all_on) == set()
+    assert opt_in_series(default, 83, 10) == {}  # nothing opt-in is on by default
+    for cfg, ratio in ((default, False), (default, True), (all_on, True)):
+        for k in (0, 100):
+            assert series_count(len(names), 83, 10, k, update_ratio=ratio, config=cfg) == _by_hand(cfg, 83, 10, k, ratio)
+    # all on = everything declared; the difference to the defaults is what opt_in_series reports
+    assert series_terms(all_on) == series_terms()
+    extra = opt_in_series(all_on, 83, 10)
+    assert set(extra) == metrics.switched_off(default) - {"update_ratio"} - {
+        k for k in metrics.SWITCHES if not any(m.when == k for m in metrics.CATALOGUE)}
+    assert (series_count(len(names), 83, 10, 100, config=all_on)
+            == series_count(len(names), 83, 10, 100, config=default) + sum(extra.values()))
+    router = DistgradConfig(router={"enabled": True})
+    assert set(opt_in_series(router, 83, 10)) == {"router"}
+    assert opt_in_series(router, 83, 10)["router"] == extra["router"] > 0
+    # with everything on, the selection still keeps the scrape within the budget (fewer parameters)
+    sel = select_series(stats, update_ratio=True, config=all_on)
+    assert series_count(len(names), 83, 10, sel, update_ratio=True, config=all_on) <= DEFAULT_SERIES_BUDGET
+    cap = series_capacity(DEFAULT_SERIES_BUDGET, 83, 10, update_ratio=True, config=all_on)
+    assert cap == (DEFAULT_SERIES_BUDGET - _by_hand(all_on, 83, 10, 0, True)) // (PARAM_SERIES + 1)
+    assert len(sel) == min(DEFAULT_TOP_K, cap)
+
+
+def test_llama70b_opt_in_families_over_the_budget_give_a_clear_error(llama70b):
+    names, _, _ = llama70b
+    fixed_default = _by_hand(DistgradConfig(), 83, 10, 0, False)
+    fixed_all = _by_hand(DistgradConfig.from_dict(ALL_ON), 83, 10, 0, True)
+    assert fixed_default < fixed_all
+    budget = max(50, fixed_default + 50)  # the defaults fit (50 / 10 = 5 parameters), everything on does not
+    assert budget < fixed_all
+    small = DistgradConfig(statistics={"max_param_series": budget})
+    assert check_budget(small, names) == (budget - fixed_default) // PARAM_SERIES == 5
+    Diagnostics(small, names)  # instrument()'s diagnostics accept it
+    over = DistgradConfig.from_dict({**ALL_ON, "statistics.max_param_series": budget})
+    with pytest.raises(ValueError) as e:
+        check_budget(over, names)
+    msg = str(e.value)
+    assert f"'statistics.max_param_series' {budget} is below the {fixed_all} Prometheus series" in msg, msg
+    assert "83 layer groups" in msg and f"at least {fixed_all}" in msg and "naming rules" in msg, msg
+    extra = opt_in_series(over, 83, 10)
+    assert f"router: {extra['router']}" in msg and f"update_geometry: {extra['update_geometry']}" in msg, msg
+    with pytest.raises(ConfigError, match="statistics.max_param_series"):
+        Diagnostics(over, names)  # at instrument() time, before any step
+    # one more series of budget than the fixed part: no error, no per-parameter series
+    assert check_budget(DistgradConfig.from_dict({**ALL_ON, "statistics.max_param_series": fixed_all}), names) == 0
 
 
 def test_llama70b_nonfinite_params_kept_and_budget_holds(llama70b):

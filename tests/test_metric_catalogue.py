@@ -225,6 +225,24 @@ def test_series_budget_constants_count_what_a_scrape_holds():
     assert 0 < sum(len(v) for k, v in served.items() if metrics.by_name(k).scope is None) <= fixed
 
 
+def test_series_budget_of_a_configuration_holds_its_scrape():
+    """With a configuration, the budget counts the families it switches on (metrics.SWITCHES):
+    a sink fed with exactly those features serves no family the configuration switches off,
+    and no more series than series_count(..., config=) says; with everything on, the count is
+    that of every declared family."""
+    for cfg in (DistgradConfig(), DistgradConfig(router={"enabled": True}, statistics={"update_ratio": True}),
+                DistgradConfig(incidents={"enabled": False}, optimizer_signals={"enabled": "off"})):
+        on = ALL - metrics.switched_off(cfg)
+        served = _families(_sink(on))
+        off = {n for n in served if metrics.by_name(n).when not in on}
+        assert not off, off
+        counted = grouping.series_count(len(NAMES), 2, 2, len(NAMES), update_ratio=cfg.statistics.update_ratio,
+                                        config=cfg)
+        assert 0 < sum(len(v) for v in served.values()) <= counted
+        assert counted < grouping.series_count(len(NAMES), 2, 2, len(NAMES), update_ratio=True)
+    assert metrics.switched_off(DistgradConfig()) >= {"router", "fp8", "logits", "underflow", "rerun", "update_ratio"}
+
+
 def test_describe_names_every_servable_family_and_name_filter_answers():
     sink = _sink(ALL)
     described = {m.name for m in sink.collector.describe()}

@@ -199,7 +199,8 @@ class AdaptiveClip(Diagnostic):
         clipped_steps: int = 0
         reason: str | None = None
 
-    _when = condition("adaptive_clip", "`adaptive_clip.mode` is zclip or adagc (opt-in; every step sampled)")
+    _when = condition("adaptive_clip", "`adaptive_clip.mode` is zclip or adagc (opt-in; every step sampled)",
+                      enabled=lambda c: c.adaptive_clip.mode != "off")
     METRICS = (
         Metric("distgrad_adaptive_clip_steps_total", "counter", (), "steps", "Optimizer steps on which "
                "distgrad's adaptive clipping scaled gradients down.", _when,

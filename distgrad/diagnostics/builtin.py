@@ -18,7 +18,7 @@ from distgrad.diagnostics.robust_spike import RobustJumpDetector
 from distgrad.diagnostics.spike_monitor import SpikeMonitor
 from distgrad.export.base import SinkError
 from distgrad.naming.classify import classify, forward_order_key
-from distgrad.naming.grouping import aggregate, group_keys, select_series, series_count
+from distgrad.naming.grouping import aggregate, check_budget, group_keys, opt_in_series, select_series, series_count
 from distgrad.record import Aggregates, Clip, Health, NonfiniteEvent, Provenance, Spikes, StepRecord
 
 log = logging.getLogger("distgrad")
@@ -156,8 +156,20 @@ class AggregatesDiagnostic(Diagnostic):
         self.kind_keys = [g.module_kind if g.lora is None else f"{g.module_kind}/lora_{g.lora}" for g in groups]
         self.n_layers, self.n_kinds = len(set(self.layer_keys)), len(set(self.kind_keys))
         st = c.statistics
+        try:  # the series of the families this configuration enables must fit the budget
+            check_budget(c, names, ctx.rules)
+        except ValueError as e:
+            from distgrad.config.errors import ConfigError
+
+            raise ConfigError(str(e)) from None
+        extra = opt_in_series(c, self.n_layers, self.n_kinds)
+        if extra and ctx.global_rank == 0:
+            log.info("distgrad: opt-in metric families switched on serve %s Prometheus series (%s) of the budget "
+                     "statistics.max_param_series = %d", sum(extra.values()),
+                     ", ".join(f"{k}: {v}" for k, v in extra.items()), st.max_param_series)
         self.all_params_fit = st.per_param and series_count(
-            len(names), self.n_layers, self.n_kinds, len(names), update_ratio=st.update_ratio) <= st.max_param_series
+            len(names), self.n_layers, self.n_kinds, len(names), update_ratio=st.update_ratio,
+            config=c) <= st.max_param_series
 
     def on_record(self, rec: StepRecord) -> None:
         p, c = rec.params, self.ctx.config
@@ -175,7 +187,7 @@ class AggregatesDiagnostic(Diagnostic):
         else:
             top_k = max(1, min(len(p.names), c.statistics.max_param_series))
             exported = select_series(p, budget=c.statistics.max_param_series, top_k=top_k,
-                                     update_ratio=c.statistics.update_ratio)
+                                     update_ratio=c.statistics.update_ratio, rules=self.ctx.rules, config=c)
         rec.aggregates = Aggregates(
             layer_norm=dict(zip(layers.names, layers.norm.tolist())),
             layer_nonfinite=dict(zip(layers.names, layers.nonfinite.tolist())),

@@ -215,7 +215,8 @@ class RerunAttribution(Diagnostic):
         seconds: float = 0.0
         totals: dict[str, int] = field(default_factory=dict)
 
-    _when = condition("rerun", "`rerun.enabled: true`, after the first sampled step")
+    _when = condition("rerun", "`rerun.enabled: true`, after the first sampled step",
+                      enabled=lambda c: c.rerun.enabled)
     METRICS = (
         Metric("distgrad_rerun_verdicts_total", "counter", (_VERDICT,), "1", "Rerun attributions of non-finite or "
                "replica-mismatched steps, by verdict.", _when,

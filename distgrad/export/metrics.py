@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 __all__ = ["Label", "Metric", "LABELS", "CONDITIONS", "CATALOGUE", "SCOPES", "PLUGIN_SAMPLES", "condition", "label",
-           "gauge", "counter", "register", "by_name", "names", "family", "series_per", "markdown"]
+           "gauge", "counter", "register", "by_name", "names", "family", "series_per", "markdown",
+           "SWITCHES", "switched_off"]
 
 
 @dataclass(frozen=True)
@@ -474,10 +475,25 @@ PLUGIN_SAMPLES: list[tuple[str | None, Callable[[Any], dict[str, Any]], tuple[st
 PLUGIN_HOLD: dict[str, str] = {}
 
 
-def condition(key: str, text: str) -> str:
+#: conditions that the configuration switches on or off: ``{condition: enabled(config) -> bool}``
+#: (``config`` a :class:`distgrad.config.DistgradConfig`); the series budget counts a family
+#: whose switch is off as no series (:func:`series_per`, ``config=``). Conditions without a
+#: switch (the loss components, the loss scaler, ...) depend on the run and are always counted.
+SWITCHES: dict[str, Callable[[Any], bool]] = {
+    "incident": lambda c: bool(c.incidents.enabled),
+    "action": lambda c: c.action.on_nonfinite != "none" or c.action.on_spike != "none",
+    "replicated": lambda c: bool(c.statistics.replica_check),
+    "update_ratio": lambda c: bool(c.statistics.per_param and c.statistics.update_ratio),
+}
+
+
+def condition(key: str, text: str, enabled: Callable[[Any], bool] | None = None) -> str:
     """Declare a plug-in's condition (a :attr:`Metric.when` key and its sentence for
     ``docs/metrics.md``) and return ``key``, for its metrics' ``when`` (declare it before them:
-    a :class:`Metric` checks its ``when``).
+    a :class:`Metric` checks its ``when``). ``enabled``: the configuration switch of the family,
+    ``enabled(config) -> bool`` on a :class:`distgrad.config.DistgradConfig` (e.g.
+    ``lambda c: c.router.enabled``), added to :data:`SWITCHES`: the series budget counts its
+    metrics only when it is True. Without it the family is counted whatever the configuration.
 
     Raises:
         ValueError: ``key`` already declared with another text.
@@ -485,7 +501,15 @@ def condition(key: str, text: str) -> str:
     if CONDITIONS.get(key, text) != text:
         raise ValueError(f"metric condition {key!r} declared twice")
     CONDITIONS[key] = text
+    if enabled is not None:
+        SWITCHES[key] = enabled
     return key
+
+
+def switched_off(config: Any) -> set[str]:
+    """The conditions of :data:`SWITCHES` that ``config`` (a ``DistgradConfig``) leaves off: their
+    metrics are never served in that run."""
+    return {k for k, on in SWITCHES.items() if not on(config)}
 
 
 def label(name: str, text: str, values: tuple[str, ...] | None = None) -> str:
@@ -571,11 +595,16 @@ def family(name: str, value: float | None = None,
     return cls(m.family, m.help, labels=list(labels if labels is not None else m.labels))
 
 
-def series_per(scope: str | None, *, when: Iterable[str] | None = None, exclude: Iterable[str] = ()) -> int:
+def series_per(scope: str | None, *, when: Iterable[str] | None = None, exclude: Iterable[str] = (),
+               config: Any = None) -> int:
     """Series of the declared metrics of ``scope`` (``"param"``, ``"layer"``, ``"module_kind"``,
     or None for the fixed/capped ones), summed, restricted to conditions ``when`` (default all)
-    minus ``exclude``: e.g. ``series_per("param", exclude=["update_ratio"])`` = 10."""
+    minus ``exclude``: e.g. ``series_per("param", exclude=["update_ratio"])`` = 10. With
+    ``config`` (a ``DistgradConfig``), the families it switches off (:func:`switched_off`) are
+    excluded too."""
     keep, drop = (None if when is None else set(when)), set(exclude)
+    if config is not None:
+        drop |= switched_off(config)
     return sum(m.series() for m in CATALOGUE
                if m.scope == scope and m.when not in drop and (keep is None or m.when in keep))
 

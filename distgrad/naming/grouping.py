@@ -48,7 +48,7 @@ metric; ``Metric.series()`` is the series of one metric per value of its scope l
   ``distgrad_layer_grad_{norm, nonfinite, zero_ratio, headroom_ratio, underflow_ratio}``,
   ``distgrad_layer_{update_rms, adam_spike_fraction}`` and the per-layer metrics the packed
   signals declare (:mod:`distgrad.signals`; the curvature's ``distgrad_layer_curvature``);
-  those of opt-in features are counted always;
+  given a configuration (``config=``), only the families it switches on are counted (below);
 * ``K``: module-kind groups (kind-granularity keys); ``KIND_SERIES = 1``
   (``distgrad_module_kind_grad_norm``);
 * ``GLOBAL_SERIES`` (about 180; the exact value is counted from the catalogue, the packed
@@ -64,21 +64,33 @@ metric; ``Metric.series()`` is the series of one metric per value of its scope l
   (prometheus_client's ``*_created`` samples and process collectors are not served by distgrad's
   exporter.)
 
+Families switched by the configuration (each condition of
+:data:`distgrad.export.metrics.SWITCHES`: ``router.enabled``, ``fp8.enabled``, ``logits.*``, ...,
+and the default-on ones such as ``incidents.enabled`` or ``optimizer_signals.enabled``) are
+counted only when the configuration passed as ``config`` switches them on (:func:`series_terms`);
+without ``config`` every declared family is counted (the module constants: the most any
+configuration serves). The opt-in families a configuration switches on (off by default) are
+reported apart (:func:`opt_in_series`, logged at ``instrument()``), and
+:func:`check_budget` fails ``instrument()`` with a ConfigError naming them, the count and what
+to change when the layer, kind and global series alone exceed the budget.
+
 The default budget is :data:`DEFAULT_SERIES_BUDGET` ``= 2500`` and the default ``top_k`` is
 :data:`DEFAULT_TOP_K` ``= 100``. Example, LLaMA-70B (723 tensors, 80 blocks): L = 83 (80 blocks +
-embed, norm, head), K = 10, fixed part LAYER_SERIES*83 + 10 + GLOBAL_SERIES (966 with
-LAYER_SERIES = 9 and GLOBAL_SERIES = 209 on 2026-12-02; both grow as metrics are declared), so at
-most floor((2500 - 966) / 10) = 153 parameters can have per-parameter series; with the default
-top-k, 10*100 + 966 = 1966 series (2066 with the update ratio), and a step with many non-finite
-parameters is capped below the budget. The budget was 2000 until the opt-in families of 2026-12
-(per-layer attention logits, incidents, replica checks) pushed the update-ratio case to 2066:
-opt-in families are counted whether on or not, so the bound holds whatever is enabled
-(:func:`select_series`).
+embed, norm, head), K = 10. With the default configuration (2026-12-02: LAYER_SERIES = 6 and
+GLOBAL_SERIES = 192 for its families) the fixed part is 6*83 + 10 + 192 = 700, so at most
+floor((2500 - 700) / 10) = 180 parameters can have per-parameter series; with the default top-k,
+10*100 + 700 = 1700 series (1800 with the update ratio). With every family on (LAYER_SERIES = 13,
+GLOBAL_SERIES = 273 on that date; both grow as metrics are declared) the fixed part is 1362 and
+the update-ratio case keeps floor((2500 - 1362) / 11) = 103 parameters; a step with many
+non-finite parameters is capped below the budget (:func:`select_series`). The budget was 2000
+until the opt-in families of 2026-12 (per-layer attention logits, incidents, replica checks),
+then counted whether on or not, pushed the update-ratio case to 2066.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -100,6 +112,9 @@ __all__ = [
     "group_keys",
     "series_count",
     "series_capacity",
+    "series_terms",
+    "opt_in_series",
+    "check_budget",
     "select_series",
 ]
 
@@ -113,20 +128,89 @@ DEFAULT_TOP_K = 100
 GLOBAL_RESERVE = 5
 
 
-def _series_constants() -> dict[str, int]:
+def _series_constants(config: Any = None) -> dict[str, int]:
     """The series per scope, counted from the catalogue when first asked for (module
     ``__getattr__``), so that the metrics of plug-ins (:mod:`distgrad.signals`), registered after
     this module is imported, are counted: ``PARAM_SERIES`` (per selected parameter),
     ``UPDATE_RATIO_SERIES`` (extra per parameter with the update-ratio option), ``LAYER_SERIES``
     (per layer group), ``KIND_SERIES`` (per module-kind group) and ``GLOBAL_SERIES`` (not
-    proportional to parameters, layers or kinds, including :data:`GLOBAL_RESERVE`)."""
+    proportional to parameters, layers or kinds, including :data:`GLOBAL_RESERVE`).
+
+    ``config``: a ``DistgradConfig``; the families it switches off
+    (:data:`distgrad.export.metrics.SWITCHES`) are not counted. None: every declared family (the
+    module constants: the most any configuration can serve). ``UPDATE_RATIO_SERIES`` is always
+    the option's own count (the ``update_ratio`` argument of :func:`series_count` decides)."""
     return {
-        "PARAM_SERIES": _metrics.series_per("param", exclude=["update_ratio"]),
+        "PARAM_SERIES": _metrics.series_per("param", exclude=["update_ratio"], config=config),
         "UPDATE_RATIO_SERIES": _metrics.series_per("param", when=["update_ratio"]),
-        "LAYER_SERIES": _metrics.series_per("layer"),
-        "KIND_SERIES": _metrics.series_per("module_kind"),
-        "GLOBAL_SERIES": _metrics.series_per(None) + GLOBAL_RESERVE,
+        "LAYER_SERIES": _metrics.series_per("layer", config=config),
+        "KIND_SERIES": _metrics.series_per("module_kind", config=config),
+        "GLOBAL_SERIES": _metrics.series_per(None, config=config) + GLOBAL_RESERVE,
     }
+
+
+def series_terms(config: Any = None) -> dict[str, int]:
+    """``{"PARAM_SERIES", "UPDATE_RATIO_SERIES", "LAYER_SERIES", "KIND_SERIES", "GLOBAL_SERIES":
+    series}`` for the families ``config`` (a ``DistgradConfig``; None: all declared) enables:
+    the terms of :func:`series_count` (module docstring)."""
+    return _series_constants(config)
+
+
+def opt_in_series(config: Any, n_layers: int, n_kinds: int) -> dict[str, int]:
+    """The series of the opt-in families ``config`` switches on, reported apart:
+    ``{condition: series on this layout}`` for each condition of
+    :data:`distgrad.export.metrics.SWITCHES` that ``config`` enables and the default
+    configuration (``type(config)()``) leaves off (e.g. ``{"router": 83 + 4}``: its per-layer
+    series on ``n_layers`` layer groups plus its fixed ones). Empty with the defaults.
+
+    Args:
+        config: a ``DistgradConfig``.
+        n_layers: layer groups; n_kinds: module-kind groups (as for :func:`series_count`).
+    """
+    off_now, off_default = _metrics.switched_off(config), _metrics.switched_off(type(config)())
+    out: dict[str, int] = {}
+    for key in _metrics.SWITCHES:
+        if key in off_now or key not in off_default:
+            continue
+        n = 0
+        for m in _metrics.CATALOGUE:
+            if m.when != key or m.scope == "param":  # the update ratio: the update_ratio argument
+                continue
+            n += m.series() * {"layer": n_layers, "module_kind": n_kinds}.get(m.scope or "", 1)
+        if n:
+            out[key] = n
+    return out
+
+
+def check_budget(config: Any, names: Sequence[str], rules: Sequence[tuple[str, str, str]] | None = None) -> int:
+    """Check at set-up that the series ``config`` enables fit its budget
+    (``statistics.max_param_series``) on the parameters ``names`` without any per-parameter series.
+
+    Returns:
+        how many parameters can have per-parameter series (:func:`series_capacity`, >= 0).
+
+    Raises:
+        ValueError: the layer, kind and global series of the enabled families exceed the budget;
+            the message gives the count, the opt-in families' share (:func:`opt_in_series`) and
+            what to change (raise the budget to the count, switch a family off, or group the
+            parameters into fewer layers with ``naming`` rules).
+    """
+    st = config.statistics
+    n_layers = len(set(group_keys(names, "layer", rules)))
+    n_kinds = len(set(group_keys(names, "module_kind", rules)))
+    update_ratio = bool(st.per_param and st.update_ratio)
+    cap = series_capacity(st.max_param_series, n_layers, n_kinds, update_ratio=update_ratio, config=config)
+    if cap >= 0:
+        return cap
+    fixed = series_count(len(names), n_layers, n_kinds, 0, update_ratio=update_ratio, config=config)
+    extra = opt_in_series(config, n_layers, n_kinds)
+    fams = ", ".join(f"{k}: {v}" for k, v in sorted(extra.items(), key=lambda kv: -kv[1])) or "none"
+    raise ValueError(
+        f"distgrad config: 'statistics.max_param_series' {st.max_param_series} is below the {fixed} Prometheus "
+        f"series this configuration serves without any per-parameter series ({n_layers} layer groups x "
+        f"{_series_constants(config)['LAYER_SERIES']} per-layer series, {n_kinds} module kinds, the global ones; "
+        f"opt-in families switched on: {fams}). Raise statistics.max_param_series to at least {fixed}, switch "
+        "an opt-in family off, or group the parameters into fewer layers (naming rules)")
 
 
 def __getattr__(name: str) -> int:
@@ -247,6 +331,7 @@ def series_count(
     *,
     update_ratio: bool = False,
     global_series: int | None = None,
+    config: Any = None,
 ) -> int:
     """Number of Prometheus series distgrad exports (formula in the module docstring).
 
@@ -259,6 +344,8 @@ def series_count(
         selected: k, or the selected parameter indices (from :func:`select_series`).
         update_ratio: the ``distgrad_param_update_ratio`` option is on (+1 series per param).
         global_series: series independent of P, layers and kinds.
+        config: a ``DistgradConfig``: count only the families it enables (:func:`series_terms`);
+            None: every declared family.
 
     Returns:
         the series count (int).
@@ -266,7 +353,7 @@ def series_count(
     Raises:
         ValueError: a negative argument or ``k > n_params``.
     """
-    c = _series_constants()
+    c = _series_constants(config)
     global_series = c["GLOBAL_SERIES"] if global_series is None else global_series
     k = selected if isinstance(selected, (int, np.integer)) else len(selected)
     if min(n_params, n_layers, n_kinds, k, global_series) < 0:
@@ -284,10 +371,11 @@ def series_capacity(
     *,
     update_ratio: bool = False,
     global_series: int | None = None,
+    config: Any = None,
 ) -> int:
-    """Largest k with ``series_count(., n_layers, n_kinds, k) <= budget``; negative if even k = 0
-    exceeds the budget."""
-    c = _series_constants()
+    """Largest k with ``series_count(., n_layers, n_kinds, k) <= budget`` (same arguments, ``config``
+    included); negative if even k = 0 exceeds the budget."""
+    c = _series_constants(config)
     global_series = c["GLOBAL_SERIES"] if global_series is None else global_series
     per_param = c["PARAM_SERIES"] + (c["UPDATE_RATIO_SERIES"] if update_ratio else 0)
     fixed = c["LAYER_SERIES"] * n_layers + c["KIND_SERIES"] * n_kinds + global_series
@@ -302,6 +390,7 @@ def select_series(
     rules: Sequence[tuple[str, str, str]] | None = None,
     update_ratio: bool = False,
     global_series: int | None = None,
+    config: Any = None,
 ) -> list[int]:
     """Choose the parameters that get per-parameter series this step.
 
@@ -319,6 +408,7 @@ def select_series(
         rules: user naming rules, as for :func:`distgrad.naming.classify.classify`.
         update_ratio: count the optional ``distgrad_param_update_ratio`` family.
         global_series: series independent of P, layers and kinds.
+        config: a ``DistgradConfig``: count only the families it enables (None: all declared).
 
     Returns:
         sorted list of selected parameter indices (positions in ``stats.names``).
@@ -331,10 +421,11 @@ def select_series(
         raise ValueError(f"top_k must be >= 0, got {top_k}")
     n_layers = len(set(group_keys(stats.names, "layer", rules)))
     n_kinds = len(set(group_keys(stats.names, "module_kind", rules)))
-    cap = series_capacity(budget, n_layers, n_kinds, update_ratio=update_ratio, global_series=global_series)
+    cap = series_capacity(budget, n_layers, n_kinds, update_ratio=update_ratio, global_series=global_series,
+                          config=config)
     if cap < 0:
         fixed = series_count(len(stats.names), n_layers, n_kinds, 0, update_ratio=update_ratio,
-                             global_series=global_series)
+                             global_series=global_series, config=config)
         raise ValueError(f"series budget {budget} < {fixed} series needed without per-parameter series")
     norm = stats.norm
     bad = (stats.nonfinite > 0) | ~np.isfinite(norm)

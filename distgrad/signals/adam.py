@@ -230,7 +230,8 @@ class AdamSignal(PackedSignal):
 
     _moment = label("moment", "Adam optimizer state", ("exp_avg", "exp_avg_sq"))
     _when = condition("adam", "an Adam-family optimizer (`optimizer_signals.enabled: auto`, the default), after a "
-                      "sampled step from the second optimizer step on (no moment exists before the first)")
+                      "sampled step from the second optimizer step on (no moment exists before the first)",
+                      enabled=lambda c: c.optimizer_signals.enabled != "off")
     METRICS = (
         gauge("distgrad_update_rms", "1", "sqrt(mean(g^2 / max(v_hat, eps^2))) over the model: the RMS of Adam's "
               "update with the second moment before this step.", _when,

@@ -117,7 +117,8 @@ class Curvature(PackedSignal):
         total: float | None = None
         update_sq: float = 0.0
 
-    _when = condition("curvature", "`curvature.enabled: true`, from the second sampled step on (see docs/signals.md)")
+    _when = condition("curvature", "`curvature.enabled: true`, from the second sampled step on (see docs/signals.md)",
+                      enabled=lambda c: c.curvature.enabled)
     METRICS = (
         Metric("distgrad_curvature", "gauge", (), "loss/param^2", "(g_t - g_{t-1}) . dtheta / |dtheta|^2 over all "
                "parameters: the curvature along the last update.", _when,

@@ -178,7 +178,8 @@ class DuplicateDataSignal(PackedSignal):
 
     _when = condition("duplicate_data", "`duplicate_data.steps` > 0 (default) with world size > 1 on a layout whose "
                       "data-parallel ranks distgrad knows (see docs/signals.md), after a sampled step with a loss "
-                      "observed")
+                      "observed",
+                      enabled=lambda c: c.duplicate_data.steps > 0)
     METRICS = (
         Metric("distgrad_duplicate_data_ranks", "gauge", (), "ranks", "Data-parallel ranks whose losses were "
                "bit-identical to another replica's on the last duplicate_data.steps informative sampled steps "

@@ -263,7 +263,8 @@ class Fp8Signal(PackedSignal):
         layers: dict[str, str] = field(default_factory=dict)
         stats: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
-    _when = condition("fp8", "`fp8.enabled: true` with torchao float8 layers, after a sampled step")
+    _when = condition("fp8", "`fp8.enabled: true` with torchao float8 layers, after a sampled step",
+                      enabled=lambda c: c.fp8.enabled)
     _tensor = label("tensor", "the tensor a float8 layer casts (`fp8.enabled`)", ROLES)
     # per layer only the few layers the alerts name (the series budget counts a per-layer series
     # on every run, whether fp8 is on or not): the LISTED (layer, tensor) pairs of smallest amax and

@@ -193,7 +193,8 @@ class GradHistogramSignal(PackedSignal):
     #: the record attribute (``StepRecord.grad_histogram``; the section is ``histogram``)
     part_name = "grad_histogram"
 
-    _when = condition("histogram", "`histogram.enabled: true`, after a sampled step")
+    _when = condition("histogram", "`histogram.enabled: true`, after a sampled step",
+                      enabled=lambda c: c.histogram.enabled)
     METRICS = (
         gauge("distgrad_grad_underflow_ratio", "ratio", "Fraction of all gradient elements that are non-zero but "
               "below the smallest normal value of the training dtype (as held, loss-scaled).", _when,

@@ -304,7 +304,8 @@ class LogitSignal(PackedSignal):
 
     _when = condition("logits", "`logits.attention: true` (attention series) / `logits.output: true` (output "
                       "series), after a sampled step whose forward passes were observed on every rank (see "
-                      "docs/signals.md)")
+                      "docs/signals.md)",
+                      enabled=lambda c: c.logits.attention or c.logits.output)
     METRICS = (
         gauge("distgrad_layer_attention_logit_max", "1", "Maximum pre-softmax attention logit q.k*scale of the "
               "layer over heads and the sampled step's micro-batches of all ranks (masked positions left out).",

@@ -218,7 +218,8 @@ class GradientNoiseScale(PackedSignal):
         ema_steps: int = 0
 
     _when = condition("noise_scale", "`noise_scale.enabled: true`, after a sampled step with an estimate "
-                      "(several micro-batches per step; see docs/signals.md)")
+                      "(several micro-batches per step; see docs/signals.md)",
+                      enabled=lambda c: c.noise_scale.enabled)
     METRICS = (
         gauge("distgrad_gradient_noise_scale", "samples", "Gradient noise scale B_simple = tr(Sigma) / |G|^2 "
               "(ratio of the two EMAs): the critical batch size it implies.", _when,

@@ -220,7 +220,8 @@ class RouterHealth(PackedSignal):
         aux_loss: float | None = None
 
     _when = condition("router", "`router.enabled: true`, after a sampled step whose MoE routers were observed on "
-                      "every rank (see docs/signals.md)")
+                      "every rank (see docs/signals.md)",
+                      enabled=lambda c: c.router.enabled)
     METRICS = (
         gauge("distgrad_router_load_imbalance", "1", "Max over experts / mean over experts of the tokens routed "
               "to each expert in the sampled step (all ranks), per MoE layer (the most unbalanced ones).", _when,

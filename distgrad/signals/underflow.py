@@ -234,7 +234,8 @@ class Underflow(PackedSignal):
         loss_scale: float = 1.0
 
     _when = condition("underflow", "`underflow.enabled: true`, from the first recomputation on (every "
-                                   "`underflow.interval`-th sampled step; see docs/signals.md)")
+                                   "`underflow.interval`-th sampled step; see docs/signals.md)",
+                      enabled=lambda c: c.underflow.enabled)
     METRICS = (
         Metric("distgrad_grad_lost_to_underflow_ratio", "gauge", (), "ratio",
                "Fraction of the gradient elements lost to underflow: non-zero in a float32 recomputation of a "

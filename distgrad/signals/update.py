@@ -213,12 +213,16 @@ class UpdateGeometry(PackedSignal):
         adafactor_trace: float | None = None
 
     _when = condition("update_geometry", "`update_geometry.enabled: true`, from the second sampled step on "
-                      "(a record carries the previous sampled update)")
+                      "(a record carries the previous sampled update)",
+                      enabled=lambda c: c.update_geometry.enabled)
     _spec = condition("update_geometry_spectral", "`update_geometry.enabled` and `update_geometry.spectral`, "
-                      "for layers with a matrix parameter")
-    _muon = condition("update_geometry_muon", "`update_geometry.enabled` with torch.optim.Muon parameters")
+                      "for layers with a matrix parameter",
+                      enabled=lambda c: c.update_geometry.enabled and c.update_geometry.spectral)
+    _muon = condition("update_geometry_muon", "`update_geometry.enabled` with torch.optim.Muon parameters",
+                      enabled=lambda c: c.update_geometry.enabled)
     _adaf = condition("update_geometry_adafactor", "`update_geometry.enabled` with torch.optim.Adafactor, "
-                      "its factored state located (not under FSDP / ZeRO)")
+                      "its factored state located (not under FSDP / ZeRO)",
+                      enabled=lambda c: c.update_geometry.enabled)
     METRICS = (
         Metric("distgrad_applied_update_rms", "gauge", (), "param", "RMS of the update the optimizer applied "
                "at the last measured step, from the weights before and after it (any optimizer).", _when),

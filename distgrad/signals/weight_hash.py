@@ -142,7 +142,8 @@ class WeightHash(PackedSignal):
         mismatch_rank: int = -1
 
     _when = condition("replica_weights", "`replica_weights.hash_interval` > 0 with replicated weights (DDP, ZeRO-0, "
-                      "HSDP), world size > 1, after the first sampled step")
+                      "HSDP), world size > 1, after the first sampled step",
+                      enabled=lambda c: c.replica_weights.hash_interval > 0)
     METRICS = (
         Metric("distgrad_replica_weights_mismatch_rank", "gauge", (), "rank", "Rank whose weight hash disagreed with "
                "its replica group's majority at the last hash step, -1 if none.", _when),
