@@ -17,6 +17,7 @@ received (1 s scrape and evaluation, route timings shortened to 1 s).
     python launch/paging_eval.py                       # generate the corpus, offline tables
     python launch/paging_eval.py --jsonl-dir DIR       # offline over existing JSONL logs
     python launch/paging_eval.py --live                # + the live delays
+    python launch/paging_eval.py --opt-in --baseline ""  # the corpus with the opt-in families on
 """
 
 from __future__ import annotations
@@ -39,12 +40,19 @@ RULES = ROOT / "grafana" / "alerts" / "distgrad.rules.yml"
 BASELINE = "7dbdb2c"
 
 
-def generate(out: Path) -> None:
-    """Run the whole corpus (1-process and 2-rank launches) writing JSONL logs into ``out``."""
+def generate(out: Path, opt_in: bool = False) -> None:
+    """Run the whole corpus (1-process and 2-rank launches) writing JSONL logs into ``out``;
+    ``opt_in``: with the opt-in families of ``corpus_cases.OPT_IN`` switched on."""
     from tests.helpers import launch
 
-    launch("corpus_cases.py", out / "one.json", "--set", "tune,heldout", "--jsonl-dir", str(out), nproc=1)
-    launch("corpus_cases.py", out / "two.json", "--set", "all", "--jsonl-dir", str(out), nproc=2)
+    extra = ("--opt-in",) if opt_in else ()
+    facts = {**launch("corpus_cases.py", out / "one.json", "--set", "tune,heldout", "--jsonl-dir", str(out), *extra,
+                      nproc=1)["runs"],
+             **launch("corpus_cases.py", out / "two.json", "--set", "all", "--jsonl-dir", str(out), *extra,
+                      nproc=2)["runs"]}
+    failed = {name: res["error"] for name, res in facts.items() if "error" in res}
+    if failed:  # a run that did not train would read as a silent one
+        raise SystemExit("corpus runs failed:\n" + "\n".join(f"  {n}: {e}" for n, e in failed.items()))
 
 
 def table(evals: dict, label: str) -> list[str]:
@@ -83,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rules", type=Path, default=RULES)
     ap.add_argument("--baseline", default=BASELINE, help="git revision whose rule file is compared ('' to skip)")
     ap.add_argument("--live", action="store_true", help="also measure the live delays (Prometheus + Alertmanager)")
+    ap.add_argument("--opt-in", action="store_true",
+                    help="generate the corpus with the opt-in families whose alerts apply switched on "
+                         "(attention and output logits, update geometry, replica weight hashes)")
     ap.add_argument("--keep", type=Path, default=None,
                     help="work in this directory and keep it (JSONL logs, notifications.json, Prometheus logs)")
     args = ap.parse_args(argv)
@@ -104,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         elif jsonl is None:
             jsonl = tmp / "corpus"
             jsonl.mkdir()
-            generate(jsonl)
+            generate(jsonl, args.opt_in)
         paths = {r.name: jsonl / f"{r.name}.jsonl" for r in RUNS if (jsonl / f"{r.name}.jsonl").exists()}
         print(f"corpus: {len(paths)} runs from {jsonl}\n")
         print("\n".join(table(rule_replay.evaluate_jsonl(paths, args.rules), str(args.rules.relative_to(ROOT)

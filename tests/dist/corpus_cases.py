@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distgrad.signals.logits import observe_attention
 from tests.dist.engines import build_ddp, build_deepspeed, build_fsdp2
 
 
@@ -96,6 +97,14 @@ class Run:
     def world(self) -> int:
         return 1 if self.engine == "plain" else 2
 
+
+#: ``--opt-in``: the opt-in signal families whose alerts apply to these models (attention logits
+#: -> DistgradAttentionLogitHigh, update geometry -> DistgradUpdateRatioHigh; replica weight hashes
+#: -> DistgradReplicaWeightsDiverged are added on the layouts with replicated weights), so their
+#: false-page rate is measured on the same healthy runs as the default rules'
+OPT_IN: dict = {"logits": {"attention": True, "attention_modules": r"blocks\.\d+\.attn$", "output": True,
+                           "output_module": "head"},
+                "update_geometry": {"enabled": True}}
 
 #: the rank whose batch / forward goes bad in the per-rank faults
 FAULT_RANK = 1
@@ -170,6 +179,7 @@ class Attention(nn.Module):
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.qkv(h).chunk(3, -1))
         if self.llama:
             q, k = rope(q), rope(k)
+        observe_attention(self, q, k, is_causal=True)  # distgrad's hook point (a no-op unless watched)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
@@ -344,6 +354,12 @@ def run_one(r: Run, rank: int, args: argparse.Namespace) -> dict:
         "exporter": {"enabled": bool(args.sd_dir), "port": 0, "host": "127.0.0.1", "run_name": r.name,
                      "file_sd_path": os.path.join(args.sd_dir, f"{r.name}.json") if args.sd_dir else None},
     }
+    if args.opt_in:  # the opt-in families whose alerts apply to these models (paging_eval --opt-in)
+        overrides.update(OPT_IN)
+        if r.model == "mlp":  # no attention layer: only the output logits
+            overrides["logits"] = dict(OPT_IN["logits"], attention=False, attention_modules=None)
+        if r.engine == "ddp":  # replicated weights to compare (ZeRO-2 / FSDP2 shard, plain has one copy)
+            overrides["replica_weights"] = {"hash_interval": 25}
     if args.jsonl_dir and rank == 0:
         os.makedirs(args.jsonl_dir, exist_ok=True)
         p = os.path.join(args.jsonl_dir, f"{r.name}.jsonl")
@@ -482,6 +498,7 @@ def main() -> None:
     ap.add_argument("--fault-hold", type=float, default=None,
                     help="seconds to keep serving after the last step of a fault run (default: --hold)")
     ap.add_argument("--list", action="store_true", help="describe the runs and exit")
+    ap.add_argument("--opt-in", action="store_true", help="also switch on the opt-in families of OPT_IN")
     args = ap.parse_args()
     if args.list:
         for r in RUNS:
