@@ -277,3 +277,28 @@ def test_example_job_model_reports_attention_through_the_hook_point():
         assert rec.logits.attention_head_max[str(i)] == pytest.approx(ref.tolist(), rel=1e-5, abs=1e-6)
     assert rec.logits.output_abs_max == pytest.approx(cap["head"].abs().max().item(), rel=1e-6)
     assert dg.counters["internal_errors"] == 0
+
+
+def test_a_model_of_its_own_does_not_import_transformers():
+    """logits.attention on a model that is not a Hugging Face one (in a fresh interpreter, as a
+    training job starts): the attention maxima come through observe_attention, and transformers
+    (and torchao, which it imports, with their start-up messages on every rank) is not imported
+    by distgrad; the Hugging Face tests above import it first and are patched."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, torch, torch.nn.functional as F, distgrad\n"
+        "from tests.logits_models import SDPAModel\n"
+        "torch.manual_seed(0); m = SDPAModel(); opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "dg = distgrad.instrument(m, optimizer=opt, exporter={'enabled': False}, statistics={'async_records': 'off'},"
+        " logits={'attention': True, 'attention_modules': r'^blocks\\.\\d+$'})\n"
+        "recs = []; dg.add_hook(recs.append); ids = torch.randint(0, 23, (2, 5))\n"
+        "F.cross_entropy(m(ids).flatten(0, 1), ids.flatten()).backward(); opt.step(); dg.close()\n"
+        "print(sorted(recs[0].logits.attention_max), 'transformers' in sys.modules, 'torchao' in sys.modules)\n")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['0',", "'1']", "False", "False"], out.stdout

@@ -52,6 +52,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -193,7 +194,12 @@ def _wrap_interface(fn: Callable) -> Callable:
 
 
 def _install_hf() -> Callable[[], None] | None:
-    """Wrap transformers' ``ALL_ATTENTION_FUNCTIONS.get_interface`` (once for all signals)."""
+    """Wrap transformers' ``ALL_ATTENTION_FUNCTIONS.get_interface`` (once for all signals).
+    Only when transformers is already imported (a Hugging Face model's classes import it): a
+    model of its own is not made to import transformers, and torchao through it, with their
+    start-up time and messages on every rank."""
+    if "transformers" not in sys.modules:
+        return None
     try:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     except Exception:  # noqa: BLE001 - no transformers: only observe_attention
