@@ -53,6 +53,11 @@ Failure handling: each signal's SUM part is prefixed by one failure slot. A rank
 slot set to 1 and counts an internal error; after the reduction a signal whose slot is non-zero
 is skipped for that step (its record part stays None: nothing is exported that a rank could not
 vouch for), on every rank alike.
+
+A signal needs no collective of its own but for :meth:`PackedSignal.exchange` (default none),
+which :class:`SignalPack` calls on every rank of every sampled step before the packed parts are
+built: the only place a signal may add one (the underflow recomputation on FSDP2 gathers the
+parameters there on its recomputation steps).
 """
 
 from __future__ import annotations
@@ -135,6 +140,20 @@ class PackedSignal(Declares, abc.ABC):
             anything: caught by :class:`SignalPack` (counted; the step's signal is dropped).
         """
 
+    def exchange(self, inst: Any, device: torch.device) -> None:
+        """Collectives of the signal's own on a sampled step, before :meth:`local`: called by
+        :meth:`SignalPack.block` on every rank of every sampled step, whether or not the rank
+        has gradient pieces this step (a step refused or failed as a whole included), so a
+        signal that needs data from the other ranks (the underflow recomputation's parameter
+        all-gather on FSDP2, :mod:`distgrad.signals.underflow`) makes the same collectives in
+        the same order on every rank. Decide from the step number (``inst.sampled_step``) and
+        settings fixed at ``instrument()`` only, never from rank-local state; keep the result
+        for :meth:`local`. No host synchronisation. Default: nothing (the step keeps its two
+        collectives).
+
+        Raises:
+            anything: caught by :class:`SignalPack` (counted as an internal error)."""
+
     def after_step(self, inst: Any, step_applied: bool) -> None:
         """Called on every rank after the optimizer step of a sampled step (device work only,
         no collective, no host sync), e.g. to keep a copy of the update. Default: nothing."""
@@ -212,12 +231,17 @@ class SignalPack:
     def block(self, inst: Any, pieces: Sequence[torch.Tensor | None] | None,
               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``(sum [sum_size], max [max_size])``; ``pieces`` None: identities without
-        failure flags (the step is refused or failed as a whole and dropped anyway)."""
+        failure flags (the step is refused or failed as a whole and dropped anyway). Each
+        signal's :meth:`PackedSignal.exchange` runs first, in both cases."""
         sums: list[torch.Tensor] = []
         maxes: list[torch.Tensor] = []
         for sig in self.signals:
             s = m = None
             failed = False
+            try:  # on every rank, pieces or not: the signal's own collectives (PackedSignal.exchange)
+                sig.exchange(inst, device)
+            except Exception:  # noqa: BLE001 - counted; local() then finds nothing exchanged
+                inst._internal_error(f"signal {sig.name} exchange")
             if pieces is not None:
                 try:
                     s, m = sig.local(inst, pieces, device)

@@ -30,7 +30,8 @@ low-precision gradient; **genuinely zero** = zero in the reference. Per layer th
 low-precision zeros, reference zeros, elements, low-precision non-finite) are summed over the
 layer's parameters and ride in the step's SUM all-reduce (``2 + 5 L`` float64: a per-rank
 "recomputed" count and the loss scale used first), so the job's ratio is over the W recomputed
-micro-batches. No extra collective and no host synchronisation (counts stay on the device until the step's one copy);
+micro-batches. No extra collective (but FSDP2's parameter all-gather on a recomputation step,
+below) and no host synchronisation (counts stay on the device until the step's one copy);
 the loss scale of a ``GradScaler`` is its device tensor.
 
 The replay runs through ``functional_call``'s parameter swap on the user's module (DDP: the
@@ -40,14 +41,37 @@ activation checkpointing recomputes with the copies) and every module forward/ba
 the model set aside for its duration (distgrad's own loss, logit, tracer and replay hooks do not
 see it; :func:`in_replay` tells the attention hook point). Dropout masks are the training
 forward's (its RNG state restored inside ``torch.random.fork_rng``); floating buffers are passed
-as copies (BatchNorm statistics are not updated). Sharded engines (FSDP1/2, ZeRO-3) and model-
-parallel layouts are refused at ``instrument()``: no rank holds the parameters the forward
-needs.
+as copies (BatchNorm statistics are not updated).
+
+FSDP2 (``fully_shard``, dim-0 shards over a 1-D mesh). No rank holds the parameters, so on a
+recomputation step (decided from the step number: every rank alike, whether or not it measures,
+a refused step included: :meth:`Underflow.exchange`, called by the signal pack before the packed
+parts) every rank makes ONE extra collective: an all-gather over the mesh's group of every
+parameter's local float32 chunk, padded to ``ceil(d0 / W)`` rows and packed in one flat buffer,
+unpacked into a full float32 copy of each parameter. The replay then runs on the FSDP2 root with
+FSDP2's own hooks set aside (no unshard, no reduce-scatter) and the gathered copies swapped in:
+the training-precision pass casts them to the dtype the training forward used, the
+``MixedPrecisionPolicy.param_dtype`` of the ``fully_shard`` unit holding each parameter (its own
+dtype without one), and makes FSDP2's forward casts (``cast_forward_inputs`` to ``param_dtype``
+before each unit, ``output_dtype`` after it) through temporary hooks; autocast, when the
+training forward ran under it, is replayed as on DDP. So what is compared under FSDP2 is the
+same as on DDP: the gradient one micro-batch produces on one rank *before* the reduce-scatter
+(FSDP2 computes it in ``param_dtype`` and only then casts it to ``reduce_dtype``), against its
+float32 recomputation. Steps that do not recompute keep their 2 collectives and 1 host copy.
+The full float32 model (4 bytes per parameter) must fit ``underflow.max_gather_bytes`` (default
+4 GiB), checked at ``instrument()`` with a ``ConfigError`` otherwise; HSDP, tensor parallelism
+or a ``shard_placement_fn`` (other placements) are refused there too. FSDP1, ZeRO-3 and
+model-parallel layouts (pipeline stages, experts elsewhere) are refused at ``instrument()``: no
+rank holds the parameters the forward needs and no gather of them is implemented.
 
 Cost, paid only on a recomputation step: two forward + backward passes of one micro-batch on
 each rank (the reference in float32), a float32 copy of the parameters when they are held in
-16 bits, one bool mask per parameter (1 byte per element) and per-layer sums. Every step: a
-reference to the first micro-batch's inputs and a copy of the CPU RNG state (~5 KB).
+16 bits, one bool mask per parameter (1 byte per element) and per-layer sums. On FSDP2 on top:
+the all-gather (each rank receives the float32 model, ``4 x`` the parameter count bytes, padding
+included), the gathered buffer and its unpacked copy (twice the float32 model for the length of
+the unpacking, then once for the two passes), and the training-precision copy in
+``param_dtype``; all freed at the end of the step's ``local``. Every step: a reference to the
+first micro-batch's inputs and a copy of the CPU RNG state (~5 KB).
 
 Needs the loss: the forward of the module must return it (a scalar tensor, a dict with
 ``"loss"``, or an object with ``.loss``, as Hugging Face models with labels). A loop that
@@ -161,6 +185,11 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
+def _caster(dt: torch.dtype) -> Any:
+    """A floating tensor to ``dt`` (FSDP2's ``_cast_fp_tensor``); anything else as is."""
+    return lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+
 def _to_fp32(obj: Any) -> Any:
     from torch.utils._pytree import tree_map
 
@@ -195,7 +224,9 @@ class Underflow(PackedSignal):
             "Every underflow.interval-th sampled step, recompute one micro-batch per rank in the training "
             "precision and in float32 and count, per layer, the gradient elements that are non-zero in float32 "
             "but exactly zero in the training precision (lost to underflow). Costs two forward+backward passes of "
-            "one micro-batch on that step. Needs the model's forward to return the loss; not on sharded engines."))
+            "one micro-batch on that step (on FSDP2 also one all-gather of the parameters, see "
+            "underflow.max_gather_bytes). Needs the model's forward to return the loss; not on FSDP1, ZeRO-3 or "
+            "model-parallel layouts."))
         interval: int = Field(10, ge=1, description=(
             "Recompute on every interval-th sampled step: those whose index step / sampling.interval is a multiple "
             "of interval (step 0 included; every rank decides from the step number). The last measurement is served "
@@ -204,6 +235,12 @@ class Underflow(PackedSignal):
             "Factor the training loop applies to the forward's loss before backward (e.g. 1/accumulation steps); "
             "underflow depends on it. DeepSpeed's own division by the accumulation steps is applied automatically."))
         worst: int = Field(3, ge=1, le=20, description="Layers named in the record's worst list (most lost first).")
+        max_gather_bytes: int = Field(4 * 2**30, ge=0, description=(
+            "FSDP2 only: the largest full float32 model (4 bytes times the parameter count) whose parameters a "
+            "recomputation step all-gathers onto every rank; a larger model is refused at instrument() (no rank "
+            "could hold the copy). A recomputation step on FSDP2 costs one extra all-gather of the float32 shards and "
+            "a full float32 copy of the parameters on each rank for its duration (plus the training-precision copy "
+            "and the two passes' gradients); other steps are unchanged."))
 
     @dataclass
     class Part(_Part):
@@ -267,27 +304,40 @@ class Underflow(PackedSignal):
     def build(cls, inst: Any) -> Underflow | None:
         """``underflow.enabled``: the signal (its layers are found at :meth:`attach`), or None.
 
+        On FSDP2 the signal all-gathers the parameters on its recomputation steps (``sharded``;
+        the layout and the size bound are checked at :meth:`attach`).
+
         Raises:
-            ConfigError: a sharded engine (FSDP1/2, DeepSpeed ZeRO-3) or a model-parallel layout
-                (pipeline stages, experts elsewhere): no rank holds the whole model's parameters.
+            ConfigError: FSDP1, DeepSpeed ZeRO-3 or a model-parallel layout (pipeline stages,
+                experts elsewhere): no rank holds the whole model's parameters and no gather of
+                them is implemented.
         """
         cfg = inst.config.underflow
         if not cfg.enabled:
             return None
         engine = getattr(inst.source, "engine_name", "")
         stage = getattr(inst.source, "zero_stage", None)
-        if engine in ("fsdp1", "fsdp2") or stage == 3 or getattr(inst, "job", None) is not None:
+        if engine == "fsdp1" or stage == 3 or getattr(inst, "job", None) is not None:
             raise ConfigError(f"distgrad config: 'underflow.enabled' is not supported on engine {engine!r}"
                               + (" with ZeRO-3" if stage == 3 else "") + " or with pipeline/expert parallelism: "
-                              "the recomputation needs every parameter of the model on each rank")
+                              "the recomputation needs every parameter of the model on each rank (FSDP2 is "
+                              "supported: its parameters are all-gathered on a recomputation step)")
         return cls(int(cfg.interval), float(cfg.loss_factor), int(cfg.worst), inst.config.naming.tuples,
-                   int(inst.config.sampling.interval))
+                   int(inst.config.sampling.interval), sharded=engine == "fsdp2",
+                   max_gather_bytes=int(cfg.max_gather_bytes))
 
     def __init__(self, interval: int, loss_factor: float = 1.0, worst: int = 3, naming_rules: Any = None,
-                 sampling_interval: int = 1) -> None:
+                 sampling_interval: int = 1, *, sharded: bool = False, max_gather_bytes: int = 4 * 2**30) -> None:
         self.interval, self.loss_factor, self.n_worst = int(interval), float(loss_factor), int(worst)
         self.sampling_interval = max(1, int(sampling_interval))
         self.naming_rules = naming_rules
+        self.sharded, self.max_gather_bytes = bool(sharded), int(max_gather_bytes)
+        self._shards: list[tuple[int, int, tuple[int, ...]]] = []  # per parameter (padded chunk, numel, shape)
+        self._group: Any = None
+        self._world = 1
+        self._low_dtypes: list[torch.dtype] = []
+        self._units: list[tuple[torch.nn.Module, Any]] = []  # (fully_shard module, its MixedPrecisionPolicy)
+        self._full: dict[str, torch.Tensor] | None = None
         self.root: torch.nn.Module | None = None
         self.params: list[tuple[str, torch.nn.Parameter]] = []
         self.layers: list[str] = []
@@ -317,8 +367,16 @@ class Underflow(PackedSignal):
         """Find the layers of ``module``'s trainable parameters and keep the first micro-batch of
         each step (a forward pre-hook on ``module``).
 
+        On FSDP2 (``sharded``) also: the all-gather's layout (per parameter its padded dim-0
+        chunk), the mesh's process group, and per parameter the dtype its training forward runs
+        in (the ``MixedPrecisionPolicy.param_dtype`` of the ``fully_shard`` unit holding it, else
+        its own dtype).
+
         Raises:
-            ConfigError: ``module`` is not a module, or has no trainable parameter."""
+            ConfigError: ``module`` is not a module, or has no trainable parameter; on FSDP2 a
+                parameter not sharded on dim 0 over a 1-D mesh (HSDP, tensor parallelism, a
+                ``shard_placement_fn``), or a full float32 model larger than
+                ``underflow.max_gather_bytes``."""
         if not isinstance(module, torch.nn.Module):
             raise ConfigError("distgrad config: 'underflow.enabled' needs the model as a torch.nn.Module")
         self.root = module
@@ -328,6 +386,8 @@ class Underflow(PackedSignal):
         keys = group_keys([clean_name(n) for n, _ in self.params], "layer", self.naming_rules)
         self.layers = sorted(set(keys))
         self.param_layer = [self.layers.index(k) for k in keys]
+        if self.sharded:
+            self._plan_gather(module)
         ds = getattr(inst.source, "engine", None)
         gas = getattr(ds, "gradient_accumulation_steps", None)
         if callable(gas):  # DeepSpeed divides the loss by the accumulation steps in engine.backward
@@ -352,7 +412,113 @@ class Underflow(PackedSignal):
 
     def skip(self, inst: Any, step: int) -> None:
         self._kept = None  # an unsampled step's micro-batch
+        self._full = None
         self._next = int(step) + 1
+
+    # ---- FSDP2: the parameters gathered on a recomputation step -----------------------------
+    def _plan_gather(self, module: torch.nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = None
+        self._shards = []
+        for n, p in self.params:
+            if not isinstance(p, DTensor):
+                raise ConfigError(f"distgrad config: 'underflow.enabled' on FSDP2: parameter {n!r} is not sharded by "
+                                  "fully_shard (apply fully_shard to the root module)")
+            if p.device_mesh.ndim != 1 or len(p.placements) != 1 or p.placements[0] != Shard(0):
+                raise ConfigError(f"distgrad config: 'underflow.enabled' on FSDP2: parameter {n!r} has placements "
+                                  f"{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh; the recomputation gathers "
+                                  "only dim-0 shards over a 1-D mesh (no HSDP, tensor parallelism or "
+                                  "shard_placement_fn)")
+            if mesh is None:
+                mesh = p.device_mesh
+            elif p.device_mesh != mesh:
+                raise ConfigError("distgrad config: 'underflow.enabled' on FSDP2: the parameters are on more than one "
+                                  "mesh; the recomputation gathers over one")
+            d0 = p.shape[0] if p.dim() else 1
+            row = p.numel() // d0 if d0 else 0
+            self._shards.append((-(-d0 // mesh.size()) * row, p.numel(), tuple(p.shape)))
+        assert mesh is not None  # attach() refused a model without trainable parameters
+        full = 4 * sum(numel for _, numel, _ in self._shards)
+        if full > self.max_gather_bytes:
+            raise ConfigError(f"distgrad config: 'underflow.enabled' on FSDP2: the full float32 model is {full} bytes, "
+                              f"above 'underflow.max_gather_bytes' ({self.max_gather_bytes}); a recomputation step "
+                              "would all-gather it onto every rank. Raise the bound if each rank can hold it (twice, "
+                              "while it is unpacked), or switch underflow off")
+        self._group, self._world = mesh.get_group(), int(mesh.size())
+        units: list[tuple[str, Any]] = sorted(((name, m) for name, m in module.named_modules()
+                                               if isinstance(m, FSDPModule)),
+                       key=lambda u: -len(u[0]))  # the innermost unit first
+        self._units, self._low_dtypes = [], []
+        try:
+            for _, m in units:
+                self._units.append((m, m._get_fsdp_state()._mp_policy))  # private: torch 2.13's FSDPState
+        except AttributeError as e:
+            raise ConfigError("distgrad config: 'underflow.enabled' on FSDP2: cannot read a fully_shard unit's "
+                              f"MixedPrecisionPolicy ({e}); the training precision cannot be reproduced") from None
+        policy = {id(m): pol for m, pol in self._units}
+        for n, p in self.params:
+            pol = next((policy[id(m)] for name, m in units if not name or n.startswith(name + ".")), None)
+            dt = getattr(pol, "param_dtype", None)
+            self._low_dtypes.append(dt if dt is not None and p.dtype.is_floating_point else p.dtype)
+
+    def exchange(self, inst: Any, device: torch.device) -> None:
+        """FSDP2, on a recomputation step (from the step number: every rank alike), whether or not
+        this rank measures: ONE all-gather over the mesh's group of every parameter's local dim-0
+        chunk in float32, padded to ``ceil(d0 / W)`` rows (``torch.chunk``'s split, as FSDP2's
+        ``FSDPParam``), packed in one flat buffer; unpacked into a full float32 copy per
+        parameter kept for :meth:`local`. Nothing on other steps or engines. No host sync."""
+        self._full = None
+        if not self.sharded or not self.recomputes(int(inst.sampled_step)):
+            return
+        import torch.distributed as dist
+
+        flats = []
+        for (_, p), (size, _, _) in zip(self.params, self._shards):
+            dt_param: Any = p  # a DTensor (checked at attach)
+            loc = dt_param.to_local().detach().reshape(-1).to(torch.float32)
+            if loc.numel() > size:
+                raise ValueError(f"underflow: a local shard of {loc.numel()} elements, expected at most {size}")
+            flats += [loc, loc.new_zeros(size - loc.numel())]
+        local = torch.cat(flats)
+        out = local.new_empty(self._world * local.numel())
+        # all_gather_single replaces the deprecated all_gather_into_tensor in torch >= 2.13
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, local, group=self._group)
+        per = out.view(self._world, -1)
+        full, o = {}, 0
+        for (n, _), (size, numel, shape) in zip(self.params, self._shards):
+            full[n] = per[:, o:o + size].reshape(-1)[:numel].reshape(shape)  # rank-major rows, padding cut
+            o += size
+        self._full = full
+
+    @contextlib.contextmanager
+    def _mixed_precision(self) -> Iterator[None]:
+        """FSDP2's forward casts (``MixedPrecisionPolicy.cast_forward_inputs`` to ``param_dtype``
+        before each unit's forward, ``output_dtype`` after it), while FSDP2's own hooks are set
+        aside by the replay: the same casts the training forward made."""
+        from torch.distributed.utils import _apply_to_tensors
+
+        def cast_inputs(dt: torch.dtype) -> Any:
+            f = _caster(dt)
+            return lambda mod, a, kw: (_apply_to_tensors(f, a), _apply_to_tensors(f, kw))
+
+        def cast_output(dt: torch.dtype) -> Any:
+            f = _caster(dt)
+            return lambda mod, a, out: _apply_to_tensors(f, out)
+
+        handles = []
+        try:
+            for m, pol in self._units:
+                if getattr(pol, "cast_forward_inputs", False) and pol.param_dtype is not None:
+                    handles.append(m.register_forward_pre_hook(cast_inputs(pol.param_dtype), with_kwargs=True))
+                if getattr(pol, "output_dtype", None) is not None:
+                    handles.append(m.register_forward_hook(cast_output(pol.output_dtype)))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
     # ---- the recomputation --------------------------------------------------------------------
     def _scale(self, inst: Any, device: torch.device) -> torch.Tensor:
@@ -364,17 +530,24 @@ class Underflow(PackedSignal):
             return t.detach().reshape(()).float()
         return torch.tensor(float(src.loss_scale()), dtype=torch.float32, device=device)
 
-    def _pass(self, k: _Kept, reference: bool, scale: torch.Tensor | None) -> list[torch.Tensor | None]:
+    def _pass(self, k: _Kept, reference: bool, scale: torch.Tensor | None,
+              full: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor | None]:
         assert self.root is not None
         root = self.root
+        # the values swapped in: FSDP2's gathered float32 copies, else the model's own parameters
+        src = full if full is not None else {n: p for n, p in self.params}
         if reference:
-            params = {n: p.detach().float().requires_grad_() for n, p in self.params}
+            params = {n: src[n].detach().float().requires_grad_() for n, _ in self.params}
             bufs = {n: (b.float() if b.is_floating_point() else b.clone()) for n, b in root.named_buffers()}
             args, kwargs = _to_fp32(k.args), _to_fp32(k.kwargs)
             ctx: Any = [torch.autocast(d, enabled=False) for d in ("cpu", "cuda")
                         if d == "cpu" or torch.cuda.is_available()]
         else:
-            params = {n: p.detach().requires_grad_() for n, p in self.params}
+            if full is not None:  # in the dtype FSDP2's forward used (its MixedPrecisionPolicy.param_dtype)
+                params = {n: full[n].detach().to(dt).requires_grad_()
+                          for (n, _), dt in zip(self.params, self._low_dtypes)}
+            else:
+                params = {n: p.detach().requires_grad_() for n, p in self.params}
             bufs = {n: b.clone() for n, b in root.named_buffers()}
             args, kwargs = k.args, k.kwargs
             ctx = [torch.autocast(d, dtype=dt) for d, dt in k.autocast]
@@ -383,8 +556,10 @@ class Underflow(PackedSignal):
         devices = [k.cuda_rng[0]] if k.cuda_rng is not None else []
         # the copies stay swapped in through the backward too: code that re-runs the module there
         # (activation checkpointing, reentrant or not) recomputes with them, not with the real weights
+        # FSDP2's casts stay through the backward too (an activation checkpoint's recomputation)
+        mp = self._mixed_precision() if full is not None and not reference else contextlib.nullcontext()
         with torch.random.fork_rng(devices=devices, device_type="cuda"), \
-                _reparametrize_module(root, {**params, **bufs}, tie_weights=True):
+                _reparametrize_module(root, {**params, **bufs}, tie_weights=True), mp:
             torch.set_rng_state(k.cpu_rng)
             if k.cuda_rng is not None:
                 torch.cuda.set_rng_state(k.cuda_rng[1], k.cuda_rng[0])
@@ -400,11 +575,12 @@ class Underflow(PackedSignal):
     def local(self, inst: Any, pieces: Sequence[torch.Tensor | None],
               device: torch.device) -> tuple[torch.Tensor, None]:
         k, self._kept = self._kept, None
+        full, self._full = self._full, None
         step = int(inst.sampled_step)
         run = self.recomputes(step)
         self._next = step + 1
         out = torch.zeros(self.sum_size, dtype=torch.float64, device=device)
-        if not run or k is None or self.root is None:
+        if not run or k is None or self.root is None or (self.sharded and full is None):
             return out, None
         if any(t._version != v for t, v in k.versions):
             return out, None  # an input modified in place since its forward: cannot be vouched for
@@ -416,11 +592,12 @@ class Underflow(PackedSignal):
                 # the passes differentiate detached copies swapped in for them)
                 for p in frozen:
                     p.requires_grad_(False)
-                low = self._pass(k, False, scale)
+                low = self._pass(k, False, scale, full)
                 zero_low = [None if g is None else (g == 0) for g in low]
                 bad = [None if g is None else (~torch.isfinite(g)).sum() for g in low]
                 del low
-                ref = self._pass(k, True, None)
+                ref = self._pass(k, True, None, full)
+                del full
             except NoLossError:
                 if not self._warned:
                     self._warned = True

@@ -1,14 +1,20 @@
 """Multi-rank driver of the underflow signal (tests/test_underflow_multirank.py) under ``torchrun
 --nproc_per_node 2``, gloo, CPU: cases ``ddp`` (DDP, fp16 autocast, no loss scaling, the loop
-dividing the loss by GAS: ``underflow.loss_factor``) and ``z2`` (DeepSpeed ZeRO-2 fp16: fp16
-parameters, dynamic loss scale, DeepSpeed's own division by GAS).
+dividing the loss by GAS: ``underflow.loss_factor``), ``z2`` (DeepSpeed ZeRO-2 fp16: fp16
+parameters, dynamic loss scale, DeepSpeed's own division by GAS) and ``fsdp2`` (``fully_shard``
+on each block and the root, ``MixedPrecisionPolicy(param_dtype=fp16, reduce_dtype=fp32)``, no
+loss scaling, the loop dividing by GAS; an odd vocabulary (65 rows) so the embedding and the
+output head are sharded unevenly; FSDP2_STEPS steps with ``underflow.interval: 2``, so step 1 is
+a sampled step that does not recompute).
 
 The model is tests/underflow_models.py's tiny decoder, GAS micro-batches per rank and step (each
 rank its own data), STEPS steps, every step recomputed (``underflow.interval: 1``). Before each
 step's first micro-batch each rank computes its reference another way: a copy of the model
 (a fresh decoder holding the weights of that forward) runs the micro-batch through ``.backward()`` in the training
 precision (autocast / fp16 weights, the same loss factor and loss scale), and a float64 copy
-runs it with autocast off; per layer ``[lost, float64 zeros, elements]``. Rank 0 writes its
+runs it with autocast off; per layer ``[lost, float64 zeros, elements]``. Under FSDP2 that copy
+is a plain decoder built from the parameters' ``full_tensor()`` (taken outside the boundary),
+cast to fp16 whole for the training precision (FSDP2's ``param_dtype``). Rank 0 writes its
 records (``StepRecord.underflow``) and the boundary's collective / host-sync counts.
 """
 
@@ -25,6 +31,8 @@ from tests.dist.engines import build_ddp, build_deepspeed, init_distributed
 from tests.underflow_models import Decoder, clone
 
 GAS, STEPS, B, T = 2, 2, 4, 16
+#: the FSDP2 case: steps and underflow.interval (recomputes on steps 0 and 2, not on step 1)
+FSDP2_STEPS, FSDP2_INTERVAL = 3, 2
 
 
 def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,8 +40,8 @@ def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.randint(0, 48, (B, T), generator=g), torch.randint(0, 64, (B, T), generator=g)
 
 
-def reference(model, ids, labels, factor: float, scale: float, autocast: bool) -> dict:
-    low = clone(model)
+def reference(model, ids, labels, factor: float, scale: float, autocast: bool, low_dtype=None) -> dict:
+    low = clone(model) if low_dtype is None else clone(model).to(low_dtype)
     with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
         loss = low(ids, labels)
     (loss * factor * scale).backward()
@@ -50,11 +58,49 @@ def reference(model, ids, labels, factor: float, scale: float, autocast: bool) -
     return dict(rows)
 
 
+def full_decoder(model) -> Decoder:
+    """A plain float32 decoder holding an FSDP2 decoder's full parameters (``full_tensor()``: a
+    collective, every rank calls it)."""
+    plain = Decoder(len(model.embed.weight), model.embed.weight.shape[1], len(model.layers),
+                    loss_weight=model.loss_weight)
+    plain.load_state_dict({n: p.full_tensor().detach() for n, p in model.named_parameters()})
+    return plain
+
+
 def run(key: str, rank: int, world: int) -> dict:
     torch.manual_seed(5)
+    steps, low_dtype = STEPS, None
     cfg = {"exporter": {"enabled": False}, "statistics": {"async_records": "off"},
-           "underflow": {"enabled": True, "interval": 1, "loss_factor": 1.0 / GAS if key == "ddp" else 1.0}}
-    if key == "ddp":
+           "underflow": {"enabled": True, "interval": 1, "loss_factor": 1.0 / GAS if key != "z2" else 1.0}}
+    if key == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from tests.dist.engines import build_fsdp2
+
+        steps, low_dtype = FSDP2_STEPS, torch.float16
+        cfg["underflow"]["interval"] = FSDP2_INTERVAL
+        model = Decoder(vocab=65, loss_weight=1e-5)
+        full_bytes = 4 * sum(p.numel() for p in model.parameters())  # before sharding: the plain model's
+        model, opt = build_fsdp2(model, list(model.layers), optim=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                 mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32))
+        try:  # one byte below the full float32 model: refused at instrument()
+            distgrad.instrument(model, {**cfg, "underflow": {**cfg["underflow"], "max_gather_bytes": full_bytes - 1}},
+                                optimizer=opt).close()
+            refused = None
+        except distgrad.ConfigError as e:
+            refused = str(e)
+        cfg["underflow"]["max_gather_bytes"] = full_bytes  # exactly the full model: accepted
+        inst = distgrad.instrument(model, cfg, optimizer=opt)
+
+        def fwd_bwd(ids, labels, micro):
+            (model(ids, labels) / GAS).backward()
+
+        def step():
+            opt.step()
+            opt.zero_grad()
+        inner, factor, autocast = None, 1.0 / GAS, False
+        scale = lambda: 1.0  # noqa: E731
+    elif key == "ddp":
         model = Decoder(loss_weight=1e-5)
         w, opt = build_ddp(model, optim=lambda ps: torch.optim.SGD(ps, lr=0.1))
         inst = distgrad.instrument(w, cfg, optimizer=opt)
@@ -86,25 +132,29 @@ def run(key: str, rank: int, world: int) -> dict:
         scale = lambda: float(inst.source.loss_scale())  # noqa: E731
     counter = BoundaryCounter(inst)
     records, refs = [], []
-    for s in range(STEPS):
+    for s in range(steps):
         for micro in range(GAS):
             ids, labels = batch(s, micro, rank)
             if micro == 0:
-                refs.append(reference(inner, ids, labels, factor, scale(), autocast))
+                base = inner if inner is not None else full_decoder(model)
+                refs.append(reference(base, ids, labels, factor, scale(), autocast, low_dtype))
             fwd_bwd(ids, labels, micro)
         counter.around(step)
         rec = inst.last_record
         records.append(rec.underflow.to_dict() if rec is not None and rec.underflow is not None else None)
     counter.restore()
     inst.close()
-    return {"records": records, "refs": refs, "counts": counter.counts,
-            "internal_errors": inst.counters["internal_errors"]}
+    out = {"records": records, "refs": refs, "counts": counter.counts,
+           "internal_errors": inst.counters["internal_errors"]}
+    if key == "fsdp2":
+        out.update(refused=refused, full_bytes=full_bytes)
+    return out
 
 
 def main() -> None:
     args = driver_args(cases="all")
     rank, world = init_distributed(fp16=True)
-    run_cases([(k, lambda r, w, k=k: run(k, r, w)) for k in ("ddp", "z2")], args.cases, args.out, rank, world,
+    run_cases([(k, lambda r, w, k=k: run(k, r, w)) for k in ("ddp", "z2", "fsdp2")], args.cases, args.out, rank, world,
               "underflow")
 
 
