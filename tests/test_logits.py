@@ -212,11 +212,14 @@ def test_watched_modules_that_never_report_are_named_once(modules, silent, caplo
     assert dg.counters["internal_errors"] == 0
 
 
-@pytest.mark.parametrize("after,fires", [(3.0, True), (2.99, False)])
-def test_report_attention_logit_rise_rule_and_series(after, fires):
+@pytest.mark.parametrize("base,after,fires", [(10.0, 3.0, True), (10.0, 2.99, False), (0.26, 8.0, False),
+                                               (3.4, 3.0, True), (3.0, 3.3, False)])
+def test_report_attention_logit_rise_rule_and_series(base, after, fires):
     """The offline report (distgrad/report/signals.py): the series of the maximum attention logit
     is the max over layers, and the rise rule fires at 3x the previous window's median, naming
-    the layer that rose (layer 1: 10 -> 10 x after; the max over layers only 20 -> 30)."""
+    the layer that rose (layer 1: base -> base x after; the max over layers only 20 -> 30), once
+    the later median reaches 10: a rise among small logits (0.26 -> 2.1, the example job's first
+    steps from its small initialisation, healthy; 3 -> 9.9) is not a finding; 3.4 -> 10.2 is."""
     from types import SimpleNamespace
 
     from distgrad.signals.logits import LogitStats
@@ -225,7 +228,7 @@ def test_report_attention_logit_rise_rule_and_series(after, fires):
     acc = sig.SignalsAccumulator(max_points=64)
     W = sig.WINDOW
     for s in range(2 * W):
-        v = 10.0 if s < W else 10.0 * after
+        v = base if s < W else base * after
         acc.add(SimpleNamespace(step=s, logits=LogitStats(attention_max={"0": 20.0, "1": v}, z_mean=3.0, z_max=4.0,
                                                           output_abs_max=7.0, positions=8)))
     res = acc.result()
@@ -234,7 +237,7 @@ def test_report_attention_logit_rise_rule_and_series(after, fires):
     if fires:
         assert f[0].layer == "1" and f[0].step == 2 * W - 1 and "docs/runbook.md#signal-attention-logit-rise" in f[0].detail
     s = next(s for s in res.series if s.signal == "logits" and s.metric == "attention_max")
-    assert s.glob.last[-1, 0] == max(20.0, 10.0 * after) and s.layers == ["0", "1"]  # the max over layers
+    assert s.glob.last[-1, 0] == max(20.0, base * after) and s.layers == ["0", "1"]  # the max over layers
 
 
 

@@ -53,7 +53,8 @@ Findings (rules; ``W`` = :data:`WINDOW` sampled steps):
 * ``update_rms_rise``: the rise rule (below) on the update RMS.
 * ``update_ratio_rise``: the rise rule on the applied update/weight ratio (``update_geometry``).
 * ``attention_logit_rise``: the rise rule on the maximum attention logit (over layers or in a
-  layer); named at the first step it held, with the layer of largest rise then.
+  layer), with the later median at least :data:`RISE_FLOOR` (10); named at the first step it
+  held, with the layer of largest rise then.
 * ``curvature_rise``: the median curvature of the last ``W`` sampled steps is at least
   :data:`RISE_FACTOR` (3) times the median of the ``W`` before them, both positive, globally or in
   a layer (sharpening); named at the first step it held, with the layer of largest rise then.
@@ -95,6 +96,11 @@ LOST_NAMED = 3
 NOISE_MIN_STEPS = 20
 NOISE_FACTOR = 2.0
 RISE_FACTOR = 3.0
+#: (signal, metric) -> the level the later median must reach for the rise rule to hold: the
+#: maximum attention logit of a healthy small model stays near 10 (docs/runbook.md,
+#: DistgradAttentionLogitHigh), and a rise below it (0.3 -> 2 over the first steps from a small
+#: initialisation, the example job's healthy run) is the softmax leaving uniform, not growth
+RISE_FLOOR = {("logits", "attention_max"): 10.0}
 ADAM_MIN_STEP = 100
 UPDATE_RMS_MAX = 2.0
 SPIKE_FRACTION_MAX = 0.01
@@ -382,7 +388,8 @@ class SignalsAccumulator:
             warnings.simplefilter("ignore", RuntimeWarning)
             before = np.nanmedian(cols[:WINDOW], axis=0)
             after = np.nanmedian(cols[WINDOW:], axis=0)
-            ratio = np.where((before > 0) & (after > 0), after / before, np.nan)
+            ratio = np.where((before > 0) & (after > 0) & (after >= RISE_FLOOR.get((fld, metric), 0.0)),
+                             after / before, np.nan)
         hit = np.flatnonzero(np.nan_to_num(ratio, nan=0.0) >= RISE_FACTOR)
         if not hit.size:
             return
