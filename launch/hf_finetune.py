@@ -9,6 +9,9 @@ serves the metrics from rank 0 (default http://127.0.0.1:9400/metrics).
     .venv/bin/accelerate launch --num_processes 2 --cpu launch/hf_finetune.py           # the same via Accelerate
     .venv/bin/python launch/hf_finetune.py --steps 20                                     # one process
 
+Opt-in distgrad signals: ``--set KEY=VALUE`` (a YAML value; repeatable) or ``--distgrad-config
+FILE``, as for launch/train.py, e.g. ``--set logits.attention=true --set logits.output=true``.
+
 On GPUs the same script runs under ``accelerate launch --use_deepspeed`` / ``--use_fsdp`` or
 with ``--deepspeed CONFIG.json`` (ZeRO 0-3); the callback finds the engine itself.
 """
@@ -22,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -60,6 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="/tmp/distgrad_hf_finetune")
     ap.add_argument("--jsonl", default=None, help="also write distgrad's records here (rank 0)")
     ap.add_argument("--hold", type=float, default=0.0, help="keep serving metrics this many seconds after training")
+    ap.add_argument("--distgrad-config", default=None, help="distgrad YAML config")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a distgrad config key (YAML value), as launch/train.py's --set, "
+                         "e.g. --set logits.attention=true")
     a, _ = ap.parse_known_args(argv)
 
     from peft import LoraConfig, get_peft_model
@@ -84,12 +92,17 @@ def main(argv: list[str] | None = None) -> None:
     class Hold(TrainerCallback):  # runs before distgrad's on_train_end, which stops the exporter
         def on_train_end(self, *args, **kwargs):
             if a.hold > 0:
-                print(f"[hf_finetune] holding metrics on port {dg.instrument.port} for {a.hold:g}s", flush=True)
+                if int(os.environ.get("RANK", "0")) == 0:  # the rank that serves them
+                    print(f"[hf_finetune] holding metrics on port {dg.instrument.port} for {a.hold:g}s", flush=True)
                 time.sleep(a.hold)
 
     trainer = Trainer(model=model, args=args, callbacks=[Hold()],
                       train_dataset=Windows(data, a.block, a.steps * a.batch * a.accum * 8, seed=1))
-    dg = attach(trainer, exporter={"port": a.port}, sinks={"jsonl": {"path": a.jsonl}})  # <- the one line: every rank, before train()
+    overrides = {"exporter.port": a.port, "sinks.jsonl.path": a.jsonl}
+    for kv in a.set:
+        key, _, val = kv.partition("=")
+        overrides[key.strip()] = yaml.safe_load(val)
+    dg = attach(trainer, a.distgrad_config, **overrides)  # <- the one line: every rank, before train()
     trainer.train()
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"[hf_finetune] done; metrics were served on 127.0.0.1:{dg.instrument.port}/metrics", flush=True)

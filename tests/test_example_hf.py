@@ -1,8 +1,11 @@
 """The Hugging Face fine-tuning example (launch/hf_finetune.py) as the README starts it: 2 ranks
-under torchrun, LoRA on a random-init Llama, metrics served by rank 0 while it holds."""
+under torchrun, LoRA on a random-init Llama, metrics served by rank 0 while it holds; with the
+logit precursors switched on by its --set, served under their documented names with the values
+of the JSONL record of the served step."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,7 +26,9 @@ def test_hf_finetune_example_serves_lora_metrics(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), "launch/hf_finetune.py", "--steps", "3", "--port", str(port),
-           "--jsonl", str(jsonl), "--hold", "60"]
+           "--jsonl", str(jsonl), "--hold", "60",
+           # an opt-in family through the example's --set (README, "The example job"): served by name
+           "--set", "logits.attention=true", "--set", "logits.output=true"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     text, deadline = "", time.monotonic() + 400
     try:
@@ -44,3 +49,11 @@ def test_hf_finetune_example_serves_lora_metrics(tmp_path):
               if line.startswith("distgrad_param_grad_norm{")}
     assert params and all(".lora_A." in p or ".lora_B." in p for p in params)  # frozen base weights: none
     assert 'distgrad_clip_ratio' in text  # max_grad_norm from TrainingArguments
+    step = next(float(line.split()[1]) for line in text.splitlines() if line.startswith("distgrad_optimizer_step "))
+    rec = next(json.loads(line) for line in jsonl.read_text().splitlines() if json.loads(line)["step"] == step)
+    served = {line.split('layer="', 1)[1].split('"', 1)[0]: float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("distgrad_layer_attention_logit_max{")}
+    assert served == pytest.approx(rec["logits"]["attention_max"], rel=1e-12) and set(served) == {"0", "1"}
+    for name, key in (("distgrad_output_logit_abs_max", "output_abs_max"), ("distgrad_output_logsumexp_mean", "z_mean")):
+        value = next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
+        assert value == pytest.approx(rec["logits"][key], rel=1e-12)
