@@ -574,14 +574,14 @@ def _groups() -> dict[str, Any]:
         ),
         _rule(
             "DistgradRouterDeadExperts",
-            f"distgrad_router_dead_experts{sel()} > 0\n",
+            f"sum by (job, instance, run) (distgrad_router_layer_dead_experts{sel()}) > 0\n",
             "Experts of {{ $labels.job }} receive no tokens.",
             f"{{{{ $value | printf \"%.0f\" }}}} expert(s) of {WHO} got no token on each of the last router.dead_after "
-            f"sampled steps (sampled step {tvalue('distgrad_optimizer_step')}); the most unbalanced layer(s): "
-            + tlist("topk(3, distgrad_router_load_imbalance{job=%q,instance=%q})",
-                    '{{ $s.Labels.moe_layer }} (max/mean {{ $s.Value | printf "%.2f" }})', "moe_layer", "unknown")
-            + ". Their parameters are trained by nothing; the layers and expert indices are in the JSONL record "
-            "(router.dead). Check the load balancing (docs/runbook.md).",
+            f"sampled steps (sampled step {tvalue('distgrad_optimizer_step')}), in MoE layer(s) "
+            + tlist("distgrad_router_layer_dead_experts{job=%q,instance=%q} > 0",
+                    '{{ $s.Labels.layer }} ({{ $s.Value | printf "%.0f" }} dead)', "layer", "unknown")
+            + ". Their parameters are trained by nothing; the expert indices are in the JSONL record "
+            "(router.dead). Check the load balancing of the layer(s) named (docs/runbook.md).",
         ),
     ]
     down, gone = a["DistgradExporterDown"], a["DistgradExporterAbsent"]

@@ -152,7 +152,8 @@ ALERTS: dict[str, dict[str, Any]] = {
     # show collapse as dead experts.
     "DistgradRouterCollapse": {"severity": "critical", "for": "5m", "threshold": 3.0},
     # experts that got no token on each of the last router.dead_after sampled steps (the step
-    # count is the "for"): capacity the model pays for and does not use (a ticket)
+    # count is the "for"), per MoE layer (distgrad_router_layer_dead_experts): capacity the model
+    # pays for and does not use (a ticket naming the layers and how many experts each lost)
     "DistgradRouterDeadExperts": {"severity": "warning", "for": "0s"},
 }
 

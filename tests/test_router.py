@@ -169,13 +169,22 @@ def _deepseek_v3():
     return DeepseekV3ForCausalLM(cfg)
 
 
-def _balancing_run(flipped_layer: int | None, steps: int = COLLAPSE_STEPS, jsonl: str | None = None):
+def _balancing_run(flipped_layer: int | None, steps: int = COLLAPSE_STEPS, jsonl: str | None = None,
+                   init_bias: dict[int, dict[int, float]] | None = None, reference: list | None = None):
     """DeepSeek-V3's auxiliary-loss-free balancing (arXiv 2412.19437 sec. 2.1.2): after each step
     the loop moves each expert's bias ``e_score_correction_bias`` by ``gamma`` against its load
     (down when above the mean). ``flipped_layer``: that layer's update has the wrong sign (a bug),
     so the busiest expert's bias keeps rising until every token goes to it. ``jsonl``: a path for
-    distgrad's JSONL sink (tests/monitoring/test_precursor_paging.py replays it through the rules)."""
+    distgrad's JSONL sink (tests/monitoring/test_precursor_paging.py replays it through the rules).
+    ``init_bias``: ``{layer: {expert: bias}}`` set before the first step (a restored balancing
+    bias). ``reference``: a list that gets, per step, ``{layer: float64 tokens per expert}``
+    recomputed from each router's own input, weight and bias (captured by a pre-hook): the
+    top-k of ``sigmoid(x W^T) + bias`` in float64, counted with ``bincount``."""
     model = _deepseek_v3()
+    with torch.no_grad():
+        for i, experts in (init_bias or {}).items():
+            for e, b in experts.items():
+                model.model.layers[i].mlp.gate.e_score_correction_bias[e] = b
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"},
                              router={"enabled": True, "dead_after": 5},
@@ -184,6 +193,11 @@ def _balancing_run(flipped_layer: int | None, steps: int = COLLAPSE_STEPS, jsonl
     gates = [layer.mlp.gate for layer in model.model.layers]
     hs = [g.register_forward_hook(lambda m, a, o, i=i: loads.__setitem__(i, torch.bincount(
         o[-1].reshape(-1), minlength=4).float())) for i, g in enumerate(gates)]
+    seen: dict[int, tuple] = {}
+    if reference is not None:
+        hs += [g.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(i, (
+            a[0].detach().reshape(-1, a[0].shape[-1]).double(), m.weight.detach().double(),
+            m.e_score_correction_bias.detach().double(), m.top_k))) for i, g in enumerate(gates)]
     g = torch.Generator().manual_seed(1)
     recs = []
     for _s in range(steps):
@@ -192,6 +206,9 @@ def _balancing_run(flipped_layer: int | None, steps: int = COLLAPSE_STEPS, jsonl
         opt.step()
         opt.zero_grad()
         recs.append(dg.last_record.router)
+        if reference is not None:  # n_group = topk_group = 1: no group masking
+            reference.append({str(i): torch.bincount(torch.topk(torch.sigmoid(x @ w.T) + b, k, dim=-1).indices.reshape(-1),
+                                                     minlength=w.shape[0]).double() for i, (x, w, b, k) in seen.items()})
         with torch.no_grad():
             for i, gate in enumerate(gates):
                 sign = 1.0 if i == flipped_layer else -1.0
@@ -294,3 +311,57 @@ def test_finish_dead_streak_checkpointed_and_layers_not_seen_everywhere_left_out
     assert "0" not in r.tokens and "0" not in r.imbalance and "0" not in r.dead
     assert r.dead == {"1": [1]}  # the restored streak: a fresh signal would not call it dead yet
     assert step(make(), 2, [6, 0, 6], [12, 0]).dead == {"0": [], "1": []}
+
+
+#: the starved-experts case: layer 1's balancing bias restored with experts 2 and 3 at -0.5
+STARVED = {1: {2: -0.5, 3: -0.5}}
+#: router.dead_after of _balancing_run
+DEAD_AFTER = 5
+
+
+def dead_from_counts(reference: list[dict[str, torch.Tensor]], dead_after: int = DEAD_AFTER) -> list[dict]:
+    """Per step ``{layer: [experts with no token on each of the last dead_after steps]}`` from
+    float64 tokens per expert (``_balancing_run``'s ``reference``), counted over windows of steps
+    (not as a running streak, as distgrad's host state does)."""
+    out = []
+    for s in range(len(reference)):
+        win = reference[max(0, s - dead_after + 1):s + 1]
+        out.append({lay: ([e for e in range(len(c)) if all(w[lay][e] == 0 for w in win)] if len(win) == dead_after
+                          else []) for lay, c in reference[s].items()})
+    return out
+
+
+def test_starved_experts_dead_per_layer_equal_float64_recomputation():
+    """The realistic dead-expert case: DeepSeek-V3's balancing bias is restored (a checkpoint taken
+    under another data mix, or resharded with another expert order) with experts 2 and 3 of layer
+    1 at -0.5. Its sigmoid scores lie in (0, 1) and stay near 0.5 for a young router, so their
+    biased scores stay below the others' and they get no token; the bias update (gamma per step)
+    needs ~0.5 / (2 gamma) = 125 steps to close the gap. Layer 1's dead experts
+    (distgrad_router_layer_dead_experts{layer="1"}) equal those recomputed from the routers' own
+    inputs in float64; layer 0 keeps all its experts; the load of layer 1 stays spread over two
+    experts (imbalance about 2; above DistgradRouterCollapse's threshold of 3 on single steps, never
+    for as long as its for:): only the dead-expert alert can name this layer."""
+    from grafana import config as gconfig
+
+    ref: list = []
+    recs = _balancing_run(flipped_layer=None, init_bias=STARVED, reference=ref)
+    dead = dead_from_counts(ref)
+    for r, counts, d in zip(recs, ref, dead):
+        assert {k: v for k, v in r.tokens.items()} == {k: c.tolist() for k, c in counts.items()}  # exact integers
+        assert r.dead == d
+        served = RouterHealth.samples(r)
+        assert served["distgrad_router_layer_dead_experts"] == {k: float(len(v)) for k, v in d.items()}
+        assert served["distgrad_router_dead_experts"] == float(sum(len(v) for v in d.values()))
+    assert all(d == {"0": [], "1": []} for d in dead[:DEAD_AFTER - 1])
+    assert all(d == {"0": [], "1": [2, 3]} for d in dead[DEAD_AFTER - 1:]), dead
+    threshold = gconfig.ALERTS["DistgradRouterCollapse"]["threshold"]
+    print("starved layer 1: imbalance", [round(r.imbalance["1"], 2) for r in recs])
+    # at one sampled step per 30 s (tests/monitoring/test_precursor_paging.py), the collapse alert's
+    # for: needs more consecutive steps above its threshold than this case ever has
+    from grafana.rule_replay import parse_duration
+
+    longest, run = 0, 0
+    for r in recs:
+        run = run + 1 if r.imbalance["1"] > threshold else 0
+        longest = max(longest, run)
+    assert longest < parse_duration(gconfig.ALERTS["DistgradRouterCollapse"]["for"]) / 30.0, longest

@@ -79,9 +79,10 @@ The default budget is :data:`DEFAULT_SERIES_BUDGET` ``= 2500`` and the default `
 embed, norm, head), K = 10. With the default configuration (2026-12-02: LAYER_SERIES = 6 and
 GLOBAL_SERIES = 192 for its families) the fixed part is 6*83 + 10 + 192 = 700, so at most
 floor((2500 - 700) / 10) = 180 parameters can have per-parameter series; with the default top-k,
-10*100 + 700 = 1700 series (1800 with the update ratio). With every family on (LAYER_SERIES = 13,
-GLOBAL_SERIES = 273 on that date; both grow as metrics are declared) the fixed part is 1362 and
-the update-ratio case keeps floor((2500 - 1362) / 11) = 103 parameters; a step with many
+10*100 + 700 = 1700 series (1800 with the update ratio). With every family on (LAYER_SERIES = 14,
+GLOBAL_SERIES = 273 on that date; both grow as metrics are declared) the fixed part is
+14*83 + 10 + 273 = 1445 and the update-ratio case keeps floor((2500 - 1445) / 11) = 95
+parameters (the router's per-layer dead-expert count, 2026-12-02, took it below the top-k); a step with many
 non-finite parameters is capped below the budget (:func:`select_series`). The budget was 2000
 until the opt-in families of 2026-12 (per-layer attention logits, incidents, replica checks),
 then counted whether on or not, pushed the update-ratio case to 2066.

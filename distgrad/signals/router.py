@@ -233,7 +233,15 @@ class RouterHealth(PackedSignal):
                   "expert, coefficient of variation and entropy are in the JSONL record (`router.*`)"),
         gauge("distgrad_router_dead_experts", "experts", "Experts that got no token on each of the last "
               "router.dead_after sampled steps (all ranks), summed over MoE layers.", _when,
-              doc="the layers and expert indices are in the JSONL record (`router.dead`)"),
+              doc="the sum over layers of `distgrad_router_layer_dead_experts`; the expert indices are in the JSONL "
+                  "record (`router.dead`)"),
+        gauge("distgrad_router_layer_dead_experts", "experts", "Experts of a MoE layer that got no token on each of "
+              "the last router.dead_after sampled steps (all ranks).", _when, ("layer",),
+              doc="one series per MoE layer observed on every rank (0 while its experts all get tokens), `layer` as "
+                  "the other per-layer metrics (the layer of the router's parameters), so the series budget counts "
+                  "it once per layer group when `router.enabled` (a layer with two routers: the second router's "
+                  "module name); DistgradRouterDeadExperts fires on it and names the layers; the expert indices are "
+                  "in the JSONL record (`router.dead`)"),
         gauge("distgrad_router_entropy_min_nats", "nats", "Lowest over MoE layers of the mean over tokens of the "
               "entropy of the router's softmax.", _when, doc="`log E` for a uniform router, 0 for a one-hot one"),
         gauge("distgrad_router_aux_loss", "1", "Auxiliary load-balancing loss of the MoE layers (DeepSpeed: sum "
@@ -244,12 +252,12 @@ class RouterHealth(PackedSignal):
     @staticmethod
     def samples(part: RouterHealth.Part) -> dict[str, Any]:
         """The imbalance of the :data:`MAX_LAYER_SERIES` most unbalanced layers; the dead experts
-        of all layers, the lowest entropy, the auxiliary loss (per-layer values of everything are
-        in the JSONL record: per-layer series would be counted for every layer of every model by
-        the series budget)."""
+        of each layer (``{layer: count}``, every layer of the part) and their sum, the lowest
+        entropy, the auxiliary loss (the other per-layer values are in the JSONL record)."""
         top = sorted(part.imbalance.items(), key=lambda kv: -kv[1])[:MAX_LAYER_SERIES]
         return {"distgrad_router_load_imbalance": dict(top),
                 "distgrad_router_dead_experts": float(sum(len(v) for v in part.dead.values())),
+                "distgrad_router_layer_dead_experts": {lab: float(len(v)) for lab, v in part.dead.items()},
                 "distgrad_router_entropy_min_nats": min(part.entropy.values()) if part.entropy else None,
                 "distgrad_router_aux_loss": part.aux_loss}
 

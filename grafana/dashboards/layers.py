@@ -150,6 +150,11 @@ def build() -> Dashboard:
                f"{config.ALERTS['DistgradRouterCollapse']['threshold']}; "
                "per-layer CV, entropy and dead experts are in the JSONL record (router.*).",
                queries((f"distgrad_router_load_imbalance{{{S}}}", "max/mean {{moe_layer}}")), 12, 8, min_=0),
+            ts("Dead experts per MoE layer", "Experts of each MoE layer that got no token on each of the last "
+               "router.dead_after sampled steps, all ranks (router.enabled); DistgradRouterDeadExperts fires when any "
+               "layer has one and names the layers; the expert indices are in the JSONL record (router.dead).",
+               queries((f"distgrad_router_layer_dead_experts{{{S}}}", "dead experts layer {{layer}}")), 12, 8,
+               min_=0),
             ts("Dead experts, lowest router entropy, auxiliary loss", "Experts that got no token on each of the last "
                "router.dead_after sampled steps, all MoE layers (DistgradRouterDeadExperts); the lowest over layers "
                "of the mean router softmax entropy (nats; log E uniform, toward 0 as a router turns one-hot); the "

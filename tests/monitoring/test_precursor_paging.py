@@ -5,8 +5,10 @@ update has the wrong sign collapses onto one expert), tests/test_fp8.py (a float
 input becomes all zeros at step 2: amax 0) and tests/dist/fp8_fsdp_cases.py (FSDP2 with torchao's
 float8 all-gather, 2 ranks, ``precompute_float8_dynamic_scale_for_fsdp`` called once at set-up:
 the growing weights of layer 1 saturate), each with its healthy twin (the right sign; the normal
-input; the precompute call after each optimizer step), write distgrad's JSONL log; the SHIPPED
-rule file is evaluated over every record of the six logs (grafana/rule_replay.py
+input; the precompute call after each optimizer step), and the starved-experts case of
+tests/test_router.py (layer 1's balancing bias restored with experts 2 and 3 at -0.5: they get no
+token; the right-sign run is its healthy twin), write distgrad's JSONL log; the SHIPPED
+rule file is evaluated over every record of the seven logs (grafana/rule_replay.py
 ``evaluate_jsonl``: distgrad's exporter renders each record, promtool backfills, a real
 Prometheus evaluates each rule with ``for:`` applied), and the firing alert's annotations are
 rendered by Prometheus' template engine
@@ -39,12 +41,16 @@ DT = 30.0
 @pytest.fixture(scope="module")
 def replay(tmp_path_factory):
     from tests.test_fp8 import _batch, _run
-    from tests.test_router import _balancing_run
+    from tests.test_router import STARVED, _balancing_run
 
     tmp = tmp_path_factory.mktemp("precursor_paging")
-    paths = {name: tmp / f"{name}.jsonl" for name in ("router_flipped", "router_ok", "fp8_zero", "fp8_ok")}
+    paths = {name: tmp / f"{name}.jsonl" for name in ("router_flipped", "router_ok", "router_starved", "fp8_zero",
+                                                       "fp8_ok")}
     _balancing_run(flipped_layer=1, jsonl=str(paths["router_flipped"]))
     _balancing_run(flipped_layer=None, jsonl=str(paths["router_ok"]))
+    starved_counts: list = []  # float64 tokens per expert recomputed from the routers' own inputs
+    _balancing_run(flipped_layer=None, jsonl=str(paths["router_starved"]), init_bias=STARVED,
+                   reference=starved_counts)
 
     def zero_at_2(s, micro):
         x, y = _batch()(s, micro)
@@ -66,7 +72,8 @@ def replay(tmp_path_factory):
         ev = rule_replay.evaluate_jsonl(paths, RULES_PATH, dt=DT)
     except FileNotFoundError as e:
         pytest.skip(f"monitoring binaries missing: {e}")
-    return {"ev": ev, "recs": {n: rule_replay.read_records(p) for n, p in paths.items()}}
+    return {"ev": ev, "recs": {n: rule_replay.read_records(p) for n, p in paths.items()},
+            "starved_counts": starved_counts}
 
 
 def test_router_collapse_pages_naming_layer_1_and_the_balanced_run_fires_nothing(replay):
@@ -153,3 +160,31 @@ def test_fp8_stale_precomputed_scale_saturation_pages_naming_layer_1_and_the_doc
           + ann["summary"] + " " + ann["description"])
     assert rule_replay.render_alerts(recs, "fp8_stale", RULES_PATH, "DistgradFp8Saturation", fire - 1, DT) == []
     assert replay["ev"]["fp8_fresh"].pages() == []
+
+
+def test_dead_experts_page_naming_the_starved_layer_and_the_balanced_run_fires_nothing(replay):
+    """DistgradRouterDeadExperts fires at the first step where the float64 recomputation
+    (tests/test_router.py ``dead_from_counts``) has an expert without a token for
+    router.dead_after steps, names layer 1 (not the healthy layer 0) with its number of dead
+    experts, and is the only alert of the run; the balanced run fires nothing."""
+    from tests.test_router import dead_from_counts
+
+    recs = replay["recs"]["router_starved"]
+    dead = dead_from_counts(replay["starved_counts"])
+    assert len(dead) == len(recs)
+    first = next(i for i, d in enumerate(dead) if any(d.values()))
+    named = {lay: len(e) for lay, e in dead[first].items() if e}
+    assert named == {"1": 2}, dead[first]  # experts 2 and 3 of layer 1; layer 0 keeps every expert
+    fire = recs[first].step
+    ev = replay["ev"]["router_starved"]
+    assert ev.pages() == [("DistgradRouterDeadExperts", fire)], ev.pages()  # a ticket, and nothing else
+    ((labels, ann),) = rule_replay.render_alerts(recs, "router_starved", RULES_PATH, "DistgradRouterDeadExperts",
+                                                 fire, DT)
+    assert labels["severity"] == gconfig.ALERTS["DistgradRouterDeadExperts"]["severity"] == "warning"
+    assert labels["run"] == "router_starved" and "layer" not in labels
+    assert ann["description"].startswith("2 expert(s) of distgrad run router_starved"), ann["description"]
+    assert f"(sampled step {fire}), in MoE layer(s) 1 (2 dead)." in ann["description"], ann["description"]
+    assert rule_replay.render_alerts(recs, "router_starved", RULES_PATH, "DistgradRouterDeadExperts", fire - 1,
+                                     DT) == []
+    print(f"dead experts: page at step {fire}: " + ann["description"])
+    assert replay["ev"]["router_ok"].pages() == []
