@@ -312,3 +312,42 @@ def test_a_holding_plugin_must_declare_its_step_gauge():
     with pytest.raises(ValueError, match="distgrad_test_hold_step"):
         metrics.register((entry,), "test_hold", lambda part: {}, hold=True)
     assert len(metrics.CATALOGUE) == n and metrics.PLUGIN_HOLD == held
+
+
+def test_signal_pack_calls_exchange_on_every_sampled_step_pieces_or_not():
+    """PackedSignal.exchange (a signal's own collectives, e.g. the underflow recomputation's FSDP2
+    parameter all-gather) runs before local() on a step with pieces AND on a refused/failed step
+    (pieces None, local() not called), so every rank makes the same collectives; a raising
+    exchange is counted and the step's local() still runs. A duck-typed stand-in, not a
+    PackedSignal subclass (no class is registered)."""
+    from types import SimpleNamespace
+
+    from distgrad.signals import SignalPack
+
+    calls: list[str] = []
+
+    class Spy:
+        name, sum_size, max_size, fail = "spy", 1, 0, False
+
+        def exchange(self, inst, device):
+            calls.append("exchange")
+            if self.fail:
+                raise RuntimeError("boom")
+
+        def local(self, inst, pieces, device):
+            calls.append("local")
+            return torch.ones(1, dtype=torch.float64), None
+
+    errors: list[str] = []
+    inst = SimpleNamespace(_internal_error=errors.append)
+    spy = Spy()
+    pack = SignalPack([spy])
+    s, _ = pack.block(inst, None, torch.device("cpu"))
+    assert calls == ["exchange"] and s.tolist() == [0.0, 0.0]  # identities, no failure flag
+    calls.clear()
+    s, _ = pack.block(inst, [torch.zeros(2)], torch.device("cpu"))
+    assert calls == ["exchange", "local"] and s.tolist() == [0.0, 1.0]
+    calls.clear()
+    spy.fail = True
+    s, _ = pack.block(inst, [torch.zeros(2)], torch.device("cpu"))
+    assert calls == ["exchange", "local"] and errors == ["signal spy exchange"] and s.tolist() == [0.0, 1.0]
