@@ -193,7 +193,7 @@ def test_a_forward_without_loss_measures_nothing_and_never_breaks_the_loop(caplo
     assert all(r.params is not None for r in recs)
 
 
-@pytest.mark.parametrize("engine,stage,job", [("fsdp1", None, None), ("deepspeed", 3, None), ("ddp", None, object())])
+@pytest.mark.parametrize("engine,stage,job", [("fsdp1", None, None), ("ddp", None, object())])
 def test_refused_where_no_rank_holds_every_parameter(engine, stage, job):
     from distgrad.config import ConfigError, DistgradConfig
     from distgrad.signals.underflow import Underflow
@@ -206,20 +206,22 @@ def test_refused_where_no_rank_holds_every_parameter(engine, stage, job):
     assert Underflow.build(ok) is not None
     off = SimpleNamespace(config=DistgradConfig(), source=ok.source, job=None)
     assert Underflow.build(off) is None
-    assert Underflow.build(ok).sharded is False
+    assert Underflow.build(ok).sharded == ""
 
 
-def test_fsdp2_built_with_the_parameter_gather():
-    """FSDP2 (refused before the parameter gather existed) builds the signal in its gathering
-    mode, with the configured bound; the layout and the bound are checked at attach
-    (tests/test_underflow_multirank.py, case fsdp2)."""
+@pytest.mark.parametrize("engine,stage", [("fsdp2", None), ("deepspeed", 3)])
+def test_sharded_engines_built_with_the_parameter_gather(engine, stage):
+    """FSDP2 and ZeRO-3 (refused before the parameter gather existed) build the signal in its
+    gathering mode, with the configured bound; the layout and the bound are checked at attach
+    (tests/test_underflow_multirank.py, cases fsdp2 and z3)."""
     from distgrad.config import DistgradConfig
     from distgrad.signals.underflow import Underflow
 
     cfg = DistgradConfig().with_overrides({"underflow": {"enabled": True, "max_gather_bytes": 1234}})
-    sig = Underflow.build(SimpleNamespace(config=cfg, source=SimpleNamespace(engine_name="fsdp2", zero_stage=None),
+    sig = Underflow.build(SimpleNamespace(config=cfg, source=SimpleNamespace(engine_name=engine, zero_stage=stage),
                                           job=None))
-    assert sig is not None and sig.sharded and sig.max_gather_bytes == 1234
+    assert sig is not None and sig.sharded == ("fsdp2" if engine == "fsdp2" else "zero3")
+    assert sig.max_gather_bytes == 1234
     assert DistgradConfig().underflow.max_gather_bytes == 4 * 2**30
 
 

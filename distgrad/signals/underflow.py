@@ -30,8 +30,8 @@ low-precision gradient; **genuinely zero** = zero in the reference. Per layer th
 low-precision zeros, reference zeros, elements, low-precision non-finite) are summed over the
 layer's parameters and ride in the step's SUM all-reduce (``2 + 5 L`` float64: a per-rank
 "recomputed" count and the loss scale used first), so the job's ratio is over the W recomputed
-micro-batches. No extra collective (but FSDP2's parameter all-gather on a recomputation step,
-below) and no host synchronisation (counts stay on the device until the step's one copy);
+micro-batches. No extra collective (but FSDP2's / ZeRO-3's parameter all-gather on a
+recomputation step, below) and no host synchronisation (counts stay on the device until the step's one copy);
 the loss scale of a ``GradScaler`` is its device tensor.
 
 The replay runs through ``functional_call``'s parameter swap on the user's module (DDP: the
@@ -60,13 +60,22 @@ same as on DDP: the gradient one micro-batch produces on one rank *before* the r
 float32 recomputation. Steps that do not recompute keep their 2 collectives and 1 host copy.
 The full float32 model (4 bytes per parameter) must fit ``underflow.max_gather_bytes`` (default
 4 GiB), checked at ``instrument()`` with a ``ConfigError`` otherwise; HSDP, tensor parallelism
-or a ``shard_placement_fn`` (other placements) are refused there too. FSDP1, ZeRO-3 and
-model-parallel layouts (pipeline stages, experts elsewhere) are refused at ``instrument()``: no
-rank holds the parameters the forward needs and no gather of them is implemented.
+or a ``shard_placement_fn`` (other placements) are refused there too.
+
+DeepSpeed ZeRO-3 the same way: the one all-gather packs each parameter's flat partition
+(``p.ds_tensor``, already padded by DeepSpeed, in the parameter's fp16/bf16/fp32 dtype, exact in
+float32) over ``p.ds_process_group``; the replay runs on ``engine.module`` with ZeRO-3's
+fetch/release hooks set aside, the training-precision pass with the gathered values in the
+parameter's own dtype (as on ZeRO-0/1/2, where the module's parameters are the 16-bit copies the
+forward used), the reference in float32. Partitions over more than one group (MiCS) are refused.
+
+FSDP1 and model-parallel layouts (pipeline stages, experts elsewhere) are refused at
+``instrument()``: no rank holds the parameters the forward needs and no gather of them is
+implemented.
 
 Cost, paid only on a recomputation step: two forward + backward passes of one micro-batch on
 each rank (the reference in float32), a float32 copy of the parameters when they are held in
-16 bits, one bool mask per parameter (1 byte per element) and per-layer sums. On FSDP2 on top:
+16 bits, one bool mask per parameter (1 byte per element) and per-layer sums. On FSDP2 / ZeRO-3 on top:
 the all-gather (each rank receives the float32 model, ``4 x`` the parameter count bytes, padding
 included), the gathered buffer and its unpacked copy (twice the float32 model for the length of
 the unpacking, then once for the two passes), and the training-precision copy in
@@ -224,8 +233,8 @@ class Underflow(PackedSignal):
             "Every underflow.interval-th sampled step, recompute one micro-batch per rank in the training "
             "precision and in float32 and count, per layer, the gradient elements that are non-zero in float32 "
             "but exactly zero in the training precision (lost to underflow). Costs two forward+backward passes of "
-            "one micro-batch on that step (on FSDP2 also one all-gather of the parameters, see "
-            "underflow.max_gather_bytes). Needs the model's forward to return the loss; not on FSDP1, ZeRO-3 or "
+            "one micro-batch on that step (on FSDP2 and DeepSpeed ZeRO-3 also one all-gather of the parameters, see "
+            "underflow.max_gather_bytes). Needs the model's forward to return the loss; not on FSDP1 or "
             "model-parallel layouts."))
         interval: int = Field(10, ge=1, description=(
             "Recompute on every interval-th sampled step: those whose index step / sampling.interval is a multiple "
@@ -236,11 +245,12 @@ class Underflow(PackedSignal):
             "underflow depends on it. DeepSpeed's own division by the accumulation steps is applied automatically."))
         worst: int = Field(3, ge=1, le=20, description="Layers named in the record's worst list (most lost first).")
         max_gather_bytes: int = Field(4 * 2**30, ge=0, description=(
-            "FSDP2 only: the largest full float32 model (4 bytes times the parameter count) whose parameters a "
-            "recomputation step all-gathers onto every rank; a larger model is refused at instrument() (no rank "
-            "could hold the copy). A recomputation step on FSDP2 costs one extra all-gather of the float32 shards and "
-            "a full float32 copy of the parameters on each rank for its duration (plus the training-precision copy "
-            "and the two passes' gradients); other steps are unchanged."))
+            "FSDP2 and DeepSpeed ZeRO-3 only: the largest full float32 model (4 bytes times the parameter "
+            "count) whose parameters a recomputation step all-gathers onto every rank; a larger model is refused at "
+            "instrument() (no rank could hold the copy). A recomputation step there costs one extra all-gather of "
+            "the float32 shards and a full float32 copy of the parameters on each rank for its duration (twice while "
+            "it is unpacked; plus the training-precision copy and the two passes' gradients); other steps are "
+            "unchanged."))
 
     @dataclass
     class Part(_Part):
@@ -304,34 +314,36 @@ class Underflow(PackedSignal):
     def build(cls, inst: Any) -> Underflow | None:
         """``underflow.enabled``: the signal (its layers are found at :meth:`attach`), or None.
 
-        On FSDP2 the signal all-gathers the parameters on its recomputation steps (``sharded``;
-        the layout and the size bound are checked at :meth:`attach`).
+        On FSDP2 and DeepSpeed ZeRO-3 the signal all-gathers the parameters on its
+        recomputation steps (``sharded``: ``"fsdp2"`` / ``"zero3"``, else ``""``; the layout and
+        the size bound are checked at :meth:`attach`).
 
         Raises:
-            ConfigError: FSDP1, DeepSpeed ZeRO-3 or a model-parallel layout (pipeline stages,
-                experts elsewhere): no rank holds the whole model's parameters and no gather of
-                them is implemented.
+            ConfigError: FSDP1 or a model-parallel layout (pipeline stages, experts elsewhere):
+                no rank holds the whole model's parameters and no gather of them is implemented.
         """
         cfg = inst.config.underflow
         if not cfg.enabled:
             return None
         engine = getattr(inst.source, "engine_name", "")
         stage = getattr(inst.source, "zero_stage", None)
-        if engine == "fsdp1" or stage == 3 or getattr(inst, "job", None) is not None:
+        if engine == "fsdp1" or getattr(inst, "job", None) is not None:
             raise ConfigError(f"distgrad config: 'underflow.enabled' is not supported on engine {engine!r}"
-                              + (" with ZeRO-3" if stage == 3 else "") + " or with pipeline/expert parallelism: "
-                              "the recomputation needs every parameter of the model on each rank (FSDP2 is "
-                              "supported: its parameters are all-gathered on a recomputation step)")
+                              " or with pipeline/expert parallelism: the recomputation needs every parameter of the "
+                              "model on each rank (FSDP2 and DeepSpeed ZeRO-3 are supported: their parameters are "
+                              "all-gathered on a recomputation step)")
+        sharded = "fsdp2" if engine == "fsdp2" else "zero3" if stage == 3 else ""
         return cls(int(cfg.interval), float(cfg.loss_factor), int(cfg.worst), inst.config.naming.tuples,
-                   int(inst.config.sampling.interval), sharded=engine == "fsdp2",
-                   max_gather_bytes=int(cfg.max_gather_bytes))
+                   int(inst.config.sampling.interval), sharded=sharded, max_gather_bytes=int(cfg.max_gather_bytes))
 
     def __init__(self, interval: int, loss_factor: float = 1.0, worst: int = 3, naming_rules: Any = None,
-                 sampling_interval: int = 1, *, sharded: bool = False, max_gather_bytes: int = 4 * 2**30) -> None:
+                 sampling_interval: int = 1, *, sharded: str = "", max_gather_bytes: int = 4 * 2**30) -> None:
         self.interval, self.loss_factor, self.n_worst = int(interval), float(loss_factor), int(worst)
         self.sampling_interval = max(1, int(sampling_interval))
         self.naming_rules = naming_rules
-        self.sharded, self.max_gather_bytes = bool(sharded), int(max_gather_bytes)
+        if sharded not in ("", "fsdp2", "zero3"):
+            raise ValueError(f"sharded: {sharded!r}")
+        self.sharded, self.max_gather_bytes = sharded, int(max_gather_bytes)
         self._shards: list[tuple[int, int, tuple[int, ...]]] = []  # per parameter (padded chunk, numel, shape)
         self._group: Any = None
         self._world = 1
@@ -367,15 +379,16 @@ class Underflow(PackedSignal):
         """Find the layers of ``module``'s trainable parameters and keep the first micro-batch of
         each step (a forward pre-hook on ``module``).
 
-        On FSDP2 (``sharded``) also: the all-gather's layout (per parameter its padded dim-0
-        chunk), the mesh's process group, and per parameter the dtype its training forward runs
-        in (the ``MixedPrecisionPolicy.param_dtype`` of the ``fully_shard`` unit holding it, else
-        its own dtype).
+        On FSDP2 / ZeRO-3 (``sharded``) also: the all-gather's layout (per parameter its padded
+        chunk), its process group, and per parameter the dtype its training forward runs in
+        (FSDP2: the ``MixedPrecisionPolicy.param_dtype`` of the ``fully_shard`` unit holding it,
+        else its own dtype; ZeRO-3: its own dtype, fp16/bf16 under DeepSpeed's mixed precision).
 
         Raises:
             ConfigError: ``module`` is not a module, or has no trainable parameter; on FSDP2 a
                 parameter not sharded on dim 0 over a 1-D mesh (HSDP, tensor parallelism, a
-                ``shard_placement_fn``), or a full float32 model larger than
+                ``shard_placement_fn``); on ZeRO-3 a parameter without its partition or
+                partitions over more than one group (MiCS); a full float32 model larger than
                 ``underflow.max_gather_bytes``."""
         if not isinstance(module, torch.nn.Module):
             raise ConfigError("distgrad config: 'underflow.enabled' needs the model as a torch.nn.Module")
@@ -415,13 +428,54 @@ class Underflow(PackedSignal):
         self._full = None
         self._next = int(step) + 1
 
-    # ---- FSDP2: the parameters gathered on a recomputation step -----------------------------
+    # ---- FSDP2 / ZeRO-3: the parameters gathered on a recomputation step ---------------------
     def _plan_gather(self, module: torch.nn.Module) -> None:
+        label = "FSDP2" if self.sharded == "fsdp2" else "DeepSpeed ZeRO-3"
+        self._shards, self._low_dtypes = [], []
+        if self.sharded == "fsdp2":
+            self._group, self._world = self._plan_fsdp2(module)
+        else:
+            self._group, self._world = self._plan_zero3()
+        full = 4 * sum(numel for _, numel, _ in self._shards)
+        if full > self.max_gather_bytes:
+            raise ConfigError(f"distgrad config: 'underflow.enabled' on {label}: the full float32 model is {full} "
+                              f"bytes, above 'underflow.max_gather_bytes' ({self.max_gather_bytes}); a recomputation "
+                              "step would all-gather it onto every rank. Raise the bound if each rank can hold it "
+                              "(twice, while it is unpacked), or switch underflow off")
+
+    def _plan_zero3(self) -> tuple[Any, int]:
+        """ZeRO-3: each parameter flattened and cut in W equal partitions (the last padded), this
+        rank's in ``p.ds_tensor`` (``ds_tensor.ds_numel`` elements), over ``p.ds_process_group``."""
+        import torch.distributed as dist
+
+        group: Any = None
+        for i, (n, p) in enumerate(self.params):
+            t = getattr(p, "ds_tensor", None)
+            if t is None or not hasattr(p, "ds_numel"):
+                raise ConfigError(f"distgrad config: 'underflow.enabled' on DeepSpeed ZeRO-3: parameter {n!r} is not "
+                                  "partitioned by ZeRO-3 (no ds_tensor)")
+            g = getattr(p, "ds_process_group", None)
+            if i and g is not group:
+                raise ConfigError("distgrad config: 'underflow.enabled' on DeepSpeed ZeRO-3: the parameters are "
+                                  "partitioned over more than one process group (MiCS?); the recomputation gathers "
+                                  "over one")
+            group = g
+            part = int(getattr(t, "ds_numel", t.numel()))
+            zp: Any = p  # DeepSpeed's attributes on the parameter
+            self._shards.append((part, int(zp.ds_numel), tuple(zp.ds_shape)))
+            self._low_dtypes.append(p.dtype)
+        world = int(dist.get_world_size(group))
+        for (n, _), (part, numel, _) in zip(self.params, self._shards):
+            if part * world < numel:
+                raise ConfigError(f"distgrad config: 'underflow.enabled' on DeepSpeed ZeRO-3: parameter {n!r}'s "
+                                  f"partitions ({world} x {part}) do not cover its {numel} elements")
+        return group, world
+
+    def _plan_fsdp2(self, module: torch.nn.Module) -> tuple[Any, int]:
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor, Shard
 
         mesh = None
-        self._shards = []
         for n, p in self.params:
             if not isinstance(p, DTensor):
                 raise ConfigError(f"distgrad config: 'underflow.enabled' on FSDP2: parameter {n!r} is not sharded by "
@@ -440,17 +494,10 @@ class Underflow(PackedSignal):
             row = p.numel() // d0 if d0 else 0
             self._shards.append((-(-d0 // mesh.size()) * row, p.numel(), tuple(p.shape)))
         assert mesh is not None  # attach() refused a model without trainable parameters
-        full = 4 * sum(numel for _, numel, _ in self._shards)
-        if full > self.max_gather_bytes:
-            raise ConfigError(f"distgrad config: 'underflow.enabled' on FSDP2: the full float32 model is {full} bytes, "
-                              f"above 'underflow.max_gather_bytes' ({self.max_gather_bytes}); a recomputation step "
-                              "would all-gather it onto every rank. Raise the bound if each rank can hold it (twice, "
-                              "while it is unpacked), or switch underflow off")
-        self._group, self._world = mesh.get_group(), int(mesh.size())
         units: list[tuple[str, Any]] = sorted(((name, m) for name, m in module.named_modules()
                                                if isinstance(m, FSDPModule)),
                        key=lambda u: -len(u[0]))  # the innermost unit first
-        self._units, self._low_dtypes = [], []
+        self._units = []
         try:
             for _, m in units:
                 self._units.append((m, m._get_fsdp_state()._mp_policy))  # private: torch 2.13's FSDPState
@@ -462,13 +509,20 @@ class Underflow(PackedSignal):
             pol = next((policy[id(m)] for name, m in units if not name or n.startswith(name + ".")), None)
             dt = getattr(pol, "param_dtype", None)
             self._low_dtypes.append(dt if dt is not None and p.dtype.is_floating_point else p.dtype)
+        return mesh.get_group(), int(mesh.size())
 
     def exchange(self, inst: Any, device: torch.device) -> None:
-        """FSDP2, on a recomputation step (from the step number: every rank alike), whether or not
-        this rank measures: ONE all-gather over the mesh's group of every parameter's local dim-0
-        chunk in float32, padded to ``ceil(d0 / W)`` rows (``torch.chunk``'s split, as FSDP2's
-        ``FSDPParam``), packed in one flat buffer; unpacked into a full float32 copy per
-        parameter kept for :meth:`local`. Nothing on other steps or engines. No host sync."""
+        """FSDP2 / ZeRO-3, on a recomputation step (from the step number: every rank alike),
+        whether or not this rank measures: ONE all-gather over the parameters' group of every
+        parameter's local chunk in float32, packed in one flat buffer, unpacked into a full
+        float32 copy per parameter kept for :meth:`local`. FSDP2: the dim-0 chunk
+        (``DTensor.to_local()``) padded to ``ceil(d0 / W)`` rows (``torch.chunk``'s split, as
+        FSDP2's ``FSDPParam``); ZeRO-3: the flat partition ``ds_tensor`` (already padded, in the
+        parameter's dtype: the float32 values are exact). Nothing on other steps or engines. No
+        host sync.
+
+        Raises:
+            ValueError: a local chunk larger than the planned one (the layout changed)."""
         self._full = None
         if not self.sharded or not self.recomputes(int(inst.sampled_step)):
             return
@@ -476,8 +530,11 @@ class Underflow(PackedSignal):
 
         flats = []
         for (_, p), (size, _, _) in zip(self.params, self._shards):
-            dt_param: Any = p  # a DTensor (checked at attach)
-            loc = dt_param.to_local().detach().reshape(-1).to(torch.float32)
+            dt_param: Any = p  # a DTensor / a ZeRO-3 parameter (checked at attach)
+            chunk = dt_param.to_local() if self.sharded == "fsdp2" else dt_param.ds_tensor
+            loc = chunk.detach().reshape(-1).to(torch.float32)
+            if self.sharded == "zero3":
+                loc = loc[:size]  # the partition proper (DeepSpeed may allocate more)
             if loc.numel() > size:
                 raise ValueError(f"underflow: a local shard of {loc.numel()} elements, expected at most {size}")
             flats += [loc, loc.new_zeros(size - loc.numel())]
@@ -534,7 +591,7 @@ class Underflow(PackedSignal):
               full: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor | None]:
         assert self.root is not None
         root = self.root
-        # the values swapped in: FSDP2's gathered float32 copies, else the model's own parameters
+        # the values swapped in: FSDP2's / ZeRO-3's gathered float32 copies, else the model's own parameters
         src = full if full is not None else {n: p for n, p in self.params}
         if reference:
             params = {n: src[n].detach().float().requires_grad_() for n, _ in self.params}
@@ -543,7 +600,7 @@ class Underflow(PackedSignal):
             ctx: Any = [torch.autocast(d, enabled=False) for d in ("cpu", "cuda")
                         if d == "cpu" or torch.cuda.is_available()]
         else:
-            if full is not None:  # in the dtype FSDP2's forward used (its MixedPrecisionPolicy.param_dtype)
+            if full is not None:  # in the dtype the forward used (FSDP2: MixedPrecisionPolicy.param_dtype)
                 params = {n: full[n].detach().to(dt).requires_grad_()
                           for (n, _), dt in zip(self.params, self._low_dtypes)}
             else:

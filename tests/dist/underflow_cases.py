@@ -71,7 +71,7 @@ def run(key: str, rank: int, world: int) -> dict:
     torch.manual_seed(5)
     steps, low_dtype = STEPS, None
     cfg = {"exporter": {"enabled": False}, "statistics": {"async_records": "off"},
-           "underflow": {"enabled": True, "interval": 1, "loss_factor": 1.0 / GAS if key != "z2" else 1.0}}
+           "underflow": {"enabled": True, "interval": 1, "loss_factor": 1.0 if key in ("z2", "z3") else 1.0 / GAS}}
     if key == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -100,6 +100,30 @@ def run(key: str, rank: int, world: int) -> dict:
             opt.zero_grad()
         inner, factor, autocast = None, 1.0 / GAS, False
         scale = lambda: 1.0  # noqa: E731
+    elif key == "z3":
+        import deepspeed
+
+        steps = FSDP2_STEPS
+        cfg["underflow"]["interval"] = FSDP2_INTERVAL
+        model = Decoder(vocab=65, d=33, loss_weight=1e-5)  # odd sizes: padded partitions
+        engine, _ = build_deepspeed(model, 3, "fp16", GAS, micro_batch=B, lr=0.1)
+        inst = distgrad.instrument(engine, cfg)
+
+        def fwd_bwd(ids, labels, micro):
+            engine.backward(engine(ids, labels))
+            if micro < GAS - 1:
+                engine.step()
+
+        def step():
+            engine.step()
+
+        def gathered():  # the fp16 weights of the forward, gathered by DeepSpeed (a collective: every rank)
+            plain = Decoder(65, 33, 2, loss_weight=model.loss_weight).half()
+            with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+                plain.load_state_dict({n: p.detach().clone() for n, p in engine.module.named_parameters()})
+            return plain
+        inner, factor, autocast = None, 1.0 / GAS, False
+        scale = lambda: float(inst.source.loss_scale())  # noqa: E731
     elif key == "ddp":
         model = Decoder(loss_weight=1e-5)
         w, opt = build_ddp(model, optim=lambda ps: torch.optim.SGD(ps, lr=0.1))
@@ -136,7 +160,7 @@ def run(key: str, rank: int, world: int) -> dict:
         for micro in range(GAS):
             ids, labels = batch(s, micro, rank)
             if micro == 0:
-                base = inner if inner is not None else full_decoder(model)
+                base = inner if inner is not None else gathered() if key == "z3" else full_decoder(model)
                 refs.append(reference(base, ids, labels, factor, scale(), autocast, low_dtype))
             fwd_bwd(ids, labels, micro)
         counter.around(step)
@@ -154,7 +178,7 @@ def run(key: str, rank: int, world: int) -> dict:
 def main() -> None:
     args = driver_args(cases="all")
     rank, world = init_distributed(fp16=True)
-    run_cases([(k, lambda r, w, k=k: run(k, r, w)) for k in ("ddp", "z2", "fsdp2")], args.cases, args.out, rank, world,
+    run_cases([(k, lambda r, w, k=k: run(k, r, w)) for k in ("ddp", "z2", "fsdp2", "z3")], args.cases, args.out, rank, world,
               "underflow")
 
 
