@@ -351,6 +351,30 @@ def test_llama70b_opt_in_families_over_the_budget_give_a_clear_error(llama70b):
         Diagnostics(over, names)  # at instrument() time, before any step
     # one more series of budget than the fixed part: no error, no per-parameter series
     assert check_budget(DistgradConfig.from_dict({**ALL_ON, "statistics.max_param_series": fixed_all}), names) == 0
+    # through instrument(): a budget below the global series alone fails before any step
+    import distgrad
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match="Raise statistics.max_param_series to at least"):
+        distgrad.instrument(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), exporter={"enabled": False},
+                            statistics={"max_param_series": 50})
+
+
+def test_opt_in_families_logged_with_their_series_at_set_up(llama70b, caplog):
+    names, _, _ = llama70b
+    router = DistgradConfig(router={"enabled": True})
+    n = opt_in_series(router, 83, 10)["router"]
+    # the router's per-layer dead-expert count on every layer group plus its fixed-count metrics
+    per_layer = sum(m.series() for m in metrics.CATALOGUE if m.when == "router" and m.scope == "layer")
+    fixed = sum(m.series() for m in metrics.CATALOGUE if m.when == "router" and m.scope is None)
+    assert per_layer >= 1 and n == per_layer * 83 + fixed
+    with caplog.at_level("INFO", logger="distgrad"):
+        Diagnostics(router, names)
+        Diagnostics(router, names, global_rank=1)  # one line for the job, from rank 0
+        Diagnostics(DistgradConfig(), names)  # nothing opt-in: no line
+    lines = [r.getMessage() for r in caplog.records if "opt-in metric families" in r.getMessage()]
+    assert lines == [f"distgrad: opt-in metric families switched on serve {n} Prometheus series (router: {n}) of "
+                     "the budget statistics.max_param_series = 2500"], lines
 
 
 def test_llama70b_nonfinite_params_kept_and_budget_holds(llama70b):
