@@ -172,3 +172,19 @@ def test_update_geometry_is_off_by_default_and_absent_on_a_skipped_first_record(
     opt.step()
     dg.close()
     assert dg.last_record.update_geometry is None
+
+
+def test_spectral_alone_is_refused_naming_the_switch():
+    """``update_geometry.spectral: true`` without ``update_geometry.enabled`` measured nothing, with
+    no word: a new user reading "spectral: true for the spectral norm" set only that key. It is
+    refused at instrument() naming the key that is missing; with both it is accepted."""
+    from distgrad.config import ConfigError
+
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=r"'update_geometry.spectral'.*update_geometry.enabled: true"):
+        distgrad.instrument(m, optimizer=opt, exporter={"enabled": False}, update_geometry={"spectral": True})
+    dg = distgrad.instrument(m, optimizer=opt, exporter={"enabled": False},
+                             update_geometry={"enabled": True, "spectral": True})
+    assert "update_geometry" in {s.name for s in dg.signals.signals}
+    dg.close()

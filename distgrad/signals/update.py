@@ -168,7 +168,8 @@ class UpdateGeometry(PackedSignal):
             "the optimizer step of sampled steps; the sums ride in the next sampled step's SUM "
             "collective (4 float64 per parameter), so a record carries the previous sampled update."))
         spectral: bool = Field(False, description=(
-            "Also estimate the spectral norm of each matrix's update by a power iteration warm-started "
+            "With update_geometry.enabled (alone it is refused), also estimate the spectral norm of each "
+            "matrix's update by a power iteration warm-started "
             "across sampled updates (a lower bound that converges while the update's top direction moves "
             "slowly: a full iteration every four sampled updates per chain); adds rows + cols float64 per "
             "matrix to the SUM collective and keeps two unit vectors per matrix (checkpointed)."))
@@ -261,9 +262,15 @@ class UpdateGeometry(PackedSignal):
         """``update_geometry.enabled``: the signal, or None when off.
 
         Raises:
-            ConfigError: the engine does not locate its weight shards (``update_geometry.enabled``).
+            ConfigError: the engine does not locate its weight shards (``update_geometry.enabled``);
+                ``update_geometry.spectral`` without ``update_geometry.enabled`` (it would measure
+                nothing).
         """
         if not inst.config.update_geometry.enabled:
+            if inst.config.update_geometry.spectral:
+                raise ConfigError("distgrad config: 'update_geometry.spectral' is the spectral norm of the update "
+                                  "'update_geometry.enabled' measures, which is off: set update_geometry.enabled: true "
+                                  "as well (or spectral: false)")
             return None
         if type(inst.source).local_param_pieces is GradSource.local_param_pieces:
             raise ConfigError(f"distgrad config: 'update_geometry.enabled' is not supported on engine "
