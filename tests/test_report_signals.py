@@ -458,3 +458,22 @@ def test_update_ratio_rise_from_a_real_run(tmp_path):
     recs = [r for r in records(run_update(tmp_path, jump_at=None)) if r.update_geometry is not None]
     assert expected_rise(recs, total, layer) is None
     assert not [x for x in analyze(tmp_path / "updateNone.jsonl").signals.findings if x.kind == "update_ratio_rise"]
+
+
+def test_every_finding_kind_is_in_the_docs_table_and_the_runbook():
+    """The finding kinds the report's module documents (its docstring's ``* ``kind``:`` list)
+    are the rows of docs/signals.md's "In the offline report" table and the runbook's
+    ``signal-<kind>`` sections the findings link to: a user reading either finds every finding.
+    (The table had lost four of them: update_ratio_rise, router_collapse, duplicate_data,
+    replica_weights.)"""
+    from distgrad.report import signals as sig
+
+    root = Path(__file__).resolve().parent.parent
+    code = set(re.findall(r"^\* ``([a-z_]+)``:", sig.__doc__, re.M))
+    assert {"underflow", "attention_logit_rise", "replica_weights"} <= code  # the list is read
+    text = (root / "docs" / "signals.md").read_text()
+    table = text.split("## In the offline report", 1)[1]
+    rows = set(re.findall(r"^\| `([a-z_]+)` \|", table, re.M))
+    runbook = set(re.findall(r"^### signal-([a-z-]+)$", (root / "docs" / "runbook.md").read_text(), re.M))
+    assert rows == code, (sorted(code - rows), sorted(rows - code))
+    assert {k.replace("_", "-") for k in code} == runbook
