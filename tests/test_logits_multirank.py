@@ -120,3 +120,31 @@ def test_router_fsdp2_equal_float64_over_both_ranks(logits_results):
         assert part.aux_loss == pytest.approx(np.mean([m["aux_loss"] for m in fwd]), rel=1e-6)
     # the ranks saw different tokens: the sums are over both, not one rank's twice
     assert r0["refs"][0][0]["layers"]["0"]["counts"] != ranks[1]["refs"][0][0]["layers"]["0"]["counts"]
+
+
+def test_router_dead_experts_fsdp2_judged_on_the_job_s_tokens(logits_results):
+    """Dead experts under FSDP2 on 2 ranks (tests/dist/router_cases.py ``router_dead_fsdp2``: a
+    tiny DeepSeek-V3, both ranks' balancing bias starving expert 1 of layer 0, each rank starving
+    another expert of layer 1): per step the tokens per expert equal the float64 top-1 counts of
+    both ranks summed (exact), and the dead experts (the record and the served per-layer count)
+    equal those counted from the summed float64 counts over router.dead_after steps: expert 1 of
+    layer 0 from the second step on, none in layer 1, although each rank alone never fed one of
+    layer 1's experts; 2 collectives and 1 host copy per sampled step."""
+    from distgrad.signals.router import RouterHealth
+    from tests.dist.router_cases import DEAD_AFTER, DEAD_STEPS
+    from tests.test_router import dead_from_counts
+
+    ranks = _clean_ranks(logits_results, "router_dead_fsdp2", DEAD_STEPS)
+    summed = [{lay: np.sum([r["refs"][s][lay] for r in ranks], axis=0) for lay in ("0", "1")}
+              for s in range(DEAD_STEPS)]
+    dead = dead_from_counts(summed, DEAD_AFTER)
+    for s, rec in enumerate(ranks[0]["records"]):
+        part = RouterHealth.Part.from_dict(rec)
+        assert part.tokens == {lay: c.tolist() for lay, c in summed[s].items()}
+        assert part.dead == dead[s]
+        assert RouterHealth.samples(part)["distgrad_router_layer_dead_experts"] == {
+            lay: float(len(e)) for lay, e in dead[s].items()}
+    assert dead[0] == {"0": [], "1": []} and all(d == {"0": [1], "1": []} for d in dead[DEAD_AFTER - 1:]), dead
+    # each rank alone starved an expert of layer 1 on every step (rank 0 expert 3, rank 1 expert 2)
+    for r, e in zip(ranks, (3, 2)):
+        assert all(step["1"][e] == 0 for step in r["refs"]), r["refs"]

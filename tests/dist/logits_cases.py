@@ -1,8 +1,8 @@
 """Multi-rank driver of the logit precursors (tests/test_logits_multirank.py) under ``torchrun
 --nproc_per_node 2``, gloo, CPU: cases ``z2`` (DeepSpeed ZeRO-2) and ``fsdp2`` (FSDP2 with each
 block a unit of its own); also the FP8 scaling-health cases ``fp8_z2`` / ``fp8_fsdp2``
-(tests/dist/fp8_cases.py) and the MoE router health case ``router_fsdp2``
-(tests/dist/router_cases.py), in the same launch.
+(tests/dist/fp8_cases.py) and the MoE router health cases ``router_fsdp2`` and
+``router_dead_fsdp2`` (tests/dist/router_cases.py), in the same launch.
 
 The model is tests/test_logits.py's plain SDPA model (two attention blocks that report through
 ``observe_attention``, an output head), GAS micro-batches per rank and step (each rank its own
@@ -101,7 +101,8 @@ def main() -> None:
 
     run_cases([(k, lambda r, w, k=k: run(k, r, w)) for k in ("z2", "fsdp2")]
               + [(k, lambda r, w, k=k: fp8_cases.run(k, r, w)) for k in ("fp8_z2", "fp8_fsdp2")]
-              + [("router_fsdp2", lambda r, w: router_cases.run("router_fsdp2", r, w))],
+              + [("router_fsdp2", lambda r, w: router_cases.run("router_fsdp2", r, w)),
+                 ("router_dead_fsdp2", lambda r, w: router_cases.run_dead("router_dead_fsdp2", r, w))],
               args.cases, args.out, rank, world, "logits")
 
 
