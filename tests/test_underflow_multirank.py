@@ -65,6 +65,8 @@ def test_underflow_sharded_gathers_once_and_equals_float64_recomputation(underfl
     for r in ranks if key == "fsdp2" else ():
         assert r["refused"] is not None and "underflow.max_gather_bytes" in r["refused"], r["refused"]
         assert f"is {r['full_bytes']} bytes" in r["refused"]
+        # HSDP ((replicate, shard) mesh): refused at instrument(), naming the placements
+        assert r["hsdp_refused"] is not None and "2-D mesh" in r["hsdp_refused"], r["hsdp_refused"]
     assert [c["collectives"] for c in r0["counts"]] == [3 if s in recomputed else 2 for s in range(FSDP2_STEPS)]
     assert [c["syncs"] for c in r0["counts"][1:]] == [1] * (FSDP2_STEPS - 1)
     for s, rec in enumerate(r0["records"]):

@@ -90,6 +90,15 @@ def run(key: str, rank: int, world: int) -> dict:
         except distgrad.ConfigError as e:
             refused = str(e)
         cfg["underflow"]["max_gather_bytes"] = full_bytes  # exactly the full model: accepted
+        hsdp = None
+        try:  # HSDP (a 2-D (replicate, shard) mesh): placements the gather does not serve, refused
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+            other, other_opt = build_fsdp2(Decoder(), optim=lambda ps: torch.optim.SGD(ps, lr=0.1), mesh=mesh)
+            distgrad.instrument(other, cfg, optimizer=other_opt).close()
+        except distgrad.ConfigError as e:
+            hsdp = str(e)
         inst = distgrad.instrument(model, cfg, optimizer=opt)
 
         def fwd_bwd(ids, labels, micro):
@@ -171,15 +180,15 @@ def run(key: str, rank: int, world: int) -> dict:
     out = {"records": records, "refs": refs, "counts": counter.counts,
            "internal_errors": inst.counters["internal_errors"]}
     if key == "fsdp2":
-        out.update(refused=refused, full_bytes=full_bytes)
+        out.update(refused=refused, full_bytes=full_bytes, hsdp_refused=hsdp)
     return out
 
 
 def main() -> None:
     args = driver_args(cases="all")
     rank, world = init_distributed(fp16=True)
-    run_cases([(k, lambda r, w, k=k: run(k, r, w)) for k in ("ddp", "z2", "fsdp2", "z3")], args.cases, args.out, rank, world,
-              "underflow")
+    run_cases([(k, lambda r, w, k=k: run(k, r, w)) for k in ("ddp", "z2", "fsdp2", "z3")], args.cases, args.out,
+              rank, world, "underflow")
 
 
 if __name__ == "__main__":
