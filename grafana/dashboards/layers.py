@@ -111,7 +111,9 @@ def build() -> Dashboard:
         ]),
         opt_in_row("Logit precursors", ["logits"], [
             ts("Max attention logit per layer", "Maximum pre-softmax attention logit q.k/sqrt(d) of each layer over its "
-               "heads and the sampled step's micro-batches (logits.attention). Kimi K2 clips it at 100 "
+               "heads and the sampled step's micro-batches (logits.attention: Hugging Face attention modules are "
+               "found; other attention code calls distgrad.signals.logits.observe_attention and is selected by "
+               "logits.attention_modules, docs/signals.md). Kimi K2 clips it at 100 "
                f"(QK-Clip); DistgradAttentionLogitHigh fires above {config.ALERTS['DistgradAttentionLogitHigh']['threshold']}.",
                queries((f"distgrad_layer_attention_logit_max{{{L}}}", "{{layer}}")), 12, 8),
             ts("Output logits: log-sum-exp z and max |logit|", "z = logsumexp of the output logits per position "

@@ -164,7 +164,8 @@ def build() -> Dashboard:
                "(DistgradRerunFaultyNode). The rank to quarantine: -1 when none.",
                queries((f"distgrad_rerun_verdicts_total{{{S}}}", "{{verdict}} {{instance}}"),
                        (f"distgrad_rerun_quarantine_rank{{{S}}}", "quarantine rank {{instance}}")), 16, 8, unit="short"),
-            ts("Last rerun step", "Optimizer step of the last rerun attribution.",
+            ts("Last rerun step", "Optimizer step of the last rerun attribution. No data until the first rerun: "
+               "a healthy run has none (every verdict count above stays 0).",
                queries((f"distgrad_rerun_step{{{S}}}", "{{instance}}")), 8, 8, unit="short"),
         ]),
         opt_in_row("Opt-in action", ["action"], [
