@@ -317,6 +317,8 @@ def test_finish_dead_streak_checkpointed_and_layers_not_seen_everywhere_left_out
 STARVED = {1: {2: -0.5, 3: -0.5}}
 #: router.dead_after of _balancing_run
 DEAD_AFTER = 5
+#: steps of the starved case (dead from step DEAD_AFTER - 1 on; a short test)
+STARVED_STEPS = 12
 
 
 def dead_from_counts(reference: list[dict[str, torch.Tensor]], dead_after: int = DEAD_AFTER) -> list[dict]:
@@ -344,7 +346,7 @@ def test_starved_experts_dead_per_layer_equal_float64_recomputation():
     from grafana import config as gconfig
 
     ref: list = []
-    recs = _balancing_run(flipped_layer=None, init_bias=STARVED, reference=ref)
+    recs = _balancing_run(flipped_layer=None, steps=STARVED_STEPS, init_bias=STARVED, reference=ref)
     dead = dead_from_counts(ref)
     for r, counts, d in zip(recs, ref, dead):
         assert {k: v for k, v in r.tokens.items()} == {k: c.tolist() for k, c in counts.items()}  # exact integers

@@ -41,7 +41,7 @@ DT = 30.0
 @pytest.fixture(scope="module")
 def replay(tmp_path_factory):
     from tests.test_fp8 import _batch, _run
-    from tests.test_router import STARVED, _balancing_run
+    from tests.test_router import STARVED, STARVED_STEPS, _balancing_run
 
     tmp = tmp_path_factory.mktemp("precursor_paging")
     paths = {name: tmp / f"{name}.jsonl" for name in ("router_flipped", "router_ok", "router_starved", "fp8_zero",
@@ -49,7 +49,7 @@ def replay(tmp_path_factory):
     _balancing_run(flipped_layer=1, jsonl=str(paths["router_flipped"]))
     _balancing_run(flipped_layer=None, jsonl=str(paths["router_ok"]))
     starved_counts: list = []  # float64 tokens per expert recomputed from the routers' own inputs
-    _balancing_run(flipped_layer=None, jsonl=str(paths["router_starved"]), init_bias=STARVED,
+    _balancing_run(flipped_layer=None, steps=STARVED_STEPS, jsonl=str(paths["router_starved"]), init_bias=STARVED,
                    reference=starved_counts)
 
     def zero_at_2(s, micro):
