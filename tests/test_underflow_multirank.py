@@ -45,12 +45,16 @@ def test_underflow_multirank_equals_float64_recomputation_over_the_ranks(underfl
 @pytest.mark.parametrize("key", ["fsdp2", "z3"])
 def test_underflow_sharded_gathers_once_and_equals_float64_recomputation(underflow_results, key):
     """FSDP2 (fp16 param_dtype, uneven shards) and DeepSpeed ZeRO-3 (fp16, dynamic loss scale,
-    odd sizes: padded partitions): on the recomputation steps (0 and 2) the ratios equal the
+    odd sizes: padded partitions): on the recomputation steps (0, 2, 4) the ratios equal the
     float64 reference summed over the ranks, with 3 collectives (the SUM and MAX all-reduces and
-    one all-gather of the parameters); on the sampled step that does not recompute (1) 2
-    collectives, and it serves step 0's measurement; 1 host copy on every step after the first.
-    Some layer loses elements on every recomputation: the counts are not trivially zero."""
-    from tests.dist.underflow_cases import FSDP2_INTERVAL, FSDP2_STEPS
+    one all-gather of the parameters); on the sampled steps that do not recompute (1, 3) 2
+    collectives, and they serve the last measurement; 1 host copy on every step after the first.
+    Some layer loses elements on every recomputation: the counts are not trivially zero. FSDP2's
+    step 4 is refused by rank 1 alone (it clipped): both ranks still make its 3 collectives (the
+    all-gather runs in PackedSignal.exchange, pieces or not; gathered inside local() the ranks'
+    collectives would not match), every rank drops the step (step 2's measurement stays
+    served) and neither keeps the gathered copy."""
+    from tests.dist.underflow_cases import FSDP2_CLIPPED, FSDP2_INTERVAL, FSDP2_STEPS, Z3_STEPS
 
     assert underflow_results["world_size"] == 2
     ranks = underflow_results["cases"][key]["ranks"]
@@ -58,8 +62,10 @@ def test_underflow_sharded_gathers_once_and_equals_float64_recomputation(underfl
         assert "error" not in r, r.get("traceback")
         assert r["internal_errors"] == 0
     r0 = ranks[0]
-    recomputed = [s for s in range(FSDP2_STEPS) if s % FSDP2_INTERVAL == 0]
-    assert recomputed == [0, 2]
+    steps = FSDP2_STEPS if key == "fsdp2" else Z3_STEPS
+    recomputed = [s for s in range(steps) if s % FSDP2_INTERVAL == 0]
+    assert recomputed == ([0, 2, 4] if key == "fsdp2" else [0, 2])
+    dropped = {FSDP2_CLIPPED} if key == "fsdp2" else set()
     # underflow.max_gather_bytes: one byte below the plain decoder's 4 * numel refused at instrument(),
     # exactly it accepted (the run below)
     for r in ranks if key == "fsdp2" else ():
@@ -67,10 +73,12 @@ def test_underflow_sharded_gathers_once_and_equals_float64_recomputation(underfl
         assert f"is {r['full_bytes']} bytes" in r["refused"]
         # HSDP ((replicate, shard) mesh): refused at instrument(), naming the placements
         assert r["hsdp_refused"] is not None and "2-D mesh" in r["hsdp_refused"], r["hsdp_refused"]
-    assert [c["collectives"] for c in r0["counts"]] == [3 if s in recomputed else 2 for s in range(FSDP2_STEPS)]
-    assert [c["syncs"] for c in r0["counts"][1:]] == [1] * (FSDP2_STEPS - 1)
+        assert r["refused_steps"] == {"clipped": 1} and r["copy_dropped"]
+    for r in ranks:
+        assert [c["collectives"] for c in r["counts"]] == [3 if s in recomputed else 2 for s in range(steps)]
+    assert [c["syncs"] for c in r0["counts"][1:]] == [1] * (steps - 1)
     for s, rec in enumerate(r0["records"]):
-        measured = max(m for m in recomputed if m <= s)
+        measured = max(m for m in recomputed if m <= s and m not in dropped)
         assert rec is not None and rec["step"] == measured
         layers = set(ranks[0]["refs"][measured])
         assert set(rec["lost"]) == layers

@@ -550,6 +550,11 @@ class Underflow(PackedSignal):
             o += size
         self._full = full
 
+    def after_step(self, inst: Any, step_applied: bool) -> None:
+        """Drop the gathered copy if :meth:`local` did not consume it (a step refused or failed
+        on this rank: the copy is not held until the next recomputation)."""
+        self._full = None
+
     @contextlib.contextmanager
     def _mixed_precision(self) -> Iterator[None]:
         """FSDP2's forward casts (``MixedPrecisionPolicy.cast_forward_inputs`` to ``param_dtype``

@@ -1,20 +1,23 @@
 """Multi-rank driver of the underflow signal (tests/test_underflow_multirank.py) under ``torchrun
 --nproc_per_node 2``, gloo, CPU: cases ``ddp`` (DDP, fp16 autocast, no loss scaling, the loop
 dividing the loss by GAS: ``underflow.loss_factor``), ``z2`` (DeepSpeed ZeRO-2 fp16: fp16
-parameters, dynamic loss scale, DeepSpeed's own division by GAS) and ``fsdp2`` (``fully_shard``
+parameters, dynamic loss scale, DeepSpeed's own division by GAS), ``fsdp2`` (``fully_shard``
 on each block and the root, ``MixedPrecisionPolicy(param_dtype=fp16, reduce_dtype=fp32)``, no
 loss scaling, the loop dividing by GAS; an odd vocabulary (65 rows) so the embedding and the
-output head are sharded unevenly; FSDP2_STEPS steps with ``underflow.interval: 2``, so step 1 is
-a sampled step that does not recompute).
+output head are sharded unevenly; FSDP2_STEPS steps with ``underflow.interval: 2``, so steps 1
+and 3 are sampled steps that do not recompute; rank 1 alone clips before step FSDP2_CLIPPED's
+boundary) and ``z3`` (DeepSpeed ZeRO-3 fp16, odd sizes so every partition is padded, Z3_STEPS
+steps, ``underflow.interval: 2``).
 
 The model is tests/underflow_models.py's tiny decoder, GAS micro-batches per rank and step (each
-rank its own data), STEPS steps, every step recomputed (``underflow.interval: 1``). Before each
+rank its own data), STEPS steps, every step recomputed (``underflow.interval: 1``) under ddp and z2. Before each
 step's first micro-batch each rank computes its reference another way: a copy of the model
 (a fresh decoder holding the weights of that forward) runs the micro-batch through ``.backward()`` in the training
 precision (autocast / fp16 weights, the same loss factor and loss scale), and a float64 copy
 runs it with autocast off; per layer ``[lost, float64 zeros, elements]``. Under FSDP2 that copy
 is a plain decoder built from the parameters' ``full_tensor()`` (taken outside the boundary),
-cast to fp16 whole for the training precision (FSDP2's ``param_dtype``). Rank 0 writes its
+cast to fp16 whole for the training precision (FSDP2's ``param_dtype``); under ZeRO-3 one built
+inside ``deepspeed.zero.GatheredParameters``. Rank 0 writes its
 records (``StepRecord.underflow``) and the boundary's collective / host-sync counts.
 """
 
@@ -31,8 +34,11 @@ from tests.dist.engines import build_ddp, build_deepspeed, init_distributed
 from tests.underflow_models import Decoder, clone
 
 GAS, STEPS, B, T = 2, 2, 4, 16
-#: the FSDP2 case: steps and underflow.interval (recomputes on steps 0 and 2, not on step 1)
-FSDP2_STEPS, FSDP2_INTERVAL = 3, 2
+#: the FSDP2 and ZeRO-3 cases: steps and underflow.interval (recomputes on steps 0, 2 and 4, not on
+#: 1 and 3); on FSDP2's step FSDP2_CLIPPED rank 1 alone clips its gradients (clip_grad_value_, no
+#: collective) before the boundary: it refuses the step, rank 0 does not, and both must still make
+#: the recomputation step's all-gather (PackedSignal.exchange) so their collectives stay aligned
+FSDP2_STEPS, FSDP2_INTERVAL, FSDP2_CLIPPED, Z3_STEPS = 5, 2, 4, 3
 
 
 def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +118,7 @@ def run(key: str, rank: int, world: int) -> dict:
     elif key == "z3":
         import deepspeed
 
-        steps = FSDP2_STEPS
+        steps = Z3_STEPS
         cfg["underflow"]["interval"] = FSDP2_INTERVAL
         model = Decoder(vocab=65, d=33, loss_weight=1e-5)  # odd sizes: padded partitions
         engine, _ = build_deepspeed(model, 3, "fp16", GAS, micro_batch=B, lr=0.1)
@@ -172,6 +178,8 @@ def run(key: str, rank: int, world: int) -> dict:
                 base = inner if inner is not None else gathered() if key == "z3" else full_decoder(model)
                 refs.append(reference(base, ids, labels, factor, scale(), autocast, low_dtype))
             fwd_bwd(ids, labels, micro)
+        if key == "fsdp2" and s == FSDP2_CLIPPED and rank == 1:
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1e9)  # changes nothing, but read as clipped
         counter.around(step)
         rec = inst.last_record
         records.append(rec.underflow.to_dict() if rec is not None and rec.underflow is not None else None)
@@ -180,7 +188,9 @@ def run(key: str, rank: int, world: int) -> dict:
     out = {"records": records, "refs": refs, "counts": counter.counts,
            "internal_errors": inst.counters["internal_errors"]}
     if key == "fsdp2":
-        out.update(refused=refused, full_bytes=full_bytes, hsdp_refused=hsdp)
+        sig = next(x for x in inst.signals.signals if x.name == "underflow")
+        out.update(refused=refused, full_bytes=full_bytes, hsdp_refused=hsdp, refused_steps=dict(inst.refused_steps),
+                   copy_dropped=sig._full is None)
     return out
 
 
