@@ -215,7 +215,8 @@ class RerunAttribution(Diagnostic):
         seconds: float = 0.0
         totals: dict[str, int] = field(default_factory=dict)
 
-    _when = condition("rerun", "`rerun.enabled: true`, after the first sampled step",
+    _when = condition("rerun", "`rerun.enabled: true`, after the first sampled step (the step and the host "
+                      "to quarantine: after the first rerun, resp. a device or transient verdict)",
                       enabled=lambda c: c.rerun.enabled)
     METRICS = (
         Metric("distgrad_rerun_verdicts_total", "counter", (_VERDICT,), "1", "Rerun attributions of non-finite or "
