@@ -6,8 +6,9 @@ on each block and the root, ``MixedPrecisionPolicy(param_dtype=fp16, reduce_dtyp
 loss scaling, the loop dividing by GAS; an odd vocabulary (65 rows) so the embedding and the
 output head are sharded unevenly; FSDP2_STEPS steps with ``underflow.interval: 2``, so steps 1
 and 3 are sampled steps that do not recompute; rank 1 alone clips before step FSDP2_CLIPPED's
-boundary) and ``z3`` (DeepSpeed ZeRO-3 fp16, odd sizes so every partition is padded, Z3_STEPS
-steps, ``underflow.interval: 2``).
+boundary), ``fsdp2_autocast`` (the same sharding with float32 parameters and fp16 autocast in
+the loop, STEPS steps, every step recomputed) and ``z3`` (DeepSpeed ZeRO-3 fp16, odd sizes so
+every partition is padded, Z3_STEPS steps, ``underflow.interval: 2``).
 
 The model is tests/underflow_models.py's tiny decoder, GAS micro-batches per rank and step (each
 rank its own data), STEPS steps, every step recomputed (``underflow.interval: 1``) under ddp and z2. Before each
@@ -115,6 +116,23 @@ def run(key: str, rank: int, world: int) -> dict:
             opt.zero_grad()
         inner, factor, autocast = None, 1.0 / GAS, False
         scale = lambda: 1.0  # noqa: E731
+    elif key == "fsdp2_autocast":  # float32 parameters (no MixedPrecisionPolicy), fp16 autocast in the loop
+        from tests.dist.engines import build_fsdp2
+
+        model = Decoder(vocab=65, loss_weight=1e-5)
+        model, opt = build_fsdp2(model, list(model.layers), optim=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        inst = distgrad.instrument(model, cfg, optimizer=opt)
+
+        def fwd_bwd(ids, labels, micro):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(ids, labels)
+            (loss / GAS).backward()
+
+        def step():
+            opt.step()
+            opt.zero_grad()
+        inner, factor, autocast = None, 1.0 / GAS, True
+        scale = lambda: 1.0  # noqa: E731
     elif key == "z3":
         import deepspeed
 
@@ -197,8 +215,8 @@ def run(key: str, rank: int, world: int) -> dict:
 def main() -> None:
     args = driver_args(cases="all")
     rank, world = init_distributed(fp16=True)
-    run_cases([(k, lambda r, w, k=k: run(k, r, w)) for k in ("ddp", "z2", "fsdp2", "z3")], args.cases, args.out,
-              rank, world, "underflow")
+    run_cases([(k, lambda r, w, k=k: run(k, r, w)) for k in ("ddp", "z2", "fsdp2", "fsdp2_autocast", "z3")],
+              args.cases, args.out, rank, world, "underflow")
 
 
 if __name__ == "__main__":
