@@ -124,6 +124,15 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def to_float8(model: nn.Module) -> nn.Module:
+    """``--fp8``: the blocks' linears become torchao ``Float8Linear`` s in place
+    (``convert_to_float8_training``, torchao's default dynamic tensorwise scaling; emulated on
+    CPU); the embeddings and the head stay in high precision. Returns ``model``."""
+    from torchao.float8 import convert_to_float8_training
+
+    return convert_to_float8_training(model, module_filter_fn=lambda m, name: name.startswith("blocks."))
+
+
 class LoRALinear(nn.Module):
     """``base_layer(x) + (alpha / r) * lora_B(lora_A(x))`` (Hu et al. 2021, LoRA), PEFT's
     parameter names: ``base_layer.weight`` frozen, ``lora_A.weight`` [r, in] random,
@@ -347,6 +356,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel degree (--engine fsdp2 only): a (dp, tp) device mesh; each block's MLP "
                          "column/row parallel over tp, FSDP2 over dp")
+    ap.add_argument("--fp8", action="store_true",
+                    help="train the block linears in float8 with torchao (convert_to_float8_training, dynamic "
+                         "tensorwise scaling; emulated on CPU): the model for fp8.enabled (pip install "
+                         "'distgrad[fp8]')")
     ap.add_argument("--no-distgrad", action="store_true", help="train without distgrad (baseline)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a distgrad config key (YAML value), e.g. --set flight_recorder.dir=runs/fr")
@@ -527,6 +540,8 @@ def main(argv: list[str] | None = None) -> None:
     model = GPT(args.layers, args.width, args.heads, args.block)
     if args.lora:
         add_lora(model, args.lora)
+    if args.fp8:
+        to_float8(model)
     injector = Injector(model, args.inject, args.inject_step, args.inject_param, args.inject_rank, rank)
     if args.engine == "deepspeed":
         runner = DeepSpeedRunner(model, ds_cfg)
