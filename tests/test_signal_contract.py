@@ -351,3 +351,14 @@ def test_signal_pack_calls_exchange_on_every_sampled_step_pieces_or_not():
     spy.fail = True
     s, _ = pack.block(inst, [torch.zeros(2)], torch.device("cpu"))
     assert calls == ["exchange", "local"] and errors == ["signal spy exchange"] and s.tolist() == [0.0, 1.0]
+    # the caller's error path calls block() a second time in the same sampled step (after a
+    # failure inside the first call): the exchange is not issued again on this rank alone
+    spy.fail = False
+    calls.clear()
+    inst.sampled_step = 7
+    pack.block(inst, [torch.zeros(2)], torch.device("cpu"))
+    pack.block(inst, None, torch.device("cpu"))
+    assert calls == ["exchange", "local"]
+    inst.sampled_step = 8  # the next sampled step exchanges again
+    pack.block(inst, None, torch.device("cpu"))
+    assert calls == ["exchange", "local", "exchange"]

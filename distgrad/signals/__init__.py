@@ -216,6 +216,10 @@ class SignalPack:
 
     def __init__(self, signals: Sequence[PackedSignal]) -> None:
         self.signals = list(signals)
+        #: the sampled step whose exchanges ran (``inst.sampled_step``): a second :meth:`block` in
+        #: the same step (the error path after a failure inside the first) must not issue them
+        #: again on this rank alone
+        self._exchanged: int | None = None
 
     @property
     def sum_size(self) -> int:
@@ -232,14 +236,21 @@ class SignalPack:
               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``(sum [sum_size], max [max_size])``; ``pieces`` None: identities without
         failure flags (the step is refused or failed as a whole and dropped anyway). Each
-        signal's :meth:`PackedSignal.exchange` runs first, in both cases."""
+        signal's :meth:`PackedSignal.exchange` runs first, in both cases, once per sampled step
+        (``inst.sampled_step``): called again in the same step (the caller's error path after a
+        failure inside the first call) the exchanges are not repeated, so every rank still issues
+        them exactly once."""
         sums: list[torch.Tensor] = []
         maxes: list[torch.Tensor] = []
+        step = getattr(inst, "sampled_step", None)
+        exchange = step is None or self._exchanged != step
+        self._exchanged = step
         for sig in self.signals:
             s = m = None
             failed = False
             try:  # on every rank, pieces or not: the signal's own collectives (PackedSignal.exchange)
-                sig.exchange(inst, device)
+                if exchange:
+                    sig.exchange(inst, device)
             except Exception:  # noqa: BLE001 - counted; local() then finds nothing exchanged
                 inst._internal_error(f"signal {sig.name} exchange")
             if pieces is not None:
