@@ -10,7 +10,8 @@ serves the metrics from rank 0 (default http://127.0.0.1:9400/metrics).
     .venv/bin/python launch/hf_finetune.py --steps 20                                     # one process
 
 Opt-in distgrad signals: ``--set KEY=VALUE`` (a YAML value; repeatable) or ``--distgrad-config
-FILE``, as for launch/train.py, e.g. ``--set logits.attention=true --set logits.output=true``.
+FILE``, as for launch/train.py, e.g. ``--set logits.attention=true --set logits.output=true``;
+``--moe 4 --set router.enabled=true``: a Mixtral-style MoE model whose routers are watched.
 
 On GPUs the same script runs under ``accelerate launch --use_deepspeed`` / ``--use_fsdp`` or
 with ``--deepspeed CONFIG.json`` (ZeRO 0-3); the callback finds the engine itself.
@@ -57,6 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--lora-r", type=int, default=8)
+    ap.add_argument("--moe", type=int, default=0, metavar="E",
+                    help="a Mixtral-style MoE model with E experts per layer (top-2 routing, auxiliary loss) "
+                         "instead of the dense Llama: the model for router.enabled")
     ap.add_argument("--max-grad-norm", type=float, default=1.0)
     ap.add_argument("--port", type=int, default=9400)
     ap.add_argument("--deepspeed", default=None, help="DeepSpeed JSON config (GPU machines)")
@@ -76,11 +80,17 @@ def main(argv: list[str] | None = None) -> None:
 
     from distgrad.integrations.hf import attach
 
-    cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=2 * a.hidden, num_hidden_layers=a.layers,
-                      num_attention_heads=4, num_key_value_heads=4, vocab_size=256,
-                      max_position_embeddings=a.block)
+    dims = dict(hidden_size=a.hidden, intermediate_size=2 * a.hidden, num_hidden_layers=a.layers,
+                num_attention_heads=4, num_key_value_heads=4, vocab_size=256, max_position_embeddings=a.block)
     torch.manual_seed(0)
-    model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, lora_dropout=0.0,
+    if a.moe:
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        base = MixtralForCausalLM(MixtralConfig(**dims, num_local_experts=a.moe, num_experts_per_tok=2,
+                                                output_router_logits=True))
+    else:
+        base = LlamaForCausalLM(LlamaConfig(**dims))
+    model = get_peft_model(base, LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, lora_dropout=0.0,
                                                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     data = load_corpus(a.data, 4_000_000)
     cpu = not torch.cuda.is_available()
@@ -88,7 +98,10 @@ def main(argv: list[str] | None = None) -> None:
         output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=a.batch,
         gradient_accumulation_steps=a.accum, learning_rate=2e-3, max_grad_norm=a.max_grad_norm,
         logging_steps=10, report_to=[], save_strategy="no", use_cpu=cpu, deepspeed=a.deepspeed,
-        ddp_backend="gloo" if cpu else None, dataloader_num_workers=0, disable_tqdm=True)
+        # gloo on CPU for a multi-process launch only: given to one process, Accelerate takes the
+        # backend for a distributed run and asks for a process group nobody initialised
+        ddp_backend="gloo" if cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+        dataloader_num_workers=0, disable_tqdm=True)
     class Hold(TrainerCallback):  # runs before distgrad's on_train_end, which stops the exporter
         def on_train_end(self, *args, **kwargs):
             if a.hold > 0:

@@ -57,3 +57,26 @@ def test_hf_finetune_example_serves_lora_metrics(tmp_path):
     for name, key in (("distgrad_output_logit_abs_max", "output_abs_max"), ("distgrad_output_logsumexp_mean", "z_mean")):
         value = next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
         assert value == pytest.approx(rec["logits"][key], rel=1e-12)
+
+
+def test_hf_finetune_example_moe_option_feeds_router_health(tmp_path):
+    """``--moe 4`` (a Mixtral-style model, top-2 routing) with ``--set router.enabled=true`` on one
+    process: every MoE layer's token counts add up to top-2 x the step's tokens (2 micro-batches of
+    2 x 16 tokens: 64 routed, 128 assignments), the imbalance is max/mean of those counts, and the
+    auxiliary loss is reported."""
+    jsonl = tmp_path / "moe.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "launch/hf_finetune.py", "--steps", "2", "--batch", "2", "--accum", "2", "--block", "16",
+           "--moe", "4", "--port", str(free_port()), "--jsonl", str(jsonl), "--set", "router.enabled=true"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    recs = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [r["step"] for r in recs] == [0, 1]
+    for r in recs:
+        router = r["router"]
+        assert set(router["tokens"]) == {"0", "1"}
+        for layer, tokens in router["tokens"].items():
+            assert router["routed"][layer] == 2 * 2 * 16 and sum(tokens) == 2 * 2 * 2 * 16
+            assert router["imbalance"][layer] == pytest.approx(max(tokens) / (sum(tokens) / 4), rel=1e-12)
+        assert router["aux_loss"] > 0
+        assert r["counters"]["internal_errors"] == 0
