@@ -74,6 +74,33 @@ def full_decoder(model) -> Decoder:
     return plain
 
 
+def optimizer_step(opt):
+    """The loop's optimizer step (``opt.step()`` then ``opt.zero_grad()``: distgrad's boundary runs
+    inside it) as a function of no arguments, for :meth:`BoundaryCounter.around`."""
+    def step():
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def deepspeed_fp16(model, stage: int, cfg: dict):
+    """``model`` under DeepSpeed ZeRO-``stage`` fp16 (dynamic loss scale, GAS micro-batches of B,
+    lr 0.1), instrumented with ``cfg``. Returns ``(engine, inst, fwd_bwd, step, scale)``:
+    ``fwd_bwd(ids, labels, micro)`` runs a micro-batch (``engine.step()`` inside the accumulation),
+    ``step()`` the boundary's ``engine.step()``, ``scale()`` DeepSpeed's loss scale (float)."""
+    engine, _ = build_deepspeed(model, stage, "fp16", GAS, micro_batch=B, lr=0.1)
+    inst = distgrad.instrument(engine, cfg)
+
+    def fwd_bwd(ids, labels, micro):
+        engine.backward(engine(ids, labels))
+        if micro < GAS - 1:
+            engine.step()
+
+    def step():
+        engine.step()
+    return engine, inst, fwd_bwd, step, lambda: float(inst.source.loss_scale())
+
+
 def run(key: str, rank: int, world: int) -> dict:
     torch.manual_seed(5)
     steps, low_dtype = STEPS, None
@@ -111,9 +138,7 @@ def run(key: str, rank: int, world: int) -> dict:
         def fwd_bwd(ids, labels, micro):
             (model(ids, labels) / GAS).backward()
 
-        def step():
-            opt.step()
-            opt.zero_grad()
+        step = optimizer_step(opt)
         inner, factor, autocast = None, 1.0 / GAS, False
         scale = lambda: 1.0  # noqa: E731
     elif key == "fsdp2_autocast":  # float32 parameters (no MixedPrecisionPolicy), fp16 autocast in the loop
@@ -128,9 +153,7 @@ def run(key: str, rank: int, world: int) -> dict:
                 loss = model(ids, labels)
             (loss / GAS).backward()
 
-        def step():
-            opt.step()
-            opt.zero_grad()
+        step = optimizer_step(opt)
         inner, factor, autocast = None, 1.0 / GAS, True
         scale = lambda: 1.0  # noqa: E731
     elif key == "z3":
@@ -139,16 +162,7 @@ def run(key: str, rank: int, world: int) -> dict:
         steps = Z3_STEPS
         cfg["underflow"]["interval"] = FSDP2_INTERVAL
         model = Decoder(vocab=65, d=33, loss_weight=1e-5)  # odd sizes: padded partitions
-        engine, _ = build_deepspeed(model, 3, "fp16", GAS, micro_batch=B, lr=0.1)
-        inst = distgrad.instrument(engine, cfg)
-
-        def fwd_bwd(ids, labels, micro):
-            engine.backward(engine(ids, labels))
-            if micro < GAS - 1:
-                engine.step()
-
-        def step():
-            engine.step()
+        engine, inst, fwd_bwd, step, scale = deepspeed_fp16(model, 3, cfg)
 
         def gathered():  # the fp16 weights of the forward, gathered by DeepSpeed (a collective: every rank)
             plain = Decoder(65, 33, 2, loss_weight=model.loss_weight).half()
@@ -156,7 +170,6 @@ def run(key: str, rank: int, world: int) -> dict:
                 plain.load_state_dict({n: p.detach().clone() for n, p in engine.module.named_parameters()})
             return plain
         inner, factor, autocast = None, 1.0 / GAS, False
-        scale = lambda: float(inst.source.loss_scale())  # noqa: E731
     elif key == "ddp":
         model = Decoder(loss_weight=1e-5)
         w, opt = build_ddp(model, optim=lambda ps: torch.optim.SGD(ps, lr=0.1))
@@ -168,25 +181,13 @@ def run(key: str, rank: int, world: int) -> dict:
                     loss = w(ids, labels)
                 (loss / GAS).backward()
 
-        def step():
-            opt.step()
-            opt.zero_grad()
+        step = optimizer_step(opt)
         inner, factor, autocast = model, 1.0 / GAS, True
         scale = lambda: 1.0  # noqa: E731
     else:
         model = Decoder(loss_weight=1e-3)
-        engine, _ = build_deepspeed(model, 2, "fp16", GAS, micro_batch=B, lr=0.1)
-        inst = distgrad.instrument(engine, cfg)
-
-        def fwd_bwd(ids, labels, micro):
-            engine.backward(engine(ids, labels))
-            if micro < GAS - 1:
-                engine.step()
-
-        def step():
-            engine.step()
+        engine, inst, fwd_bwd, step, scale = deepspeed_fp16(model, 2, cfg)
         inner, factor, autocast = engine.module, 1.0 / GAS, False
-        scale = lambda: float(inst.source.loss_scale())  # noqa: E731
     counter = BoundaryCounter(inst)
     records, refs = [], []
     for s in range(steps):
