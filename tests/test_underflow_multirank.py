@@ -19,27 +19,41 @@ def underflow_results(tmp_path_factory):
     return launch("underflow_cases.py", tmp_path_factory.mktemp("underflow") / "underflow.json")
 
 
+def _ranks(results: dict, key: str) -> list[dict]:
+    """The per-rank results of one case of the 2-rank launch; fails on a rank that raised or
+    counted an internal error."""
+    assert results["world_size"] == 2
+    ranks = results["cases"][key]["ranks"]
+    for r in ranks:
+        assert "error" not in r, r.get("traceback")
+        assert r["internal_errors"] == 0
+    return ranks
+
+
+def _assert_reference(rec: dict | None, ranks: list[dict], measured: int, s: int) -> None:
+    """Step ``s``'s record serves recomputation step ``measured``: its per-layer lost and zero
+    ratios equal the sums over the ranks of their float64 reference counts ``[lost, zero,
+    elements]`` of that step, exactly, and it names the same layers."""
+    assert rec is not None and rec["step"] == measured
+    layers = set(ranks[0]["refs"][measured])
+    assert set(rec["lost"]) == layers
+    for layer in layers:
+        lost, zero, n = (sum(r["refs"][measured][layer][i] for r in ranks) for i in range(3))
+        assert rec["lost"][layer] == lost / n, (s, layer)
+        assert rec["zero"][layer] == zero / n, (s, layer)
+
+
 @pytest.mark.parametrize("key", ["ddp", "z2", "fsdp2_autocast"])
 def test_underflow_multirank_equals_float64_recomputation_over_the_ranks(underflow_results, key):
     from tests.dist.underflow_cases import STEPS
 
-    assert underflow_results["world_size"] == 2
-    ranks = underflow_results["cases"][key]["ranks"]
-    for r in ranks:
-        assert "error" not in r, r.get("traceback")
-        assert r["internal_errors"] == 0
+    ranks = _ranks(underflow_results, key)
     r0 = ranks[0]
     n = 3 if key == "fsdp2_autocast" else 2  # FSDP2 recomputes every step here: + its one all-gather
     assert [c["collectives"] for c in r0["counts"]] == [n] * STEPS
     assert r0["counts"][1:] == [{"collectives": n, "syncs": 1}] * (STEPS - 1)
     for s, rec in enumerate(r0["records"]):
-        assert rec is not None and rec["step"] == s
-        layers = set(ranks[0]["refs"][s])
-        assert set(rec["lost"]) == layers
-        for layer in layers:
-            lost, zero, n = (sum(r["refs"][s][layer][i] for r in ranks) for i in range(3))
-            assert rec["lost"][layer] == lost / n, (s, layer)
-            assert rec["zero"][layer] == zero / n, (s, layer)
+        _assert_reference(rec, ranks, s, s)
     print(key, [(rec["total_lost"], rec["loss_scale"], rec["worst"]) for rec in r0["records"]])
 
 
@@ -57,11 +71,7 @@ def test_underflow_sharded_gathers_once_and_equals_float64_recomputation(underfl
     served) and neither keeps the gathered copy."""
     from tests.dist.underflow_cases import FSDP2_CLIPPED, FSDP2_INTERVAL, FSDP2_STEPS, Z3_STEPS
 
-    assert underflow_results["world_size"] == 2
-    ranks = underflow_results["cases"][key]["ranks"]
-    for r in ranks:
-        assert "error" not in r, r.get("traceback")
-        assert r["internal_errors"] == 0
+    ranks = _ranks(underflow_results, key)
     r0 = ranks[0]
     steps = FSDP2_STEPS if key == "fsdp2" else Z3_STEPS
     recomputed = [s for s in range(steps) if s % FSDP2_INTERVAL == 0]
@@ -80,12 +90,6 @@ def test_underflow_sharded_gathers_once_and_equals_float64_recomputation(underfl
     assert [c["syncs"] for c in r0["counts"][1:]] == [1] * (steps - 1)
     for s, rec in enumerate(r0["records"]):
         measured = max(m for m in recomputed if m <= s and m not in dropped)
-        assert rec is not None and rec["step"] == measured
-        layers = set(ranks[0]["refs"][measured])
-        assert set(rec["lost"]) == layers
-        for layer in layers:
-            lost, zero, n = (sum(r["refs"][measured][layer][i] for r in ranks) for i in range(3))
-            assert rec["lost"][layer] == lost / n, (s, layer)
-            assert rec["zero"][layer] == zero / n, (s, layer)
+        _assert_reference(rec, ranks, measured, s)
         assert max(rec["lost"].values()) > (0.5 if key == "fsdp2" else 0.0)
     print(key, [(rec["total_lost"], rec["loss_scale"], rec["worst"]) for rec in r0["records"]])
