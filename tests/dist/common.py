@@ -225,6 +225,15 @@ class BoundaryCounter:
             vars(self.inst).pop(meth, None)
 
 
+def optimizer_step(opt: torch.optim.Optimizer) -> Callable[[], None]:
+    """A torch loop's optimizer step, ``opt.step()`` then ``opt.zero_grad()`` (distgrad's boundary
+    runs inside ``opt.step()``), as a function of no arguments for :meth:`BoundaryCounter.around`."""
+    def step() -> None:
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
 def counted_steps(inst, steps: int, backward: Callable[[int], None], step: Callable[[], None]) -> tuple[list, list]:
     """Train ``steps`` steps: ``backward(s)`` (forward and backward of step ``s``), then ``step()``
     (the optimizer step, where distgrad's boundary runs) inside :meth:`BoundaryCounter.around`.

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 import distgrad
-from tests.dist.common import BoundaryCounter
+from tests.dist.common import BoundaryCounter, optimizer_step
 from tests.dist.engines import adamw, build_fsdp2
 
 GAS, STEPS, B, T, V = 2, 3, 3, 7, 37
@@ -26,6 +26,17 @@ GAS, STEPS, B, T, V = 2, 3, 3, 7, 37
 def batch(step: int, micro: int, rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(5_000 * step + 50 * micro + rank)
     return torch.randint(0, V, (B, T), generator=g)
+
+
+def _close(inst, counter: BoundaryCounter, hooks: list, records: list, refs: list) -> dict:
+    """End of a router case: undo the counter's wrapping, remove the router pre-hooks, close the
+    instrument; the case's result ``{"records", "refs", "counts", "internal_errors"}``."""
+    counter.restore()
+    for h in hooks:
+        h.remove()
+    inst.close()
+    return {"records": records, "refs": refs, "counts": counter.counts,
+            "internal_errors": inst.counters["internal_errors"]}
 
 
 def run(key: str, rank: int, world: int) -> dict:
@@ -57,20 +68,10 @@ def run(key: str, rank: int, world: int) -> dict:
                 layers[str(i)] = {"counts": counts.tolist(), "entropy": float(-(p * torch.log(p)).sum()),
                                   "tokens": x.shape[0]}
             micro_refs.append({"layers": layers, "aux_loss": float(out.aux_loss.detach())})
-
-        def step():
-            opt.step()
-            opt.zero_grad()
-
-        counter.around(step)
+        counter.around(optimizer_step(opt))
         refs.append(micro_refs)
         records.append(inst.last_record.router.to_dict() if inst.last_record and inst.last_record.router else None)
-    counter.restore()
-    for h in hooks:
-        h.remove()
-    inst.close()
-    return {"records": records, "refs": refs, "counts": counter.counts,
-            "internal_errors": inst.counters["internal_errors"]}
+    return _close(inst, counter, hooks, records, refs)
 
 
 #: ``router_dead_fsdp2``: router.dead_after and the steps run (dead from the second step on)
@@ -117,16 +118,6 @@ def run_dead(key: str, rank: int, world: int) -> dict:
             idx = torch.topk(torch.sigmoid(x @ weight.T) + bias, top_k, dim=-1).indices  # n_group 1: no masking
             layers[str(i)] = torch.bincount(idx.reshape(-1), minlength=weight.shape[0]).tolist()
         refs.append(layers)
-
-        def step():
-            opt.step()
-            opt.zero_grad()
-
-        counter.around(step)
+        counter.around(optimizer_step(opt))
         records.append(inst.last_record.router.to_dict() if inst.last_record and inst.last_record.router else None)
-    counter.restore()
-    for h in hooks:
-        h.remove()
-    inst.close()
-    return {"records": records, "refs": refs, "counts": counter.counts,
-            "internal_errors": inst.counters["internal_errors"]}
+    return _close(inst, counter, hooks, records, refs)
