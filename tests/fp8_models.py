@@ -105,6 +105,15 @@ def reference(xs: list[torch.Tensor], dtype: torch.dtype, amax_of_scale: float |
     return out
 
 
+def cast_references(caps: dict, handles: list) -> dict[str, list[dict[str, float]]]:
+    """Remove :func:`capture`'s hooks (``handles``) and return the float64 :func:`reference` of
+    each tensor it captured in ``caps`` (one per cast, in capture order: per micro-batch), keyed
+    ``"module name|tensor"`` (a JSON key), each with torchao's dtype of that tensor (DTYPES)."""
+    for h in handles:
+        h.remove()
+    return {f"{name}|{role}": [reference([x], DTYPES[role]) for x in xs] for (name, role), xs in caps.items()}
+
+
 _FSDP_CASES: dict = {}
 
 

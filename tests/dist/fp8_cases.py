@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import distgrad
 from tests.dist.common import BoundaryCounter
 from tests.dist.engines import adamw, build_deepspeed, build_fsdp2
-from tests.fp8_models import DTYPES, capture, make, reference
+from tests.fp8_models import capture, cast_references, make
 
 GAS, STEPS, B = 2, 3, 6
 
@@ -62,9 +62,7 @@ def run(key: str, rank: int, world: int) -> dict:
         for micro in range(GAS):
             fwd_bwd(*batch(s, micro, rank), micro)
         counter.around(step)
-        for h in handles:
-            h.remove()
-        refs.append({f"{name}|{role}": [reference([x], DTYPES[role]) for x in xs] for (name, role), xs in caps.items()})
+        refs.append(cast_references(caps, handles))
         records.append(inst.last_record.fp8.to_dict() if inst.last_record and inst.last_record.fp8 else None)
     counter.restore()
     inst.close()

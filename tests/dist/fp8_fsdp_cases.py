@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import distgrad
 from tests.dist.common import BoundaryCounter, driver_args, run_cases
 from tests.dist.engines import build_fsdp2
-from tests.fp8_models import DTYPES, capture, make, reference
+from tests.fp8_models import capture, cast_references, make
 
 GAS, STEPS, B = 2, 6, 6
 LAYERS = ["blocks.0.up", "blocks.0.down", "blocks.1.up", "blocks.1.down"]
@@ -78,9 +78,7 @@ def run(key: str, rank: int, world: int) -> dict:
             if key == "fp8_fresh":
                 precompute_float8_dynamic_scale_for_fsdp(w)  # torchao's place: after the optimizer step
         counter.around(step)
-        for h in handles:
-            h.remove()
-        refs.append({f"{name}|{role}": [reference([x], DTYPES[role]) for x in xs] for (name, role), xs in caps.items()})
+        refs.append(cast_references(caps, handles))
         records.append(inst.last_record.fp8.to_dict() if inst.last_record and inst.last_record.fp8 else None)
     counter.restore()
     inst.close()
