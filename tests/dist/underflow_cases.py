@@ -30,7 +30,7 @@ import torch
 
 import distgrad
 from distgrad.naming.grouping import group_keys
-from tests.dist.common import BoundaryCounter, driver_args, run_cases
+from tests.dist.common import BoundaryCounter, driver_args, optimizer_step, run_cases
 from tests.dist.engines import build_ddp, build_deepspeed, init_distributed
 from tests.underflow_models import Decoder, clone
 
@@ -72,15 +72,6 @@ def full_decoder(model) -> Decoder:
                     loss_weight=model.loss_weight)
     plain.load_state_dict({n: p.full_tensor().detach() for n, p in model.named_parameters()})
     return plain
-
-
-def optimizer_step(opt):
-    """The loop's optimizer step (``opt.step()`` then ``opt.zero_grad()``: distgrad's boundary runs
-    inside it) as a function of no arguments, for :meth:`BoundaryCounter.around`."""
-    def step():
-        opt.step()
-        opt.zero_grad()
-    return step
 
 
 def deepspeed_fp16(model, stage: int, cfg: dict):
