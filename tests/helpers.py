@@ -15,6 +15,35 @@ ROOT = Path(__file__).resolve().parent.parent
 DIST = ROOT / "tests" / "dist"
 
 
+def example_train(name: str = "example_train"):
+    """The example job's script launch/train.py imported as a module named ``name`` (not put in
+    ``sys.modules``), for the tests of its model (``GPT``, ``to_float8``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / "train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def example_step(model, opt, dg, handles: list, batch: int):
+    """One training step of the example job's ``GPT`` (launch/train.py, vocabulary 256, block 16)
+    instrumented by ``dg``: tokens and targets int64 ``[batch, 16]`` in [0, 256) drawn from torch's
+    global generator, forward (the model returns the loss), backward, ``opt.step()``; then the
+    test's own hooks ``handles`` are removed and ``dg`` closed. Returns the step's record
+    (:class:`distgrad.record.StepRecord`); AssertionError unless exactly one was recorded."""
+    import torch
+
+    recs: list = []
+    dg.add_hook(recs.append)
+    idx = torch.randint(0, 256, (batch, 16))
+    model(idx, torch.randint(0, 256, (batch, 16))).backward()
+    opt.step()
+    for h in handles:
+        h.remove()
+    dg.close()
+    (rec,) = recs
+    return rec
 
 
 def launch(script: str, out: Path, *args: str, nproc: int = 2, timeout: int = 900,

@@ -7,9 +7,6 @@ README's trial, not repeated here (float8 emulation makes a step ~6 s on the sha
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,33 +14,18 @@ pytest.importorskip("torchao.float8")
 
 import distgrad  # noqa: E402
 from tests.fp8_models import DTYPES, capture, reference  # noqa: E402
-
-
-def _train_module():
-    path = Path(__file__).resolve().parent.parent / "launch" / "train.py"
-    spec = importlib.util.spec_from_file_location("example_train_fp8", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.helpers import example_step, example_train  # noqa: E402
 
 
 def test_example_fp8_layers_are_observed_and_equal_float64_references():
-    train = _train_module()
+    train = example_train("example_train_fp8")
     torch.manual_seed(0)
     model = train.to_float8(train.GPT(n_layer=2, d=32, n_head=2, block=16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"},
                              fp8={"enabled": True})
-    recs: list = []
-    dg.add_hook(recs.append)
     caps, handles = capture(model)
-    idx = torch.randint(0, 256, (4, 16))
-    model(idx, torch.randint(0, 256, (4, 16))).backward()
-    opt.step()
-    for h in handles:
-        h.remove()
-    dg.close()
-    (rec,) = recs
+    rec = example_step(model, opt, dg, handles, batch=4)
     linears = [f"blocks.{i}.{m}" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
     assert rec.fp8.layers == {n: n.split(".")[1] for n in linears}  # every block linear, its block's label
     for name in linears:

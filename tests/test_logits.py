@@ -246,31 +246,20 @@ def test_example_job_model_reports_attention_through_the_hook_point():
     job" gives for the logit precursors: every block's per-head maximum attention logit equals
     q.k/sqrt(d) recomputed in float64 from its qkv projection's output, causally masked, and
     the output head's max |logit| that of the returned logits' recomputation."""
-    import importlib.util
-    from pathlib import Path
+    from tests.helpers import example_step, example_train
 
-    path = Path(__file__).resolve().parent.parent / "launch" / "train.py"
-    spec = importlib.util.spec_from_file_location("example_train", path)
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    train = example_train("example_train")
     torch.manual_seed(0)
     model = train.GPT(n_layer=2, d=32, n_head=4, block=16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"},
                              logits={"attention": True, "attention_modules": r"^blocks\.\d+\.attn$",
                                      "output": True, "output_module": "head"})
-    recs, cap, handles = [], {}, []
-    dg.add_hook(recs.append)
+    cap, handles = {}, []
     for i, b in enumerate(model.blocks):
         handles.append(b.attn.qkv.register_forward_hook(lambda m, x, y, i=i: cap.__setitem__(i, y.detach().double())))
     handles.append(model.head.register_forward_hook(lambda m, x, y: cap.__setitem__("head", y.detach().double())))
-    idx = torch.randint(0, 256, (3, 16))
-    model(idx, torch.randint(0, 256, (3, 16))).backward()
-    opt.step()
-    for h in handles:
-        h.remove()
-    dg.close()
-    (rec,) = recs
+    rec = example_step(model, opt, dg, handles, batch=3)
     allowed = torch.ones(16, 16, dtype=torch.bool).tril()
     for i in range(2):
         q, k, _ = cap[i].split(32, dim=2)
