@@ -74,6 +74,15 @@ def full_decoder(model) -> Decoder:
     return plain
 
 
+def autocast_backward(module, ids: torch.Tensor, labels: torch.Tensor) -> None:
+    """One micro-batch of the loops with fp16 autocast (ddp, fsdp2_autocast): the forward
+    ``module(ids, labels)`` (the loss) inside autocast, then ``(loss / GAS).backward()`` outside
+    it (the loop's own division by GAS)."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = module(ids, labels)
+    (loss / GAS).backward()
+
+
 def deepspeed_fp16(model, stage: int, cfg: dict):
     """``model`` under DeepSpeed ZeRO-``stage`` fp16 (dynamic loss scale, GAS micro-batches of B,
     lr 0.1), instrumented with ``cfg``. Returns ``(engine, inst, fwd_bwd, step, scale)``:
@@ -140,9 +149,7 @@ def run(key: str, rank: int, world: int) -> dict:
         inst = distgrad.instrument(model, cfg, optimizer=opt)
 
         def fwd_bwd(ids, labels, micro):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(ids, labels)
-            (loss / GAS).backward()
+            autocast_backward(model, ids, labels)
 
         step = optimizer_step(opt)
         inner, factor, autocast = None, 1.0 / GAS, True
@@ -168,9 +175,7 @@ def run(key: str, rank: int, world: int) -> dict:
 
         def fwd_bwd(ids, labels, micro):
             with w.no_sync() if micro < GAS - 1 else torch.enable_grad():
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = w(ids, labels)
-                (loss / GAS).backward()
+                autocast_backward(w, ids, labels)
 
         step = optimizer_step(opt)
         inner, factor, autocast = model, 1.0 / GAS, True
