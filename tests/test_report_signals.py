@@ -477,3 +477,29 @@ def test_every_finding_kind_is_in_the_docs_table_and_the_runbook():
     runbook = set(re.findall(r"^### signal-([a-z-]+)$", (root / "docs" / "runbook.md").read_text(), re.M))
     assert rows == code, (sorted(code - rows), sorted(rows - code))
     assert {k.replace("_", "-") for k in code} == runbook
+
+
+def test_adaptive_clipping_has_a_report_section():
+    """The offline report plots and summarises adaptive clipping (the opt-in action's record part):
+    per sampled step the smallest factor applied (NaN where it did not act), the clipped-step
+    count and ZClip's z, equal to the records'; the summary names the section. (It had none: a
+    run with adaptive_clip.mode on showed nothing of it in the report.)"""
+    from distgrad.diagnostics.adaptive_clip import AdaptiveClip
+    from distgrad.report import signals as sig
+
+    parts = [AdaptiveClip.Part(mode="zclip", acted=False, warmup=True, reason="warmup"),
+             AdaptiveClip.Part(mode="zclip", acted=True, clipped=False, factor=1.0, z=0.3, clipped_steps=0),
+             AdaptiveClip.Part(mode="zclip", acted=True, clipped=True, factor=0.25, z=4.1, clipped_steps=1,
+                               tensors_clipped=7, threshold=2.0),
+             AdaptiveClip.Part(mode="zclip", acted=True, clipped=False, factor=1.0, z=-0.5, clipped_steps=1)]
+    acc = sig.SignalsAccumulator(max_points=64)
+    for s, p in enumerate(parts):
+        acc.add(SimpleNamespace(step=s, adaptive_clip=p))
+    res = acc.result()
+    series = {s.metric: s for s in res.series if s.signal == "adaptive_clip"}
+    assert set(series) == {"factor", "clipped_steps", "z"}
+    factor = series["factor"].glob.last[:, 0]
+    assert np.isnan(factor[0]) and list(factor[1:]) == [1.0, 0.25, 1.0]
+    assert list(series["clipped_steps"].glob.last[:, 0]) == [float(p.clipped_steps) for p in parts]
+    assert np.isnan(series["z"].glob.last[0, 0]) and list(series["z"].glob.last[1:, 0]) == [0.3, 4.1, -0.5]
+    assert any(line.strip().startswith("Adaptive clipping: clipped_steps = 1") for line in sig.summary_lines(res))

@@ -265,7 +265,15 @@ TITLES = {"underflow": "Lost to underflow", "grad_histogram": "Gradient value di
           "noise_scale": "Gradient noise scale",
           "curvature": "Curvature along the last update", "optimizer_signals": "Optimizer (Adam) signals",
           "logits": "Logit precursors", "update_geometry": "Applied update geometry",
-          "fp8": "FP8 scaling health", "router": "MoE router health"}
+          "fp8": "FP8 scaling health", "router": "MoE router health", "adaptive_clip": "Adaptive clipping"}
+SPECS["adaptive_clip"] = [  # the opt-in action's part (distgrad.diagnostics.adaptive_clip), when it acted
+    ("factor", "adaptive clipping: smallest factor applied on the step (1: not clipped)", False,
+     lambda p: (_f(p.factor) if p.acted else math.nan, None)),
+    ("clipped_steps", "adaptive clipping: optimizer steps clipped so far", False,
+     lambda p: (float(p.clipped_steps), None)),
+    ("z", "ZClip: z-score of the global gradient norm against its EMA", False,
+     lambda p: (_f(p.z) if p.z is not None else math.nan, None)),
+]
 #: a MoE layer's load max/mean above this is a collapsed router (DistgradRouterCollapse's default)
 ROUTER_COLLAPSE = 3.0
 #: (signal, metric) -> (finding kind, what rose, what to do) of the rise rule
