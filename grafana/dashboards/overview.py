@@ -167,6 +167,9 @@ def build() -> Dashboard:
             ts("Last rerun step", "Optimizer step of the last rerun attribution. No data until the first rerun: "
                "a healthy run has none (every verdict count above stays 0).",
                queries((f"distgrad_rerun_step{{{S}}}", "{{instance}}")), 8, 8, unit="short"),
+            table("Host to quarantine", "The host of the rank the last device or transient verdict names "
+                  "(DistgradRerunFaultyNode's page names it too).",
+                  f"distgrad_rerun_quarantine_host_info{{{S}}}", 24, 5, no_value="none: no device or transient verdict"),
         ]),
         opt_in_row("Opt-in action", ["action"], [
             ts("Updates skipped by distgrad", "Optimizer updates distgrad's opt-in action skipped on every rank, per "
