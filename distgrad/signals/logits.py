@@ -370,6 +370,8 @@ class LogitSignal(PackedSignal):
         self.attention_modules, self.output_module = attention_modules, output_module
         self.naming_rules = naming_rules
         self._warned_unobserved = False
+        self._unobserved = 0  # sampled steps on which no rank observed any watched attention module
+        self._observed = False  # some sampled step had an observation
         self.layers: list[str] = []
         self.heads: list[int] = []  # per layer, 0: unknown
         self._offsets: list[int] = []
@@ -539,12 +541,19 @@ class LogitSignal(PackedSignal):
                grad_scale: float) -> None:
         w = inst.world_size
         part = LogitSignal.Part()
-        if self.attention and self.layers and sum_part[0] == 0 and not self._warned_unobserved:
-            # every rank decides alike from the reduced count; a log line, no collective
+        if self.attention and self.layers:
+            # every rank decides alike from the reduced count; a log line, no collective. Two
+            # sampled steps without any observation from the start (the first may have had its
+            # forwards before instrument()): the watched modules do not report
+            self._observed = self._observed or sum_part[0] > 0
+            self._unobserved += int(sum_part[0] == 0)
+        if (self.attention and self.layers and not self._observed and self._unobserved >= 2
+                and not self._warned_unobserved):
             self._warned_unobserved = True
             if getattr(inst, "rank", 0) == 0:
                 log.warning("distgrad: logits.attention: none of the watched attention modules (%s) reported its "
-                            "logits on sampled step %d on any rank, so no attention logit is exported. A module "
+                            "logits on any sampled step up to step %d on any rank, so no attention logit is "
+                            "exported. A module "
                             "that is not a Hugging Face attention module must call "
                             "distgrad.signals.logits.observe_attention(self, q, k, ...) next to its attention "
                             "kernel (docs/signals.md, \"Logit precursors\").", ", ".join(self.layers[:4])
