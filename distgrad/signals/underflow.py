@@ -86,8 +86,9 @@ Needs the loss: the forward of the module must return it (a scalar tensor, a dic
 ``"loss"``, or an object with ``.loss``, as Hugging Face models with labels). A loop that
 divides the loss outside the forward (gradient accumulation) says so with
 ``underflow.loss_factor``; DeepSpeed's division by the accumulation steps is applied
-automatically. When the forward returns no loss the step's measurement is dropped (counted as an
-internal error, warned once). A parameter the reference backward does not reach (unused by that
+automatically. When the forward returns no loss (logits only) the first recomputation step's
+measurement is dropped, counted once as an internal error and logged once with the fix; from then
+on nothing is kept or recomputed (no repeated error, no cost) and nothing is exported. A parameter the reference backward does not reach (unused by that
 micro-batch) is left out of the counts, not claimed zero. The model's own parameters are out of
 autograd (``requires_grad`` False) while the passes run, so nothing can accumulate into their
 ``.grad``.
@@ -357,7 +358,8 @@ class Underflow(PackedSignal):
         self._next = 0  # the optimizer step the next forwards belong to (the last boundary's + 1)
         self._kept: _Kept | None = None
         self._last: Underflow.Part | None = None
-        self._warned = False
+        #: the forward returned no loss once (flagged then): nothing more is kept or recomputed
+        self._no_loss = False
 
     @property
     def sum_size(self) -> int:
@@ -409,7 +411,7 @@ class Underflow(PackedSignal):
         return handle.remove
 
     def _pre(self, module: Any, args: Any, kwargs: Any) -> None:
-        if in_replay() or not torch.is_grad_enabled() or self._kept is not None or not self.armed:
+        if in_replay() or not torch.is_grad_enabled() or self._kept is not None or not self.armed or self._no_loss:
             return None
         try:
             cuda = None
@@ -642,7 +644,7 @@ class Underflow(PackedSignal):
         run = self.recomputes(step)
         self._next = step + 1
         out = torch.zeros(self.sum_size, dtype=torch.float64, device=device)
-        if not run or k is None or self.root is None or (self.sharded and full is None):
+        if not run or k is None or self.root is None or (self.sharded and full is None) or self._no_loss:
             return out, None
         if any(t._version != v for t, v in k.versions):
             return out, None  # an input modified in place since its forward: cannot be vouched for
@@ -661,10 +663,13 @@ class Underflow(PackedSignal):
                 ref = self._pass(k, True, None, full)
                 del full
             except NoLossError:
-                if not self._warned:
-                    self._warned = True
-                    log.warning("distgrad: underflow.enabled: the model's forward returns no loss: nothing is "
-                                "measured (see docs/signals.md, 'Lost to underflow')")
+                # a property of the model, the same at every step: flagged once (this step's error,
+                # counted once, and the log line), then nothing more is kept or recomputed
+                self._no_loss = True
+                log.error("distgrad: underflow.enabled: the model's forward returns no loss (logits only), so "
+                          "the recomputation cannot differentiate it: nothing is measured for the rest of the "
+                          "run. Return the loss from the forward (Hugging Face: pass labels) or switch "
+                          "underflow.enabled off (see docs/signals.md, 'Lost to underflow')")
                 raise
             finally:
                 for p in frozen:
