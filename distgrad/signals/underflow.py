@@ -88,8 +88,9 @@ divides the loss outside the forward (gradient accumulation) says so with
 ``underflow.loss_factor``; DeepSpeed's division by the accumulation steps is applied
 automatically. When the forward returns no loss (logits only) the first recomputation step's
 measurement is dropped, counted once as an internal error and logged once with the fix; from then
-on nothing is kept or recomputed (no repeated error, no cost) and nothing is exported. A parameter the reference backward does not reach (unused by that
-micro-batch) is left out of the counts, not claimed zero. The model's own parameters are out of
+on nothing is kept or recomputed (no repeated error, no cost) and nothing is exported. A
+parameter the reference backward does not reach (unused by that micro-batch) is left out of the
+counts, not claimed zero. The model's own parameters are out of
 autograd (``requires_grad`` False) while the passes run, so nothing can accumulate into their
 ``.grad``.
 
