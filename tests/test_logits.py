@@ -294,3 +294,130 @@ def test_a_model_of_its_own_does_not_import_transformers():
                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["['0',", "'1']", "False", "False"], out.stdout
+
+
+def _rot_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def _gpt2(impl: str):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=61, n_embd=32, n_layer=3, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0,
+                     attn_implementation=impl)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg)
+    layers = [blk.attn for blk in model.transformer.h]
+
+    def qk(i, cap, b, t):  # c_attn (Conv1D) output [b, t, 3 * 32] -> q, k [b, 4, t, 8]
+        q, k, _ = cap[("qkv", i)].split(32, dim=2)
+        return tuple(x.view(b, t, 4, 8).transpose(1, 2) for x in (q, k))
+    return model, layers, "c_attn", qk
+
+
+def _gpt_neox(impl: str):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=48, max_position_embeddings=32, attn_implementation=impl)
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(cfg)
+    layers = [blk.attention for blk in model.gpt_neox.layers]
+
+    def qk(i, cap, b, t):  # fused query_key_value [b, t, 4 * 3 * 8] -> per head (q|k|v), partial rotary
+        q, k, _ = cap[("qkv", i)].view(b, t, 4, 24).transpose(1, 2).chunk(3, dim=-1)
+        cos, sin = (x.double()[:, None] for x in cap[("pe", i)])
+        r = cos.shape[-1]
+        assert 0 < r < 8  # GPT-NeoX's default rotary_pct 0.25: the rotary on 2 of the 8 head dims
+
+        def rope(x):
+            return torch.cat([x[..., :r] * cos + _rot_half(x[..., :r]) * sin, x[..., r:]], dim=-1)
+        return rope(q), rope(k)
+    return model, layers, "query_key_value", qk
+
+
+@pytest.mark.parametrize("family,impl", [("gpt2", "eager"), ("gpt2", "sdpa"), ("gpt_neox", "sdpa")])
+def test_attention_modules_without_q_proj_found_by_default_and_equal_float64_recomputation(family, impl):
+    """Issue #25: GPT-2 (``c_attn``, a Conv1D with q|k|v side by side) and GPT-NeoX (fused
+    ``query_key_value`` interleaved per head, rotary on a quarter of the head dims) have no
+    ``q_proj`` / ``k_proj``; with ``logits.attention: true`` and no ``attention_modules`` their
+    attention modules are found (exactly the model's layers: the modules calling transformers'
+    attention interface, not the parents), and every layer's per-head maximum equals q.k/sqrt(d)
+    recomputed in float64 from the fused projection's output (and the layer's rotary cos/sin),
+    with the causal and padding masks, maxed over 2 micro-batches."""
+    model, attn, proj, qk = (_gpt2 if family == "gpt2" else _gpt_neox)(impl)
+    n = len(attn)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    dg = distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, statistics={"async_records": "off"},
+                             logits={"attention": True})
+    sig = next(s for s in dg.signals.signals if s.name == "logits")
+    assert sig.layers == [str(i) for i in range(n)] and sig.heads == [4] * n
+    assert {m for m, (s, _) in L._MODULES.items() if s is sig} == set(attn)  # the attention modules, no parent
+    cap, handles = {}, []
+    for i, a in enumerate(attn):
+        handles.append(getattr(a, proj).register_forward_hook(
+            lambda m, x, y, i=i: cap.__setitem__(("qkv", i), y.detach().double())))
+        handles.append(a.register_forward_pre_hook(
+            lambda m, args, kw, i=i: cap.__setitem__(("pe", i), kw.get("position_embeddings")), with_kwargs=True))
+    recs, refs = [], []
+    dg.add_hook(recs.append)
+    g = torch.Generator().manual_seed(1)
+    b, t = 2, 9
+    for step in range(2):
+        mb = []
+        for j in range(2):
+            ids = torch.randint(0, 61, (b, t), generator=g)
+            mask = torch.ones(b, t, dtype=torch.long)
+            if j == step:
+                mask[1, :3] = 0  # left padding in one sequence of one micro-batch
+            model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+            allowed = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None, :]
+            heads = {}
+            for i in range(n):
+                q, k = qk(i, cap, b, t)
+                s = ((q @ k.transpose(-1, -2)) / math.sqrt(8)).masked_fill(~allowed, -math.inf)
+                heads[str(i)] = s.transpose(0, 1).reshape(4, -1).amax(1)
+            mb.append(heads)
+        refs.append(mb)
+        opt.step()
+        opt.zero_grad()
+    for h in handles:
+        h.remove()
+    dg.close()
+    assert [r.step for r in recs] == [0, 1]
+    for rec, mb in zip(recs, refs):
+        assert sorted(rec.logits.attention_max) == [str(i) for i in range(n)]
+        for layer in rec.logits.attention_max:
+            ref = torch.stack([m[layer] for m in mb]).amax(0)
+            assert rec.logits.attention_head_max[layer] == pytest.approx(ref.tolist(), rel=1e-5, abs=1e-6)
+            assert rec.logits.attention_max[layer] == pytest.approx(ref.max().item(), rel=1e-5)
+    assert dg.counters["internal_errors"] == 0 and not L._MODULES
+
+
+def test_default_detection_is_the_interface_callers_not_their_parents():
+    """``is_hf_attention`` against transformers' own code: in a BERT encoder the module calling the
+    attention interface is ``BertSelfAttention`` (``query`` / ``key`` / ``value``), not the
+    ``BertAttention`` around it (whose name ends in Attention too) nor the model, whose
+    ``PreTrainedModel`` helpers name the interface outside ``forward``; a Falcon model (its own
+    attention computation in transformers 5.24, no interface call) and a model of its own have none,
+    so the refusal names logits.attention_modules."""
+    import inspect
+
+    from transformers import BertConfig, BertModel, FalconConfig, FalconForCausalLM
+
+    bert = BertModel(BertConfig(vocab_size=31, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=32))
+    found = [n for n, m in bert.named_modules() if L.is_hf_attention(m)]
+    assert found == [f"encoder.layer.{i}.attention.self" for i in range(2)]
+    for n, m in bert.named_modules():  # the reference: the class's forward source names the interface
+        src = inspect.getsource(inspect.unwrap(type(m).forward)) if n else ""
+        assert L.is_hf_attention(m) == (bool(n) and "ALL_ATTENTION_FUNCTIONS" in src), n
+    falcon = FalconForCausalLM(FalconConfig(vocab_size=31, hidden_size=16, num_hidden_layers=2,
+                                            num_attention_heads=2))
+    assert not any(L.is_hf_attention(m) for m in falcon.modules())
+    for model in (falcon, _SDPAModel()):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(ConfigError, match="attention interface.*logits.attention_modules"):
+            distgrad.instrument(model, optimizer=opt, exporter={"enabled": False}, logits={"attention": True})
+    assert not L._MODULES

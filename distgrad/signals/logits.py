@@ -22,7 +22,11 @@ Quantities (per micro-batch, then max / sum over micro-batches and ranks):
 Hook points (installed at ``instrument()``, undone at ``close()``):
 
 * Hugging Face attention modules (the selected modules: ``logits.attention_modules``, default
-  every module with a ``q_proj`` and a ``k_proj`` child): transformers' global attention
+  :func:`is_hf_attention`: every module whose class's code calls transformers' attention interface
+  ``ALL_ATTENTION_FUNCTIONS``, i.e. the module that hands itself to the kernel (GPT-2's
+  ``c_attn``, GPT-NeoX's ``query_key_value``, BERT's self-attention, LLaMA...; not the parent
+  that contains it), and every module with a ``q_proj`` and a ``k_proj`` child as before):
+  transformers' global attention
   interface ``ALL_ATTENTION_FUNCTIONS.get_interface`` is wrapped so that the function it returns
   (eager, sdpa, flash...) first reports ``(query, key, mask, scaling)`` when its module argument
   is a selected module; every other call passes through untouched;
@@ -49,6 +53,7 @@ observed on every rank, or an output head not observed on every rank, is left ou
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import re
@@ -70,7 +75,7 @@ from distgrad.naming.grouping import group_keys
 from distgrad.record.base import _Part
 from distgrad.signals import PackedSignal
 
-__all__ = ["LogitSignal", "observe_attention", "attention_head_max", "output_logit_stats"]
+__all__ = ["LogitSignal", "observe_attention", "attention_head_max", "output_logit_stats", "is_hf_attention"]
 
 #: elements of one chunk of the score matrix / the logits
 CHUNK = 1 << 24
@@ -79,6 +84,10 @@ _LOCK = threading.Lock()
 #: module -> (signal, layer index): the modules selected by a live signal
 _MODULES: dict[Any, tuple[LogitSignal, int]] = {}
 _HF_PATCH: dict[str, Any] = {"count": 0, "orig": None}
+#: the name by which transformers' attention modules fetch their kernel (modeling_utils)
+_INTERFACE = "ALL_ATTENTION_FUNCTIONS"
+#: class -> whether its code (or a base class's, not torch's) names _INTERFACE
+_CALLS_INTERFACE: dict[type, bool] = {}
 
 log = logging.getLogger("distgrad")
 
@@ -158,6 +167,55 @@ def output_logit_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
                                                                             device=dev)])
             maxes = torch.maximum(maxes, torch.stack([xf.abs().amax().double(), z.amax()]))
     return sums, maxes
+
+
+def _code_names(code: Any, seen: set[int] | None = None) -> set[str]:
+    """The global and attribute names a code object and the code nested in it (closures,
+    comprehensions) refer to."""
+    seen = set() if seen is None else seen
+    if id(code) in seen:
+        return set()
+    seen.add(id(code))
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if hasattr(c, "co_names"):
+            names |= _code_names(c, seen)
+    return names
+
+
+def is_hf_attention(module: Any) -> bool:
+    """Whether ``module`` is an attention module that calls transformers' attention interface.
+
+    True when the ``forward`` its class runs (decorators unwrapped through ``__wrapped__``, code
+    nested in it included) names ``ALL_ATTENTION_FUNCTIONS``: the registry through which every
+    transformers attention module fetches its kernel and hands itself to it as the module
+    argument (``modeling_*.py`` in 5.x: ``attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+    self.config._attn_implementation, eager_attention_forward)``, then ``attention_interface(self,
+    query, key, value, attention_mask, scaling=...)``; in transformers 5.24, 462 classes, all from
+    their ``forward``). Read from the byte code's names (no source file, no import of
+    transformers); cached per class. The module that contains one (BERT's ``BertAttention``
+    around ``BertSelfAttention``, a decoder layer, the model, whose ``PreTrainedModel`` helpers
+    name the registry outside ``forward``) is not one, nor a class named ``...Attention`` that
+    computes attention its own way (BLOOM, Falcon, MPT, GPT-Neo, linear attention): it could not
+    be observed through the interface.
+
+    Args:
+        module: any object (usually a ``torch.nn.Module``).
+    Returns:
+        bool.
+    """
+    cls = type(module)
+    hit = _CALLS_INTERFACE.get(cls)
+    if hit is None:
+        fn = getattr(cls, "forward", None)
+        try:
+            fn = inspect.unwrap(fn) if callable(fn) else fn
+        except ValueError:  # a __wrapped__ cycle
+            pass
+        code = getattr(fn, "__code__", None)
+        hit = code is not None and _INTERFACE in _code_names(code)
+        _CALLS_INTERFACE[cls] = hit
+    return hit
 
 
 def observe_attention(module: Any, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -244,7 +302,9 @@ class LogitSignal(PackedSignal):
         attention: observe attention logits.
         output: observe the output head.
         interval: ``sampling.interval`` (which steps are sampled).
-        attention_modules: regex selecting the attention modules (None: q_proj + k_proj children).
+        attention_modules: regex selecting the attention modules (None: the modules calling
+            transformers' attention interface, :func:`is_hf_attention`, and those with q_proj +
+            k_proj children).
         output_module: the output head's module name (None: automatic).
         naming_rules: ``naming.tuples`` (layer labels as the other per-layer metrics).
 
@@ -271,9 +331,12 @@ class LogitSignal(PackedSignal):
             "sampled step's micro-batches (the cost of one eager attention score matrix)."))
         attention_modules: str | None = Field(None, description=(
             "Regular expression (re.search) on module names selecting the attention modules (one "
-            "layer each, named by the layer of the module name); default: the modules with both a "
-            "q_proj and a k_proj child (Hugging Face decoders). A module that is not a Hugging Face "
-            "attention module reports its logits by calling observe_attention(self, q, k, ...)."))
+            "layer each, named by the layer of the module name); default: every Hugging Face attention "
+            "module that calls transformers' attention interface (GPT-2, GPT-NeoX, GPT-J, OPT, Phi, BERT, "
+            "T5, LLaMA, Mistral, Qwen...: the module handing itself to the kernel, not its parent) and "
+            "every module with both a q_proj and a k_proj child. Models whose attention does not go "
+            "through that interface (in transformers 5.24: BLOOM, Falcon, MPT, GPT-Neo) need this "
+            "expression, and their attention code must call observe_attention(self, q, k, ...)."))
         output: bool = Field(False, description=(
             "Observe the output head's logits on the sampled step's micro-batches: max |logit| and "
             "the log-sum-exp z per position (mean, mean of z^2, max)."))
@@ -400,13 +463,14 @@ class LogitSignal(PackedSignal):
                 if pat is not None:
                     ok = bool(name) and bool(pat.search(cname))
                 else:
-                    ok = hasattr(m, "q_proj") and hasattr(m, "k_proj")
+                    ok = (hasattr(m, "q_proj") and hasattr(m, "k_proj")) or is_hf_attention(m)
                 if ok and not any(m is c for _, c in chosen):
                     chosen.append((cname, m))
             if not chosen:
                 raise ConfigError("distgrad config: 'logits.attention' found no attention module"
                                   + (f" matching logits.attention_modules {self.attention_modules!r}"
-                                     if self.attention_modules else " (no module with q_proj and k_proj; set "
+                                     if self.attention_modules else " (no module calling transformers' attention "
+                                     "interface and none with q_proj and k_proj children; set "
                                      "logits.attention_modules)"))
             labels = []
             for cname, m in chosen:
