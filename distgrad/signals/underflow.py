@@ -18,7 +18,8 @@ the CPU/CUDA RNG state and the autocast state its forward ran under) twice, at t
 boundary, before the optimizer consumes the gradients (the weights are those of the forward):
 
 1. *low precision*: the model's forward under the kept autocast state, with the parameters in
-   their own dtype, the loss (the forward's returned loss, times ``underflow.loss_factor``)
+   their own dtype, the loss (the forward's returned loss, times ``underflow.loss_factor``, then
+   scaled as the framework scales it before backward: :meth:`Underflow._scaled`)
    multiplied by the loss scale in force (``GradScaler`` / DeepSpeed fp16; 1 without one), then
    the backward into the parameter copies: the gradient the training backward produced
    for that micro-batch, element for element;
@@ -84,13 +85,15 @@ first micro-batch's inputs and a copy of the CPU RNG state (~5 KB).
 
 Needs the loss: the forward of the module must return it (a scalar tensor, a dict with
 ``"loss"``, or an object with ``.loss``, as Hugging Face models with labels). A loop that
-divides the loss outside the forward (gradient accumulation) says so with
-``underflow.loss_factor``; DeepSpeed's division by the accumulation steps is applied
-automatically. When the forward returns no loss (logits only) the first recomputation step's
-measurement is dropped, counted once as an internal error and logged once with the fix; from then
-on nothing is kept or recomputed (no repeated error, no cost) and nothing is exported. A
-parameter the reference backward does not reach (unused by that micro-batch) is left out of the
-counts, not claimed zero. The model's own parameters are out of
+scales the loss outside the forward (gradient accumulation) says so with
+``underflow.loss_factor``; the framework's own scaling is applied automatically on top: DeepSpeed's
+division by the accumulation steps, and through :attr:`Underflow.framework_scale`, set by
+:mod:`distgrad.integrations`, that of Accelerate's ``backward``, the Hugging Face Trainer and
+Lightning (docs/signals.md, "The loss factor"). When the forward returns no loss (logits only)
+the first recomputation step's measurement is dropped, counted once as an internal error and
+logged once with the fix; from then on nothing is kept or recomputed (no repeated error, no
+cost) and nothing is exported. A parameter the reference backward does not reach (unused by that
+micro-batch) is left out of the counts, not claimed zero. The model's own parameters are out of
 autograd (``requires_grad`` False) while the passes run, so nothing can accumulate into their
 ``.grad``.
 
@@ -106,7 +109,7 @@ import contextlib
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -216,7 +219,8 @@ class Underflow(PackedSignal):
         param_layer: per trainable parameter of the module (``named_parameters`` order), its
             index into ``layers``.
         interval: recompute every ``interval``-th sampled step.
-        loss_factor: multiplies the forward's loss in both passes.
+        loss_factor: multiplies the forward's loss in both passes (the user's own scaling; the
+            framework's is applied on top, :meth:`_scaled`).
 
     SUM part (float64 ``[2 + 5 L]``): ``[ranks that recomputed, sum of their loss scales, then per
     layer lost, zero_low, zero_ref, numel, nonfinite_low]``. Record part: :class:`Underflow.Part`
@@ -243,8 +247,12 @@ class Underflow(PackedSignal):
             "of interval (step 0 included; every rank decides from the step number). The last measurement is served "
             "until the next one (distgrad_underflow_measured_step says which step)."))
         loss_factor: float = Field(1.0, gt=0.0, description=(
-            "Factor the training loop applies to the forward's loss before backward (e.g. 1/accumulation steps); "
-            "underflow depends on it. DeepSpeed's own division by the accumulation steps is applied automatically."))
+            "Factor your own code applies to the forward's loss before handing it to backward (a raw loop's "
+            "(loss / GA).backward(): 1/GA); underflow depends on it. The framework's own scaling is applied "
+            "automatically on top, read at each recomputation: DeepSpeed's engine.backward division by its "
+            "accumulation steps, accelerator.backward's (instrument_accelerate), the Hugging Face Trainer's (1/GA, or "
+            "none with num_items_in_batch), Lightning's automatic optimization's (1/accumulate_grad_batches); so "
+            "leave 1.0 under those unless your code scales the loss further (docs/signals.md, 'The loss factor')."))
         worst: int = Field(3, ge=1, le=20, description="Layers named in the record's worst list (most lost first).")
         max_gather_bytes: int = Field(4 * 2**30, ge=0, description=(
             "FSDP2 and DeepSpeed ZeRO-3 only: the largest full float32 model (4 bytes times the parameter "
@@ -361,6 +369,13 @@ class Underflow(PackedSignal):
         self._last: Underflow.Part | None = None
         #: the forward returned no loss once (flagged then): nothing more is kept or recomputed
         self._no_loss = False
+        #: DeepSpeed's ``engine.backward`` division (its accumulation steps; found at :meth:`attach`)
+        self._ds_divisor = 1.0
+        #: set by a framework integration (:mod:`distgrad.integrations`): given the kept forward's
+        #: ``(args, kwargs)``, ``(multiplier, divisors)``: the framework's own scaling of the forward's loss
+        #: before backward, the loss multiplied by ``multiplier`` then divided by each divisor in turn;
+        #: replaces DeepSpeed's division above (the integration accounts for it). None: that division only.
+        self.framework_scale: Callable[[tuple, dict], tuple[float, Sequence[float]]] | None = None
 
     @property
     def sum_size(self) -> int:
@@ -407,7 +422,7 @@ class Underflow(PackedSignal):
         ds = getattr(inst.source, "engine", None)
         gas = getattr(ds, "gradient_accumulation_steps", None)
         if callable(gas):  # DeepSpeed divides the loss by the accumulation steps in engine.backward
-            self.loss_factor /= float(gas())
+            self._ds_divisor = float(gas())
         handle = module.register_forward_pre_hook(self._pre, with_kwargs=True)
         return handle.remove
 
@@ -631,11 +646,30 @@ class Underflow(PackedSignal):
             with contextlib.ExitStack() as stack:
                 for c in ctx:
                     stack.enter_context(c)
-                loss = loss_of(root(*args, **kwargs)) * self.loss_factor
+                loss = self._scaled(loss_of(root(*args, **kwargs)), k)
             if scale is not None:
                 loss = loss * scale.to(loss.device)
             loss.backward()  # into the copies' .grad only: the model's parameters are not in the graph
         return [t.grad for t in params.values()]
+
+    def _scaled(self, loss: torch.Tensor, k: _Kept) -> torch.Tensor:
+        """The forward's ``loss`` scaled as the training loop scaled it before backward (before the
+        loss scale): times ``underflow.loss_factor`` (the user's code), then the framework's
+        scaling (:attr:`framework_scale`, else DeepSpeed's division by its accumulation steps), each
+        step the same operation as the framework's (a division stays a division: ``loss / 3`` and
+        ``loss * (1/3)`` may differ in the last bit, and so would every gradient element)."""
+        if self.loss_factor != 1.0:
+            loss = loss * self.loss_factor
+        if self.framework_scale is not None:
+            mul, divs = self.framework_scale(k.args, k.kwargs)
+        else:
+            mul, divs = 1.0, (self._ds_divisor,)
+        if mul != 1:
+            loss = loss * mul
+        for d in divs:
+            if d != 1:
+                loss = loss / d
+        return loss
 
     def local(self, inst: Any, pieces: Sequence[torch.Tensor | None],
               device: torch.device) -> tuple[torch.Tensor, None]:
