@@ -232,3 +232,102 @@ def test_clip_threshold_from_the_framework_unless_the_user_sets_it(recwarn):
     assert w(DistgradConfig(), {}, 1.0) == {"clip.max_grad_norm": 1.0}
     assert w(None, {}, 0.0) == w(None, {}, None) == {}  # clipping off in the framework
     assert not [x for x in recwarn if issubclass(x.category, FutureWarning)]
+
+
+def _trainer_underflow_run(mp, accepts_loss_kwargs: bool | None = None, **trainer_kw):
+    """One process, the Trainer on tests/dist/hf_cases.py's tiny Llama for one optimizer step of
+    GA=2 micro-batches (padded labels: ``num_items_in_batch`` differs from a micro-batch count),
+    ``underflow`` recomputing step 0; returns the spy (:class:`tests.underflow_models.TrainingPassSpy`)
+    and the step records."""
+    from transformers import Trainer, TrainingArguments
+
+    from distgrad.integrations.hf import attach
+    from tests.dist import hf_cases
+    from tests.underflow_models import TrainingPassSpy
+
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        mp.delenv(var, raising=False)
+    mp.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    mp.setenv("ACCELERATE_USE_FSDP", "false")
+    hf_cases.make_state("single")
+    try:
+        model = hf_cases.tiny_llama(1234)
+        args = TrainingArguments(output_dir="/tmp/distgrad_hf_underflow", per_device_train_batch_size=hf_cases.BATCH,
+                                 gradient_accumulation_steps=hf_cases.GA, max_steps=1, report_to=[],
+                                 save_strategy="no", learning_rate=1e-3, seed=5, data_seed=5, disable_tqdm=True,
+                                 dataloader_num_workers=0, accelerator_config={"use_configured_state": True})
+        trainer = Trainer(model=model, args=args, train_dataset=hf_cases.dataset(8, ignored=True), **trainer_kw)
+        if accepts_loss_kwargs is not None:
+            trainer.model_accepts_loss_kwargs = accepts_loss_kwargs
+        cb = attach(trainer, exporter={"enabled": False}, sampling={"interval": 1},
+                    underflow={"enabled": True, "interval": 1})
+        records: list = []
+        orig = cb.on_train_begin
+
+        def on_train_begin(*a, **kw):
+            orig(*a, **kw)
+            cb.instrument.add_hook(records.append)
+        cb.on_train_begin = on_train_begin
+        with TrainingPassSpy(model, mp) as spy:
+            trainer.train()
+        return spy, records
+    finally:
+        hf_cases.reset_accelerate()
+
+
+def test_underflow_replays_the_trainers_loss_scaling(monkeypatch):
+    # the underflow signal's training-precision pass must give, element for element, the gradient
+    # the Trainer's backward produced for the recomputed micro-batch. Without num_items_in_batch
+    # the Trainer divides the forward's loss by GA=2 (a factor 1 there would double every
+    # element); with it (Llama accepts loss kwargs) the forward's loss is already the step's
+    # token share and the Trainer does not divide
+    for accepts in (False, None):
+        spy, records = _trainer_underflow_run(monkeypatch, accepts_loss_kwargs=accepts)
+        assert records and records[0].underflow is not None and records[0].underflow.step == 0
+        assert spy.mismatches() == [], accepts
+
+
+def test_underflow_refused_where_the_trainer_computes_the_loss_outside_the_forward(monkeypatch):
+    from distgrad.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"underflow\.enabled.*compute_loss_func"):
+        _trainer_underflow_run(monkeypatch, compute_loss_func=lambda out, labels, num_items_in_batch=None: out.loss)
+
+
+def test_underflow_replays_accelerates_division(monkeypatch):
+    # a plain Accelerate loop: accelerator.backward divides the loss by gradient_accumulation_steps
+    # (2) before backward; the recomputation must do the same
+    import torch
+    from accelerate import Accelerator
+
+    import distgrad.integrations.hf as dhf
+    from tests.dist import hf_cases
+    from tests.underflow_models import TrainingPassSpy
+
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    hf_cases.make_state("single")
+    try:
+        acc = Accelerator(gradient_accumulation_steps=2, cpu=True)
+        model = hf_cases.tiny_llama(1234)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt = acc.prepare(model, opt)
+        inst = dhf.instrument_accelerate(acc, model, opt, exporter={"enabled": False}, sampling={"interval": 1},
+                                         underflow={"enabled": True, "interval": 1}, checkpointing=False)
+        records: list = []
+        inst.add_hook(records.append)
+        data = hf_cases.dataset(4, ignored=True)
+        with TrainingPassSpy(model, monkeypatch) as spy:
+            for i in range(2):
+                with acc.accumulate(model):
+                    batch = {k: torch.stack([d[k] for d in data[2 * i:2 * i + 2]]) for k in data[0]}
+                    acc.backward(model(**batch).loss)
+                    opt.step()
+                    opt.zero_grad()
+        inst.close()
+        assert records and records[0].underflow is not None
+        assert spy.mismatches() == []
+    finally:
+        hf_cases.reset_accelerate()

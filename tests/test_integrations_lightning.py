@@ -1,8 +1,8 @@
 """PyTorch Lightning integration (``distgrad.integrations.lightning.DistgradCallback``) on 2 gloo
 ranks with the real lightning / deepspeed: one launch of tests/dist/lightning_cases.py.
 
-FSDP1, FSDP2 (ModelParallelStrategy) and DDP run automatic optimization with ``accumulate_grad_batches=2`` and clipping active:
-Lightning runs forward and backward inside ``optimizer.step(closure)``, after the optimizer's
+FSDP1, FSDP2 (ModelParallelStrategy) and DDP run automatic optimization with
+``accumulate_grad_batches=2`` and clipping active: Lightning runs forward and backward inside ``optimizer.step(closure)``, after the optimizer's
 step pre-hooks, so a pre-hook boundary would read the previous step's gradients (step 0: none);
 a boundary after clipping would report the clip threshold.
 
@@ -147,3 +147,57 @@ def test_deepspeed_accumulation_gradient_is_divided_twice_and_said_once(lightnin
     msgs = _about_double_division(c)
     assert len(msgs) == 1 and "accumulate_grad_batches=2" in msgs[0] and "get_global_grad_norm" in msgs[0]
     assert not any(_about_double_division(case(lightning_results, k)) for k in CASES if k != "deepspeed_ga2")
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_underflow_replays_lightnings_loss_scaling(monkeypatch, manual):
+    # one device (no launch), accumulate_grad_batches=2: under automatic optimization Lightning divides
+    # training_step's loss by 2 before backward, under manual optimization manual_backward does
+    # not; the underflow signal's training-precision pass must give, element for element, the
+    # gradient the training backward produced for the recomputed micro-batch (the first)
+    import lightning as L
+    import torch
+
+    from distgrad.integrations.lightning import DistgradCallback
+    from tests.dist.hf_cases import BATCH, dataset, tiny_llama
+    from tests.underflow_models import TrainingPassSpy
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = tiny_llama(1234)
+            self.automatic_optimization = not manual
+
+        def forward(self, input_ids, labels):  # the forward underflow recomputes returns the loss
+            return self.net(input_ids=input_ids, labels=labels).loss
+
+        def training_step(self, batch, batch_idx):
+            loss = self(batch["input_ids"], batch["labels"])
+            if manual:
+                self.manual_backward(loss)
+                if batch_idx % 2 == 1:
+                    self.optimizers().step()
+                    self.optimizers().zero_grad()
+                return None
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    records: list = []
+    cb = DistgradCallback(exporter={"enabled": False}, sampling={"interval": 1},
+                          underflow={"enabled": True, "interval": 1})
+
+    class Hook(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            cb.instrument.add_hook(records.append)
+
+    module = Module()
+    loader = torch.utils.data.DataLoader(dataset(8, ignored=True), batch_size=BATCH, shuffle=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=1 if manual else 2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[cb, Hook()])
+    with TrainingPassSpy(module, monkeypatch) as spy:
+        trainer.fit(module, loader)
+    assert records and records[0].underflow is not None and records[0].underflow.step == 0
+    assert spy.mismatches() == []

@@ -61,3 +61,56 @@ def clone(model: Decoder) -> Decoder:
                   loss_weight=model.loss_weight).to(next(model.parameters()).dtype)
     new.load_state_dict(model.state_dict())
     return new
+
+
+class TrainingPassSpy:
+    """What the underflow check of the framework integrations compares (tests/test_integrations_hf.py,
+    tests/test_integrations_lightning.py): per trainable parameter of ``model`` (by name), the
+    gradient the *training* backward produced for the first micro-batch of the run (a tensor hook
+    on each parameter keeps the first gradient it sees: the micro-batch's own, before it is
+    accumulated into ``.grad``), and the gradient of the underflow signal's training-precision pass
+    (:meth:`distgrad.signals.underflow.Underflow._pass` wrapped through ``monkeypatch``; its
+    reference pass is not kept). Use as a context manager around the training run."""
+
+    def __init__(self, model: nn.Module, monkeypatch) -> None:
+        from distgrad.signals.underflow import Underflow
+
+        self.training: dict[str, torch.Tensor] = {}
+        self.replayed: dict[str, torch.Tensor | None] = {}
+        self._handles = []
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                self._handles.append(p.register_hook(self._keep(n)))
+        orig = Underflow._pass
+        spy = self
+
+        def _pass(self_, k, reference, scale, full=None):
+            grads = orig(self_, k, reference, scale, full)
+            if not reference and not spy.replayed:
+                spy.replayed = {n: (None if g is None else g.detach().clone())
+                                for (n, _), g in zip(self_.params, grads)}
+            return grads
+
+        monkeypatch.setattr(Underflow, "_pass", _pass)
+
+    def _keep(self, name: str):
+        def hook(g: torch.Tensor) -> None:
+            self.training.setdefault(name, g.detach().clone())
+        return hook
+
+    def __enter__(self) -> TrainingPassSpy:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def mismatches(self, strip: str = "") -> list[str]:
+        """Parameter names whose replayed gradient is not equal, element for element, to the
+        training one (``strip``: a prefix of the signal's names, e.g. a wrapper's ``"net."``
+        ... removed before matching); every trainable parameter must be in both."""
+        assert self.replayed, "the underflow signal did not recompute"
+        replayed = {n[len(strip):] if n.startswith(strip) else n: g for n, g in self.replayed.items()}
+        assert set(replayed) == set(self.training), (sorted(replayed)[:3], sorted(self.training)[:3])
+        return [n for n, g in self.training.items()
+                if replayed[n] is None or not torch.equal(replayed[n], g)]

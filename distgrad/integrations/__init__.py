@@ -79,6 +79,17 @@ def with_micro_batch_size(config: Any, overrides: dict[str, Any], batch_size: An
     return out
 
 
+def underflow_signal(inst: Any) -> Any:
+    """The instrument's underflow signal (:class:`distgrad.signals.underflow.Underflow`, built when
+    ``underflow.enabled``), or None. The integrations set its ``framework_scale``: the scaling
+    their framework applies to the forward's loss before backward, which the signal's
+    training-precision recomputation must repeat."""
+    for s in getattr(getattr(inst, "signals", None), "signals", ()) or ():
+        if getattr(s, "name", "") == "underflow":
+            return s
+    return None
+
+
 def checkpoint_state(inst: Any, flush: bool) -> dict[str, Any] | None:
     """``inst.state_dict()`` for a framework's checkpoint hook (plain Python types, see
     :func:`distgrad.core.checkpoint.instrument_state`), or None when it cannot be taken: the failure

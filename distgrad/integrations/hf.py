@@ -41,6 +41,14 @@ What the Trainer does, and what the integration does about it (measured on trans
   (rank 0) when the noise scale is on and the Trainer normalises so. A plain Accelerate loop
   (:func:`instrument_accelerate`) does not know its batch size: set
   ``noise_scale.micro_batch_size`` (DeepSpeed plugin: read from the engine).
+- Lost to underflow (``underflow.enabled``, docs/signals.md "The loss factor"): the signal's
+  recomputation scales the forward's loss as the Trainer does before backward (times
+  ``num_processes`` with ``num_items_in_batch`` and ``average_tokens_across_devices``, else divided
+  by ``current_gradient_accumulation_steps``; ``loss_is_scaled_for_ga`` honoured), read at each
+  recomputation; in a plain Accelerate loop as ``accelerator.backward`` does (divided by its
+  ``gradient_accumulation_steps``; DeepSpeed: by the engine's). Refused at ``on_train_begin``
+  (``ConfigError``) with a ``compute_loss_func``, label smoothing or ``n_gpu > 1``: the loss
+  differentiated is not the forward's.
 - PEFT: frozen base weights have ``requires_grad=False`` and never appear as series.
 - Opt-in action ``stop`` (docs/action.md): at ``on_step_end`` of the stopping step the Trainer is
   told to save a checkpoint (of the state before the skipped update) and to stop.
@@ -65,7 +73,13 @@ from typing import Any
 import distgrad
 from distgrad.api import unwrap_optimizer
 from distgrad.engines.deepspeed import is_deepspeed_engine
-from distgrad.integrations import checkpoint_state, restore_state, with_clip_threshold, with_micro_batch_size
+from distgrad.integrations import (
+    checkpoint_state,
+    restore_state,
+    underflow_signal,
+    with_clip_threshold,
+    with_micro_batch_size,
+)
 
 try:
     from transformers import TrainerCallback
@@ -213,13 +227,16 @@ def instrument_trainer(trainer: Any, config: Any = None, optimizer: Any = None,
 
     Raises:
         TypeError / ValueError: from :func:`distgrad.instrument` (unsupported engine or settings).
-        ConfigError: bad settings (e.g. ``noise_scale.enabled`` without a known micro-batch size).
+        ConfigError: bad settings (e.g. ``noise_scale.enabled`` without a known micro-batch size;
+            ``underflow.enabled`` where the Trainer's loss is not the forward's: see
+            :func:`_trainer_underflow_scale`).
     """
     engine = trainer.model_wrapped
     accelerator = trainer.accelerator
     if is_deepspeed_engine(engine):
         inst = distgrad.instrument(engine, config, **overrides)
         inst.loss_reduction = "sum"
+        _trainer_underflow_scale(trainer, inst, deepspeed=True)
         _warn_token_weighting(trainer, inst)
         return inst
     overrides = with_clip_threshold(config, overrides, getattr(trainer.args, "max_grad_norm", None))
@@ -230,8 +247,63 @@ def instrument_trainer(trainer: Any, config: Any = None, optimizer: Any = None,
     # the Trainer writes its own checkpoints (not accelerator.save_state): DistgradState carries the state
     inst = instrument_accelerate(accelerator, engine, optimizer if optimizer is not None else trainer.optimizer,
                                  config, checkpointing=False, **overrides)
+    _trainer_underflow_scale(trainer, inst, deepspeed=False)
     _warn_token_weighting(trainer, inst)
     return inst
+
+
+def _trainer_underflow_scale(trainer: Any, inst: Any, deepspeed: bool) -> None:
+    """``underflow.enabled``: tell the underflow signal how the Trainer scales the forward's loss
+    before backward (transformers 5.24 ``Trainer.compute_loss`` / ``training_step``), per
+    recomputed micro-batch:
+
+    - with ``num_items_in_batch`` passed to the forward (a model that accepts loss kwargs: the
+      forward's loss is already the micro-batch's share of the step's token mean) and
+      ``average_tokens_across_devices``: times ``num_processes // tp_size`` (``compute_loss``);
+    - unless the loss is scaled for accumulation (``Trainer.loss_is_scaled_for_ga``, else the
+      rule above): divided by ``current_gradient_accumulation_steps`` (``training_step``; the
+      last accumulation of an epoch may be shorter);
+    - then ``accelerator.backward``'s division by its ``gradient_accumulation_steps`` (1 under the
+      Trainer; not under DeepSpeed, which the Trainer calls with ``scale_wrt_gas=False``).
+
+    Raises:
+        ConfigError: (after closing ``inst``) the Trainer computes the loss outside the model's
+            forward (``compute_loss_func``, label smoothing), or averages several GPUs' losses
+            (``n_gpu > 1``, DataParallel): the recomputation cannot reproduce that loss.
+    """
+    from distgrad.config import ConfigError
+
+    uf = underflow_signal(inst)
+    if uf is None:
+        return
+    why = ("a compute_loss_func" if getattr(trainer, "compute_loss_func", None) is not None else
+           "label smoothing (label_smoothing_factor)" if getattr(trainer, "label_smoother", None) is not None else
+           f"n_gpu={trainer.args.n_gpu} (DataParallel)" if int(getattr(trainer.args, "n_gpu", 1) or 1) > 1 else "")
+    if why:
+        inst.close()
+        raise ConfigError(
+            f"distgrad config: 'underflow.enabled' under the Hugging Face Trainer with {why}: the loss the Trainer "
+            "differentiates is not the loss the model's forward returns, so the recomputation cannot reproduce the "
+            "training gradient; switch underflow.enabled off (docs/signals.md, 'Lost to underflow')")
+    args, accelerator = trainer.args, trainer.accelerator
+
+    def scale(_: tuple, kwargs: dict) -> tuple[float, tuple[float, ...]]:
+        by_items = bool(getattr(trainer, "model_accepts_loss_kwargs", False)) and \
+            kwargs.get("num_items_in_batch") is not None
+        mul = 1.0
+        if by_items and getattr(args, "average_tokens_across_devices", False):
+            tp = trainer.get_tp_size() if hasattr(trainer, "get_tp_size") else 1
+            mul = float(int(accelerator.num_processes) // int(tp))
+        scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+        divs: list[float] = []
+        if not (scaled if scaled is not None else by_items):
+            divs.append(float(getattr(trainer, "current_gradient_accumulation_steps", None)
+                              or args.gradient_accumulation_steps))
+        if not deepspeed:
+            divs.append(float(getattr(accelerator, "gradient_accumulation_steps", 1) or 1))
+        return mul, tuple(divs)
+
+    uf.framework_scale = scale
 
 
 def _warn_token_weighting(trainer: Any, inst: Any) -> None:
@@ -293,7 +365,8 @@ def instrument_accelerate(accelerator: Any, model: Any, optimizer: Any = None, c
     over the step's micro-batches averaged over ranks (pass ``loss / gradient_accumulation_steps``
     to ``backward`` as Accelerate expects; ``accelerator.backward`` divides by
     ``accelerator.gradient_accumulation_steps`` itself when you use ``accelerator.accumulate``,
-    which is accounted for).
+    which is accounted for). The underflow signal (``underflow.enabled``) repeats that division in
+    its recomputation; ``underflow.loss_factor`` is only your own scaling before ``backward``.
 
     Checkpoints (``checkpointing=True``, the default): an :class:`AccelerateCheckpoint` is
     registered with ``accelerator.register_for_checkpointing``, so ``accelerator.save_state`` saves
@@ -322,6 +395,10 @@ def instrument_accelerate(accelerator: Any, model: Any, optimizer: Any = None, c
         return inst
     inst.loss_reduction = "sum"
     inst.boundary.read_at = "before_clip"
+    uf = underflow_signal(inst)
+    if uf is not None:  # accelerator.backward divides the loss by its accumulation steps (non-DeepSpeed)
+        uf.framework_scale = lambda a, kw: (1.0, (float(getattr(accelerator, "gradient_accumulation_steps", 1)
+                                                        or 1),))
     backward = accelerator.backward
     own = "backward" in vars(accelerator)
 

@@ -36,6 +36,12 @@ What Lightning does, and what the callback does about it (measured on lightning 
   (``Instrument.loss_reduction = "sum"``). Under DeepSpeed the engine's ``backward`` captures the
   same value.
 
+- Lost to underflow (``underflow.enabled``, docs/signals.md "The loss factor"): the signal's
+  recomputation divides the forward's loss by ``accumulate_grad_batches`` under automatic
+  optimization (none under manual optimization), then under DeepSpeed by the engine's accumulation
+  steps, as Lightning and ``engine.backward`` do. It recomputes the LightningModule's ``forward``:
+  ``training_step`` must compute the loss through ``self(...)`` (times ``underflow.loss_factor``).
+
 One optimizer per LightningModule is supported (several raise at ``on_train_start``).
 
 Opt-in action ``stop`` (docs/action.md): ``trainer.should_stop`` is set at the end of the stopping
@@ -56,7 +62,13 @@ from typing import TYPE_CHECKING, Any
 
 import distgrad
 from distgrad.engines.deepspeed import is_deepspeed_engine
-from distgrad.integrations import checkpoint_state, restore_state, with_clip_threshold, with_micro_batch_size
+from distgrad.integrations import (
+    checkpoint_state,
+    restore_state,
+    underflow_signal,
+    with_clip_threshold,
+    with_micro_batch_size,
+)
 
 if TYPE_CHECKING:  # checked against the lightning package (the `lightning` extra)
     from lightning.pytorch.callbacks import Callback
@@ -150,6 +162,7 @@ class DistgradCallback(Callback):
             self._deepspeed = True
             self.instrument = distgrad.instrument(model, self.config, **base)
             self.instrument.loss_reduction = "sum"
+            self._underflow_scale(trainer, pl_module, model)
             self._warn_double_division(trainer, pl_module)
             return
         optimizers = list(trainer.optimizers)
@@ -164,6 +177,30 @@ class DistgradCallback(Callback):
         if boundary is not None:  # None: enabled: false
             self.instrument.loss_reduction = "sum"
             boundary.read_at = "external"
+        self._underflow_scale(trainer, pl_module, None)
+
+    def _underflow_scale(self, trainer: Any, pl_module: Any, engine: Any) -> None:
+        """``underflow.enabled``: tell the underflow signal how Lightning scales the forward's loss
+        before backward (lightning 2.6): under automatic optimization ``training_step``'s loss is
+        divided by ``accumulate_grad_batches`` (``_AutomaticOptimization``'s closure), under manual
+        optimization ``manual_backward`` does not scale it; under DeepSpeed ``engine.backward`` then
+        divides by the engine's accumulation steps. The forward recomputed is the wrapped
+        LightningModule's: ``training_step`` must return the loss its ``forward`` (``self(...)``)
+        returned (times ``underflow.loss_factor``)."""
+        uf = underflow_signal(self.instrument)
+        if uf is None:
+            return
+
+        def scale(_: tuple, __: dict) -> tuple[float, tuple[float, ...]]:
+            divs: list[float] = []
+            if getattr(pl_module, "automatic_optimization", True):
+                divs.append(float(int(getattr(trainer, "accumulate_grad_batches", 1) or 1)))
+            gas = getattr(engine, "gradient_accumulation_steps", None)
+            if callable(gas):
+                divs.append(float(gas()))
+            return 1.0, tuple(divs)
+
+        uf.framework_scale = scale
 
     @staticmethod
     def _warn_double_division(trainer: Any, pl_module: Any) -> None:
