@@ -6,7 +6,9 @@ below the step-0 norm), so a boundary after clipping would report 1.0, and a los
 to backward without accounting for the Trainer's scaling would be 1/2 or 1/4 of the true one.
 The one-process Trainer runs in this process (no launch). The Trainer's data has padded labels
 (-100) of different lengths, so its ``num_items_in_batch`` normalisation (the mean over every
-scored token of the step) differs from a mean of micro-batch means.
+scored token of the step) differs from a mean of micro-batch means. The DDP and ZeRO-2 cases also
+run the underflow signal and compare its training-precision recomputation with the training
+backward's gradient (the Trainer's loss scaling, docs/signals.md "The loss factor").
 
 Tolerances against the float64 reference: 1e-5 relative in fp32; bf16 / fp16 runs compare norms
 and the loss at 3e-2 / 1e-2 relative, the precision of their arithmetic in forward and backward
@@ -194,6 +196,22 @@ def test_noise_scale_small_batch_from_the_trainer_equals_float64_reference(hf_re
     # rank 0, only with the noise scale on
     assert len([m for m in c["warnings"] if "num_items_in_batch" in m]) == 1
     assert not [m for k in ("single", "ds_z2") for m in case(hf_results, k)["warnings"] if "num_items_in_batch" in m]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("key", ["ddp", "ds_z2"])
+def test_underflow_replays_the_trainers_scaling_on_two_ranks(hf_results, key):
+    # 2 ranks, num_items_in_batch (padded labels) and average_tokens_across_devices (the default):
+    # the Trainer multiplies the forward's loss by the 2 processes and does not divide by GA=2; under
+    # DeepSpeed it calls engine.backward(..., scale_wrt_gas=False), so DeepSpeed's own 1/GA (the raw
+    # engine's automatic factor) must not be applied. Rank 0's training-precision pass gradient
+    # equals its training backward's for the recomputed micro-batch, element for element
+    from tests.dist.hf_cases import tiny_llama
+
+    c = case(hf_results, key)
+    assert c["underflow_compared"] == len(list(tiny_llama(0).parameters()))  # every parameter compared
+    assert c["underflow_mismatches"] == []
+    assert [StepRecord.from_dict(r).underflow.step for r in c["records"]] == [0, 1]
 
 
 def test_micro_batch_size_from_the_framework_unless_the_user_sets_it(recwarn):

@@ -15,7 +15,9 @@ the pre-clip reduced gradient the optimizer receives.
 Cases: DeepSpeed ZeRO-0 and ZeRO-1 in fp32, ZeRO-2 and ZeRO-3 in fp32, bf16 and fp16 (dynamic
 loss scaling), ZeRO-2 + PEFT LoRA, FSDP2, FSDP1, DDP, and plain Accelerate loops with the
 DeepSpeed plugin and with DDP; ZeRO-2 with the gradient noise scale on (accumulation 3, every
-label scored; :func:`gns_reference`); the one-process cases run in the pytest process
+label scored; :func:`gns_reference`); DDP and ZeRO-2 also with ``underflow`` on, recording whether
+rank 0's recomputed training-precision gradient equals its training backward's
+(:class:`tests.underflow_models.TrainingPassSpy`); the one-process cases run in the pytest process
 (``run_case("single", "single")``, and with the noise scale ``run_case("single_gns", "single",
 ga=3, gns=True)``).
 
@@ -27,11 +29,13 @@ DDP); bf16 and fp16 need the two CPU refusals lifted (:func:`allow_half_precisio
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
 from collections.abc import Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -104,7 +108,7 @@ def allow_half_precision_on_cpu() -> None:
 
 
 def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm: float = 1.0,
-             dtype: str = "fp32", ga: int = GA, gns: bool = False) -> dict:
+             dtype: str = "fp32", ga: int = GA, gns: bool = False, underflow: bool = False) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from distgrad.integrations.hf import attach
@@ -165,7 +169,8 @@ def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm:
     # gns: every sequence fully scored (equal tokens per micro-batch, the estimator's assumption)
     trainer = Recording(model=model, args=args, train_dataset=dataset(ignored=not gns),
                         callbacks=[Logs()])
-    cb = attach(trainer, exporter={"enabled": False}, **({"noise_scale": {"enabled": True}} if gns else {}))
+    cb = attach(trainer, exporter={"enabled": False}, **({"noise_scale": {"enabled": True}} if gns else {}),
+                **({"underflow": {"enabled": True, "interval": 1}} if underflow else {}))
     warned: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda r: warned.append(r.getMessage())  # distgrad's own warnings
@@ -176,10 +181,17 @@ def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm:
         orig_on_train_begin(*a, **kw)
         cb.instrument.add_hook(lambda rec: records.append(rec.to_dict()))
     cb.on_train_begin = on_train_begin
-    try:
-        trainer.train()
-    finally:
-        logging.getLogger("distgrad").removeHandler(handler)
+    spy = None
+    with contextlib.ExitStack() as stack:
+        if underflow:  # the recomputation's training-precision gradient vs this rank's training backward's
+            from tests.underflow_models import TrainingPassSpy
+
+            mp = stack.enter_context(pytest.MonkeyPatch.context())
+            spy = stack.enter_context(TrainingPassSpy(model, mp))
+        try:
+            trainer.train()
+        finally:
+            logging.getLogger("distgrad").removeHandler(handler)
     inst = cb.instrument
     out = {"args_max_grad_norm": max_norm, "records": records, "logs": logs, "engine": inst.source.engine_name,
            "zero_stage": inst.source.zero_stage, "loss_reduction": inst.loss_reduction, "dtype": dtype,
@@ -188,6 +200,9 @@ def run_case(name: str, kind: str, stage: int = 2, lora: bool = False, max_norm:
            and hasattr(inst.boundary, "refusals") else {},
            "max_grad_norm": inst.config.clip.max_grad_norm if inst.config.clip.max_grad_norm is not None else
            (inst.diagnostics.max_norm if inst.diagnostics is not None else None)}
+    if spy is not None:
+        out["underflow_mismatches"] = spy.mismatches()
+        out["underflow_compared"] = len(spy.training)
     out.update(reference(ref_model, seen))  # float64, on every rank (rank 0 writes it)
     if gns:
         out["gns_ref"] = gns_reference(ref_model, seen, BATCH)
@@ -305,7 +320,7 @@ def gns_reference(ref_model, seen: list, b: int) -> dict:
 CASES = {
     "ds_z0": dict(kind="deepspeed", stage=0),
     "ds_z1": dict(kind="deepspeed", stage=1),
-    "ds_z2": dict(kind="deepspeed", stage=2),
+    "ds_z2": dict(kind="deepspeed", stage=2, underflow=True),
     "ds_z3": dict(kind="deepspeed", stage=3),
     "ds_z2_lora": dict(kind="deepspeed", stage=2, lora=True, max_norm=0.1),
     "ds_z2_bf16": dict(kind="deepspeed", stage=2, dtype="bf16"),
@@ -315,7 +330,7 @@ CASES = {
     "ds_z2_gns": dict(kind="deepspeed", stage=2, ga=3, gns=True),  # noise scale: b from the Trainer's "auto"
     "fsdp2": dict(kind="fsdp2"),
     "fsdp1": dict(kind="fsdp1"),
-    "ddp": dict(kind="ddp"),
+    "ddp": dict(kind="ddp", underflow=True),
     "accelerate_ds": dict(kind="accelerate"),
     "accelerate_ddp": dict(kind="accelerate_ddp"),
 }
