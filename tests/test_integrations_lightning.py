@@ -103,6 +103,21 @@ def test_noise_scale_small_batch_from_the_loader_equals_float64_reference(lightn
     assert StepRecord.from_dict(c["records"][1]).noise_scale.ema_steps == 2
 
 
+@pytest.mark.parametrize("key", ["ddp_auto", "deepspeed_ga2"])
+def test_underflow_replays_lightnings_scaling_on_two_ranks(lightning_results, key):
+    # DDP and DeepSpeed, accumulate_grad_batches=2: Lightning calls training_step through the
+    # wrapper's forward (its forward redirection, not kept: the nested self(...) is), divides the
+    # loss by 2, and under DeepSpeed engine.backward divides it by 2 again (1/4, where the raw
+    # engine's automatic factor alone is 1/2). Rank 0's training-precision pass gradient equals its
+    # training backward's for the recomputed micro-batch, element for element, on both steps' runs
+    from tests.dist.hf_cases import tiny_llama
+
+    c = case(lightning_results, key)
+    assert c["underflow_compared"] == len(list(tiny_llama(0).parameters()))  # every parameter compared
+    assert c["underflow_mismatches"] == []
+    assert [StepRecord.from_dict(r).underflow.step for r in c["records"]] == [0, 1]
+
+
 def test_loader_batch_size_or_a_config_error_naming_the_key():
     from types import SimpleNamespace
 

@@ -39,8 +39,10 @@ What Lightning does, and what the callback does about it (measured on lightning 
 - Lost to underflow (``underflow.enabled``, docs/signals.md "The loss factor"): the signal's
   recomputation divides the forward's loss by ``accumulate_grad_batches`` under automatic
   optimization (none under manual optimization), then under DeepSpeed by the engine's accumulation
-  steps, as Lightning and ``engine.backward`` do. It recomputes the LightningModule's ``forward``:
-  ``training_step`` must compute the loss through ``self(...)`` (times ``underflow.loss_factor``).
+  steps, as Lightning and ``engine.backward`` do. It recomputes the LightningModule's ``forward``
+  (not Lightning's redirected ``training_step`` call under DDP / DeepSpeed): ``training_step`` must
+  compute the loss through ``self(...)`` (times ``underflow.loss_factor``), else nothing is kept
+  and nothing measured.
 
 One optimizer per LightningModule is supported (several raise at ``on_train_start``).
 
@@ -96,6 +98,14 @@ def _loader_batch_size(trainer: Any) -> int | None:
         return None
     b = getattr(loader, "batch_size", None)
     return b if isinstance(b, int) and not isinstance(b, bool) and b >= 1 else None
+
+
+def _redirected(module: Any) -> bool:
+    """Whether ``module``'s ``forward`` is patched on the instance to something other than its
+    class's ``forward`` (Lightning's ``_ForwardRedirection`` while it routes ``training_step``
+    through a wrapper; afterwards it leaves the bound original method there)."""
+    f = vars(module).get("forward")
+    return f is not None and getattr(f, "__func__", None) is not type(module).forward
 
 
 class DistgradCallback(Callback):
@@ -184,12 +194,17 @@ class DistgradCallback(Callback):
         before backward (lightning 2.6): under automatic optimization ``training_step``'s loss is
         divided by ``accumulate_grad_batches`` (``_AutomaticOptimization``'s closure), under manual
         optimization ``manual_backward`` does not scale it; under DeepSpeed ``engine.backward`` then
-        divides by the engine's accumulation steps. The forward recomputed is the wrapped
-        LightningModule's: ``training_step`` must return the loss its ``forward`` (``self(...)``)
-        returned (times ``underflow.loss_factor``)."""
+        divides by the engine's accumulation steps. The forward recomputed is the LightningModule's:
+        ``training_step`` must return the loss its ``forward`` (``self(...)``) returned (times
+        ``underflow.loss_factor``). Under a wrapper (DDP, DeepSpeed) Lightning calls
+        ``training_step`` through the wrapper's forward by patching the LightningModule's
+        ``forward`` on the instance for that call (``_ForwardRedirection``): that call is not kept
+        (it is not the module's forward; replaying it would rerun ``training_step``), the nested
+        ``self(...)`` is."""
         uf = underflow_signal(self.instrument)
         if uf is None:
             return
+        uf.skip_call = _redirected
 
         def scale(_: tuple, __: dict) -> tuple[float, tuple[float, ...]]:
             divs: list[float] = []

@@ -376,6 +376,10 @@ class Underflow(PackedSignal):
         #: before backward, the loss multiplied by ``multiplier`` then divided by each divisor in turn;
         #: replaces DeepSpeed's division above (the integration accounts for it). None: that division only.
         self.framework_scale: Callable[[tuple, dict], tuple[float, Sequence[float]]] | None = None
+        #: set by a framework integration: True for a call of the module that is not to be kept (its
+        #: ``forward`` redirected elsewhere for that call, e.g. Lightning's ``training_step``
+        #: redirection through a DDP / DeepSpeed wrapper); the next call is considered instead
+        self.skip_call: Callable[[torch.nn.Module], bool] | None = None
 
     @property
     def sum_size(self) -> int:
@@ -430,6 +434,8 @@ class Underflow(PackedSignal):
         if in_replay() or not torch.is_grad_enabled() or self._kept is not None or not self.armed or self._no_loss:
             return None
         try:
+            if self.skip_call is not None and self.skip_call(module):
+                return None
             cuda = None
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 dev = torch.cuda.current_device()

@@ -14,7 +14,10 @@ reference gradient is computed from that loss), and FSDP2 (``ModelParallelStrate
 ``fully_shard`` in ``configure_model``) under automatic optimization. The one-device case
 (``run_case("single_auto", "single", ...)``) runs in the pytest process. ``deepspeed_ga2`` and
 ``single_auto`` also run the gradient noise scale with ``micro_batch_size`` from the loader
-(reference: :func:`hf_cases.gns_reference`).
+(reference: :func:`hf_cases.gns_reference`). ``ddp_auto`` and ``deepspeed_ga2`` also run the
+underflow signal and record whether rank 0's recomputed training-precision gradient equals its
+training backward's (:class:`tests.underflow_models.TrainingPassSpy`); ``training_step`` computes
+the loss through the LightningModule's ``forward`` (``self(...)``), which underflow recomputes.
 
 Making Lightning run these strategies on CPU at all (not distgrad's business): small strategy
 subclasses that skip the CUDA-only checks and use gloo. Writes JSON to --out.
@@ -22,12 +25,14 @@ subclasses that skip the CUDA-only checks and use gloo. Writes JSON to --out.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
 import os
 import traceback
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -72,7 +77,7 @@ class Warnings(logging.Handler):
 
 
 def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool = False,
-             gns: bool = False) -> dict:
+             gns: bool = False, underflow: bool = False) -> dict:
     import lightning as L
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -96,7 +101,7 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
         def training_step(self, batch, batch_idx):
             if self.trainer.global_step == 0:
                 seen.append(batch["input_ids"].detach().cpu().clone())
-            loss = self.net(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            loss = self(batch["input_ids"], batch["labels"])  # through forward: what underflow recomputes
             if manual:
                 opt = self.optimizers()
                 self.manual_backward(loss)
@@ -104,6 +109,9 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
                 opt.zero_grad()
                 return None
             return loss
+
+        def forward(self, input_ids, labels):
+            return self.net(input_ids=input_ids, labels=labels).loss
 
         def configure_model(self):
             # FSDP1 on CPU needs device_id=cpu, which FSDPStrategy cannot pass: wrap here (Lightning
@@ -151,7 +159,8 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
     logging.getLogger("distgrad").addHandler(warnings)
     # FSDP: Lightning's gradient_clip_val cannot clip by norm; the module clips, distgrad is told
     cb = DistgradCallback(exporter={"enabled": False}, **({"clip": {"max_grad_norm": clip}} if strategy == "fsdp" and clip else {}),
-                          **({"noise_scale": {"enabled": True}} if gns else {}))  # b: the loader's batch_size
+                          **({"noise_scale": {"enabled": True}} if gns else {}),  # b: the loader's batch_size
+                          **({"underflow": {"enabled": True, "interval": 1}} if underflow else {}))
 
     class Hook(L.Callback):
         def on_train_start(self, trainer, pl_module):
@@ -161,10 +170,17 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
     trainer = L.Trainer(accelerator="cpu", devices=1 if strategy == "single" else 2, strategy=strat, max_steps=2, accumulate_grad_batches=ga,
                         gradient_clip_val=None if manual or strategy == "fsdp" else clip, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, Hook()])
-    try:
-        trainer.fit(Module(), loader)
-    finally:
-        logging.getLogger("distgrad").removeHandler(warnings)
+    module = Module()
+    spy = None
+    with contextlib.ExitStack() as stack:
+        if underflow:  # the recomputation's training-precision gradient vs this rank's training backward's
+            from tests.underflow_models import TrainingPassSpy
+
+            spy = stack.enter_context(TrainingPassSpy(module, stack.enter_context(pytest.MonkeyPatch.context())))
+        try:
+            trainer.fit(module, loader)
+        finally:
+            logging.getLogger("distgrad").removeHandler(warnings)
     inst = cb.instrument
     out = {"records": records, "engine": inst.source.engine_name, "loss_reduction": inst.loss_reduction,
            "clip": clip, "engine_grad_norms": engine_norms, "fsdp_clip_norms": fsdp_norms, "ga": ga,
@@ -172,6 +188,9 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
            "max_grad_norm": inst.diagnostics.max_norm if inst.diagnostics is not None else None,
            "refusals": dict(getattr(getattr(inst, "boundary", None), "refusals", None).counts)
            if getattr(inst, "boundary", None) is not None else {}}
+    if spy is not None:
+        out["underflow_mismatches"] = spy.mismatches()
+        out["underflow_compared"] = len(spy.training)
     everything: list = [[t.tolist() for t in seen]]
     if dist.is_initialized():
         everything = [None] * dist.get_world_size()
@@ -198,12 +217,12 @@ def run_case(name: str, strategy: str, ga: int, clip: float | None, manual: bool
 
 CASES = {
     "fsdp_auto": dict(strategy="fsdp", ga=2, clip=1.0),
-    "ddp_auto": dict(strategy="ddp", ga=2, clip=1.0),
+    "ddp_auto": dict(strategy="ddp", ga=2, clip=1.0, underflow=True),
     "fsdp2_auto": dict(strategy="model_parallel", ga=2, clip=1.0),
     "fsdp_manual": dict(strategy="fsdp", ga=1, clip=None, manual=True),
     "deepspeed": dict(strategy="deepspeed", ga=1, clip=1.0),
     # below the applied (halved) norm; the noise scale on (its terms are divided by 2^2 too)
-    "deepspeed_ga2": dict(strategy="deepspeed", ga=2, clip=0.5, gns=True),
+    "deepspeed_ga2": dict(strategy="deepspeed", ga=2, clip=0.5, gns=True, underflow=True),
 }
 
 
