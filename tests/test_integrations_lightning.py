@@ -164,12 +164,14 @@ def test_deepspeed_accumulation_gradient_is_divided_twice_and_said_once(lightnin
     assert not any(_about_double_division(case(lightning_results, k)) for k in CASES if k != "deepspeed_ga2")
 
 
-@pytest.mark.parametrize("manual", [False, True])
-def test_underflow_replays_lightnings_loss_scaling(monkeypatch, manual):
+@pytest.mark.parametrize("manual,fp16", [(False, False), (True, False), (False, True)])
+def test_underflow_replays_lightnings_loss_scaling(monkeypatch, manual, fp16):
     # one device (no launch), accumulate_grad_batches=2: under automatic optimization Lightning divides
     # training_step's loss by 2 before backward, under manual optimization manual_backward does
     # not; the underflow signal's training-precision pass must give, element for element, the
-    # gradient the training backward produced for the recomputed micro-batch (the first)
+    # gradient the training backward produced for the recomputed micro-batch (the first). fp16:
+    # "16-mixed" (CPU autocast to float16) with a GradScaler (scale 2^10) in the precision
+    # plugin, which multiplies the divided loss by its scale before backward
     import lightning as L
     import torch
 
@@ -209,10 +211,16 @@ def test_underflow_replays_lightnings_loss_scaling(monkeypatch, manual):
 
     module = Module()
     loader = torch.utils.data.DataLoader(dataset(8, ignored=True), batch_size=BATCH, shuffle=False)
+    plugins = []
+    if fp16:
+        from lightning.pytorch.plugins import MixedPrecision
+
+        plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))]
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=1 if manual else 2,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        plugins=plugins, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[cb, Hook()])
     with TrainingPassSpy(module, monkeypatch) as spy:
         trainer.fit(module, loader)
     assert records and records[0].underflow is not None and records[0].underflow.step == 0
+    assert records[0].underflow.loss_scale == (2.0**10 if fp16 else 1.0)
     assert spy.mismatches() == []

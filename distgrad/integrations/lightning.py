@@ -39,7 +39,8 @@ What Lightning does, and what the callback does about it (measured on lightning 
 - Lost to underflow (``underflow.enabled``, docs/signals.md "The loss factor"): the signal's
   recomputation divides the forward's loss by ``accumulate_grad_batches`` under automatic
   optimization (none under manual optimization), then under DeepSpeed by the engine's accumulation
-  steps, as Lightning and ``engine.backward`` do. It recomputes the LightningModule's ``forward``
+  steps, as Lightning and ``engine.backward`` do; under ``precision="16-mixed"`` it multiplies by the
+  precision plugin's ``GradScaler`` scale, as the plugin does. It recomputes the LightningModule's ``forward``
   (not Lightning's redirected ``training_step`` call under DDP / DeepSpeed): ``training_step`` must
   compute the loss through ``self(...)`` (times ``underflow.loss_factor``), else nothing is kept
   and nothing measured.
@@ -200,11 +201,14 @@ class DistgradCallback(Callback):
         ``training_step`` through the wrapper's forward by patching the LightningModule's
         ``forward`` on the instance for that call (``_ForwardRedirection``): that call is not kept
         (it is not the module's forward; replaying it would rerun ``training_step``), the nested
-        ``self(...)`` is."""
+        ``self(...)`` is. Under ``precision="16-mixed"`` the precision plugin's ``GradScaler``
+        then multiplies the loss by its scale; the signal multiplies by the same scale."""
         uf = underflow_signal(self.instrument)
         if uf is None:
             return
         uf.skip_call = _redirected
+        if engine is None:  # "16-mixed": the precision plugin's GradScaler multiplies the loss after the division
+            uf.loss_scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
 
         def scale(_: tuple, __: dict) -> tuple[float, tuple[float, ...]]:
             divs: list[float] = []

@@ -380,6 +380,10 @@ class Underflow(PackedSignal):
         #: ``forward`` redirected elsewhere for that call, e.g. Lightning's ``training_step``
         #: redirection through a DDP / DeepSpeed wrapper); the next call is considered instead
         self.skip_call: Callable[[torch.nn.Module], bool] | None = None
+        #: set by a framework integration whose framework scales the loss with a ``GradScaler`` that
+        #: distgrad's engine does not hold (Lightning's precision plugin): its scale multiplies the
+        #: training-precision pass's loss, as ``scaler.scale(loss)`` did before the training backward
+        self.loss_scaler: Any = None
 
     @property
     def sum_size(self) -> int:
@@ -608,6 +612,9 @@ class Underflow(PackedSignal):
 
     # ---- the recomputation --------------------------------------------------------------------
     def _scale(self, inst: Any, device: torch.device) -> torch.Tensor:
+        t = getattr(self.loss_scaler, "_scale", None)  # an integration's GradScaler (device tensor: no sync)
+        if isinstance(t, torch.Tensor) and self.loss_scaler.is_enabled():
+            return t.detach().reshape(()).float()
         src = inst.source
         if not src.has_loss_scaler():
             return torch.ones((), dtype=torch.float32, device=device)
