@@ -199,13 +199,15 @@ def test_noise_scale_small_batch_from_the_trainer_equals_float64_reference(hf_re
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("key", ["ddp", "ds_z2"])
+@pytest.mark.parametrize("key", ["ddp", "ds_z2", "accelerate_ddp", "accelerate_ds"])
 def test_underflow_replays_the_trainers_scaling_on_two_ranks(hf_results, key):
     # 2 ranks, num_items_in_batch (padded labels) and average_tokens_across_devices (the default):
     # the Trainer multiplies the forward's loss by the 2 processes and does not divide by GA=2; under
     # DeepSpeed it calls engine.backward(..., scale_wrt_gas=False), so DeepSpeed's own 1/GA (the raw
-    # engine's automatic factor) must not be applied. Rank 0's training-precision pass gradient
-    # equals its training backward's for the recomputed micro-batch, element for element
+    # engine's automatic factor) must not be applied. The plain Accelerate loops (accelerate_*):
+    # accelerator.backward divides by GA=2 (DeepSpeed: engine.backward does). Rank 0's
+    # training-precision pass gradient equals its training backward's for the recomputed
+    # micro-batch, element for element
     from tests.dist.hf_cases import tiny_llama
 
     c = case(hf_results, key)

@@ -217,7 +217,9 @@ def run_accelerate(name: str, kind: str) -> dict:
     with the DeepSpeed plugin (ZeRO-2; ``accelerator.prepare`` returns the engine, which clips;
     its ``get_global_grad_norm()`` is the framework's norm), or DDP (``kind="ddp"``: the loop
     clips with ``accelerator.clip_grad_norm_``, whose return value is the framework's norm, and
-    passes ``max_grad_norm`` to distgrad). ``instrument_accelerate`` in both."""
+    passes ``max_grad_norm`` to distgrad). ``instrument_accelerate`` in both, with ``underflow`` on:
+    rank 0's recomputed training-precision gradient vs its training backward's (DeepSpeed:
+    ``engine.backward``'s 1/GA; DDP: ``accelerator.backward``'s)."""
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
@@ -229,16 +231,36 @@ def run_accelerate(name: str, kind: str) -> dict:
                                                            gradient_clipping=1.0))
     else:
         acc = Accelerator(gradient_accumulation_steps=GA)
-    model = tiny_llama(1234)
+    model = net = tiny_llama(1234)
     ref_model = copy.deepcopy(model).double()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, shuffle=False)
     model, opt, loader = acc.prepare(model, opt, loader)
     dg = instrument_accelerate(acc, model, opt, exporter={"enabled": False},
+                               underflow={"enabled": True, "interval": 1},
                                **({} if kind == "deepspeed" else {"clip": {"max_grad_norm": 1.0}}))
     records: list[dict] = []
     dg.add_hook(lambda rec: records.append(rec.to_dict()))
     seen, norms = [], []
+    from tests.underflow_models import TrainingPassSpy
+
+    with pytest.MonkeyPatch.context() as mp, TrainingPassSpy(net, mp) as spy:
+        _accelerate_loop(acc, model, opt, loader, kind, seen, norms)
+    out = {"args_max_grad_norm": 1.0, "records": records, "engine": dg.source.engine_name,
+           "zero_stage": dg.source.zero_stage, "loss_reduction": dg.loss_reduction,
+           "max_grad_norm": dg.config.clip.max_grad_norm if dg.config.clip.max_grad_norm is not None else
+           (dg.diagnostics.max_norm if dg.diagnostics is not None else None),
+           "refusals": dict(dg.boundary.refusals.counts) if hasattr(getattr(dg, "boundary", None), "refusals")
+           else {}, "logs": [{"grad_norm": g} for g in norms],
+           "underflow_mismatches": spy.mismatches(), "underflow_compared": len(spy.training)}
+    dg.close()
+    out.update(reference(ref_model, seen))
+    dist.barrier()
+    return out
+
+
+def _accelerate_loop(acc, model, opt, loader, kind: str, seen: list, norms: list) -> None:
+    """:func:`run_accelerate`'s loop: 2 optimizer steps of GA micro-batches."""
     for i, batch in enumerate(loader):
         if i == 2 * GA:
             break
@@ -253,16 +275,6 @@ def run_accelerate(name: str, kind: str) -> dict:
             opt.zero_grad()
         if kind == "deepspeed" and (i + 1) % GA == 0:
             norms.append(float(model.get_global_grad_norm()))
-    out = {"args_max_grad_norm": 1.0, "records": records, "engine": dg.source.engine_name,
-           "zero_stage": dg.source.zero_stage, "loss_reduction": dg.loss_reduction,
-           "max_grad_norm": dg.config.clip.max_grad_norm if dg.config.clip.max_grad_norm is not None else
-           (dg.diagnostics.max_norm if dg.diagnostics is not None else None),
-           "refusals": dict(dg.boundary.refusals.counts) if hasattr(getattr(dg, "boundary", None), "refusals")
-           else {}, "logs": [{"grad_norm": g} for g in norms]}
-    dg.close()
-    out.update(reference(ref_model, seen))
-    dist.barrier()
-    return out
 
 
 def reference(ref_model, seen: list) -> dict:
