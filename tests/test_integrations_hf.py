@@ -254,6 +254,19 @@ def test_clip_threshold_from_the_framework_unless_the_user_sets_it(recwarn):
     assert not [x for x in recwarn if issubclass(x.category, FutureWarning)]
 
 
+def _single_process_state(mp) -> None:
+    """Accelerate's state for one plain CPU process (no launcher variables, no DeepSpeed or FSDP
+    plugin), as tests/dist/hf_cases.py's make_state("single"); undone by ``mp`` and the caller's
+    hf_cases.reset_accelerate()."""
+    from tests.dist import hf_cases
+
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        mp.delenv(var, raising=False)
+    mp.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    mp.setenv("ACCELERATE_USE_FSDP", "false")
+    hf_cases.make_state("single")
+
+
 def _trainer_underflow_run(mp, accepts_loss_kwargs: bool | None = None, **trainer_kw):
     """One process, the Trainer on tests/dist/hf_cases.py's tiny Llama for one optimizer step of
     GA=2 micro-batches (padded labels: ``num_items_in_batch`` differs from a micro-batch count),
@@ -265,11 +278,7 @@ def _trainer_underflow_run(mp, accepts_loss_kwargs: bool | None = None, **traine
     from tests.dist import hf_cases
     from tests.underflow_models import TrainingPassSpy
 
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        mp.delenv(var, raising=False)
-    mp.setenv("ACCELERATE_USE_DEEPSPEED", "false")
-    mp.setenv("ACCELERATE_USE_FSDP", "false")
-    hf_cases.make_state("single")
+    _single_process_state(mp)
     try:
         model = hf_cases.tiny_llama(1234)
         args = TrainingArguments(output_dir="/tmp/distgrad_hf_underflow", per_device_train_batch_size=hf_cases.BATCH,
@@ -324,11 +333,7 @@ def test_underflow_replays_accelerates_division(monkeypatch):
     from tests.dist import hf_cases
     from tests.underflow_models import TrainingPassSpy
 
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
-    hf_cases.make_state("single")
+    _single_process_state(monkeypatch)
     try:
         acc = Accelerator(gradient_accumulation_steps=2, cpu=True)
         model = hf_cases.tiny_llama(1234)
